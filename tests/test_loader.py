@@ -1,0 +1,121 @@
+"""The loader's errors: each names what it found."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from jaxserve import Encoder
+from jaxserve.errors import CheckpointError
+
+
+def test_missing_weights(tiny_checkpoint):
+    path = tiny_checkpoint()
+    os.remove(path / "model.safetensors")
+    (path / "pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(CheckpointError, match=r"no model\.safetensors \(found: .*pytorch_model\.bin"):
+        Encoder.from_pretrained(str(path))
+
+
+def test_missing_config(tiny_checkpoint):
+    path = tiny_checkpoint()
+    os.remove(path / "config.json")
+    with pytest.raises(CheckpointError, match=r"no config\.json \(found: .*model\.safetensors"):
+        Encoder.from_pretrained(str(path))
+
+
+def test_unknown_architecture(tiny_checkpoint):
+    path = tiny_checkpoint(model_type="bert", architectures=["GPT2LMHeadModel"])
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["model_type"] = "gpt2"
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"unsupported model_type 'gpt2'.*GPT2LMHeadModel"):
+        Encoder.from_pretrained(str(path))
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda c: c.pop("hidden_size"), "lacks integer field.*hidden_size"),
+        (lambda c: c.update(num_attention_heads=5), "not divisible"),
+        (lambda c: c.update(hidden_act="mystery"), "unsupported hidden_act 'mystery'"),
+        (lambda c: c.update(position_embedding_type="rotary"), "position_embedding_type 'rotary'"),
+    ],
+)
+def test_bad_config(tiny_checkpoint, edit, message):
+    path = tiny_checkpoint()
+    cfg = json.loads((path / "config.json").read_text())
+    edit(cfg)
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=message):
+        Encoder.from_pretrained(str(path))
+
+
+def test_config_not_json(tiny_checkpoint):
+    path = tiny_checkpoint()
+    (path / "config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match=r"cannot read .*config\.json"):
+        Encoder.from_pretrained(str(path))
+
+
+def test_config_disagrees_with_weights(tiny_checkpoint):
+    path = tiny_checkpoint()
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["intermediate_size"] = 48
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"intermediate\.dense\.weight: shape \(32, 64\) does not fit"):
+        Encoder.from_pretrained(str(path))
+
+
+def test_missing_and_unknown_tensors_are_named(tiny_checkpoint):
+    path = tiny_checkpoint()
+    tensors = load_file(path / "model.safetensors")
+    del tensors["encoder.layer.1.output.dense.bias"]
+    tensors["encoder.layer.1.adapter.weight"] = np.zeros(3, np.float32)
+    save_file(tensors, str(path / "model.safetensors"))
+    with pytest.raises(CheckpointError) as err:
+        Encoder.from_pretrained(str(path))
+    assert "missing encoder.layer.1.output.dense.bias" in str(err.value)
+    assert "unknown tensors encoder.layer.1.adapter.weight" in str(err.value)
+
+
+def test_prefixed_task_checkpoint_loads(tiny_checkpoint):
+    """`bert.`-prefixed tensors (as in *ForSequenceClassification checkpoints) load the same encoder."""
+    path = tiny_checkpoint()
+    plain = Encoder.from_pretrained(str(path)).embed(["the model"])
+    tensors = load_file(path / "model.safetensors")
+    prefixed = {f"bert.{k}": v for k, v in tensors.items()}
+    prefixed["classifier.weight"] = np.zeros((2, 32), np.float32)
+    save_file(prefixed, str(path / "model.safetensors"))
+    np.testing.assert_allclose(Encoder.from_pretrained(str(path)).embed(["the model"]), plain, atol=1e-6)
+
+
+def test_unsupported_pooling(tiny_checkpoint):
+    path = tiny_checkpoint()
+    (path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_mean_sqrt_len_tokens": True}))
+    with pytest.raises(CheckpointError, match="unsupported pooling config"):
+        Encoder.from_pretrained(str(path))
+
+
+def test_not_a_directory(tmp_path):
+    (tmp_path / "file.txt").write_text("x")
+    with pytest.raises(CheckpointError, match="is not a directory"):
+        Encoder.from_pretrained(str(tmp_path / "file.txt"))
+
+
+def test_hub_id_offline_gives_clear_error(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(CheckpointError, match=r"could not fetch 'BAAI/bge-small-en-v1\.5' from the Hugging Face Hub"):
+        Encoder.from_pretrained("BAAI/bge-small-en-v1.5")
+
+
+def test_bad_dtype():
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        Encoder.from_pretrained(None, dtype="int8")
+
+
+def test_missing_directory(tmp_path):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        Encoder.from_pretrained(str(tmp_path / "nope"))
