@@ -26,13 +26,95 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def table_for(enc, args):
+    """The bucket table named by --buckets: a JSON file, or `auto` (derived with the layout flags)."""
+    from jaxserve.buckets import BucketTable
+
+    if args.buckets and args.buckets != "auto":
+        return BucketTable.load(args.buckets)
+    seqlens = [int(x) for x in args.seqlens.split(",")] if args.seqlens else None
+    return enc.derive_table(
+        layout=args.layout, device_memory=args.device_memory, headroom=args.headroom,
+        max_batch_tokens=args.max_batch_tokens, max_batch=args.max_batch, seqlens=seqlens,
+        batch_multiple=args.batch_multiple,
+    )
+
+
+def cmd_buckets(args) -> int:
+    """Derive a bucket table and print it with its memory math."""
+    from jaxserve import Encoder
+    from jaxserve.buckets import format_table
+
+    enc = Encoder.from_pretrained(args.model, dtype=args.dtype)
+    table = table_for(enc, args)
+    print(format_table(table))
+    if args.write:
+        table.save(args.write)
+        print(f"wrote {args.write}")
+    return 0
+
+
+def cmd_warmup(args) -> int:
+    """Compile and run every bucket, fill the persistent cache, record the timings."""
+    import time
+
+    from jaxserve import Encoder, compiles
+    from jaxserve.buckets import format_table
+
+    start = time.perf_counter()
+    if not args.no_cache:
+        cache = compiles.enable_persistent_cache(args.cache_dir)
+        print(f"persistent compilation cache: {cache}")
+    enc = Encoder.from_pretrained(args.model, dtype=args.dtype)
+    loaded = time.perf_counter()
+    table = enc.warmup(table_for(enc, args), progress=True)
+    done = time.perf_counter()
+    print(format_table(table))
+    print(
+        f"load {loaded - start:.1f} s, buckets {done - loaded:.1f} s, total {done - start:.1f} s; "
+        f"{compiles.xla_compiles_total()} executables built, {compiles.cache_hits_total()} from the persistent cache"
+    )
+    if args.write:
+        table.save(args.write)
+        print(f"wrote {args.write}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="embed a few sentences with a model and print their similarities")
     _model_args(demo)
     demo.set_defaults(func=cmd_demo)
+
+    buckets = sub.add_parser("buckets", help="derive the bucket table for this device and print its memory math")
+    _model_args(buckets)
+    _table_args(buckets)
+    buckets.add_argument("--write", metavar="FILE", help="save the table as JSON")
+    buckets.set_defaults(func=cmd_buckets)
+
+    warmup = sub.add_parser("warmup", help="compile and time every bucket; fill the persistent compilation cache")
+    _model_args(warmup)
+    _table_args(warmup)
+    warmup.add_argument("--cache-dir", help="persistent compilation cache (default $JAXSERVE_CACHE_DIR or ~/.cache/jaxserve/xla)")
+    warmup.add_argument("--no-cache", action="store_true", help="do not use the persistent compilation cache")
+    warmup.add_argument("--write", metavar="FILE", help="save the table, with measured times, as JSON")
+    warmup.set_defaults(func=cmd_warmup)
     return parser
+
+
+def _table_args(p: argparse.ArgumentParser) -> None:
+    from jaxserve.buckets import LAYOUTS
+    from jaxserve.device import DEFAULT_HEADROOM
+
+    p.add_argument("--buckets", default="auto", metavar="FILE|auto", help="a bucket table JSON file, or auto (derive)")
+    p.add_argument("--layout", default="default", choices=LAYOUTS, help="seqlen ladder to derive")
+    p.add_argument("--seqlens", help="explicit seqlen ladder, comma-separated (overrides --layout's)")
+    p.add_argument("--device-memory", type=int, metavar="BYTES", help="derive for a device of this memory (default: this device's)")
+    p.add_argument("--headroom", type=float, default=DEFAULT_HEADROOM, help="fraction of device memory the buckets may use")
+    p.add_argument("--max-batch-tokens", type=int, help="cap on batch*seqlen per dispatch (default: the device's)")
+    p.add_argument("--max-batch", type=int, default=256, help="cap on rows per dispatch")
+    p.add_argument("--batch-multiple", type=int, help="round batches down to a multiple of this (default: 8 on GPU, 1 on CPU)")
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:

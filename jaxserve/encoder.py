@@ -14,11 +14,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve import checkpoint
+from jaxserve import buckets, checkpoint, device
+from jaxserve.buckets import BucketTable, ModelDims
 from jaxserve.config import EmbeddingConfig, ModelConfig, read_model_config
+from jaxserve.device import DEFAULT_HEADROOM
+from jaxserve.engine import Engine
 from jaxserve.model import Encoder as EncoderModule
 from jaxserve.model import param_shapes
-from jaxserve.pooling import l2_normalize, pool
+from jaxserve.planner import assemble, plan_padded, scatter
+from jaxserve.pooling import pool
 from jaxserve.tokenize import TextTokenizer
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -32,15 +36,9 @@ def embed_forward(module: EncoderModule, pooling: str, num_segments: int, params
     return pool(pooling, hidden, batch["segment_ids"], batch["positions"], num_segments)
 
 
-def rows_batch(seqs: list[np.ndarray], batch: int, seqlen: int) -> dict[str, np.ndarray]:
-    """One document per row, right-padded to [batch, seqlen]."""
-    out = {k: np.zeros((batch, seqlen), np.int32) for k in ("token_ids", "segment_ids", "positions", "type_ids")}
-    for r, ids in enumerate(seqs):
-        n = len(ids)
-        out["token_ids"][r, :n] = ids
-        out["segment_ids"][r, :n] = 1
-        out["positions"][r, :n] = np.arange(n)
-    return out
+def normalize_rows(x: np.ndarray) -> np.ndarray:
+    """L2-normalise on the host (a device op would compile once per new shape)."""
+    return x / np.maximum(np.linalg.norm(x, axis=-1, keepdims=True), 1e-12)
 
 
 @dataclasses.dataclass
@@ -49,7 +47,7 @@ class Encoder:
     model_config: ModelConfig
     embedding_config: EmbeddingConfig
     tokenizer: TextTokenizer
-    params: dict  # on device
+    engine: Engine  # weights on device; compiled buckets
     dtype: str
 
     @classmethod
@@ -61,8 +59,10 @@ class Encoder:
         emb = EmbeddingConfig.from_checkpoint(path, cfg)
         tokenizer = TextTokenizer.from_dir(path, emb.max_seq_length)
         jdtype = DTYPES[dtype]
-        params = checkpoint.load_params(path, cfg, param_shapes(cfg, jdtype), dtype=jdtype)
-        return cls(path, cfg, emb, tokenizer, jax.device_put(params), dtype)
+        params = jax.device_put(checkpoint.load_params(path, cfg, param_shapes(cfg, jdtype), dtype=jdtype))
+        module = EncoderModule(cfg, jdtype)
+        engine = Engine(lambda slots: partial(embed_forward, module, emb.pooling, slots), params)
+        return cls(path, cfg, emb, tokenizer, engine, dtype)
 
     @property
     def dim(self) -> int:
@@ -72,35 +72,56 @@ class Encoder:
     def module(self) -> EncoderModule:
         return EncoderModule(self.model_config, DTYPES[self.dtype])
 
+    @property
+    def params(self) -> dict:
+        return self.engine.params
+
+    @property
+    def dims(self) -> ModelDims:
+        c = self.model_config
+        return ModelDims(c.hidden_size, c.intermediate_size, c.num_heads, jnp.dtype(DTYPES[self.dtype]).itemsize)
+
+    def derive_table(
+        self, layout: str = "default", device_memory: int | None = None, headroom: float = DEFAULT_HEADROOM,
+        max_batch_tokens: int | None = None, max_batch: int = 256, seqlens: list[int] | None = None,
+        batch_multiple: int | None = None,
+    ) -> BucketTable:
+        """The bucket table for this model on this device (compiles each candidate to measure it).
+
+        With `device_memory` given, the table is derived for a device of that
+        size, still with this backend's compiler doing the memory analysis.
+        """
+        info = device.describe(device_memory)
+        label = info.kind if device_memory is None else f"{info.kind} compiler, {device_memory} bytes given"
+        return buckets.derive(
+            seqlens or buckets.ladder(layout, self.embedding_config.max_seq_length),
+            self.dims, self.engine.weights_bytes, int(headroom * info.memory_bytes), self.engine.measure,
+            max_batch_tokens=max_batch_tokens or info.max_batch_tokens, max_batch=max_batch,
+            multiple=batch_multiple or info.batch_multiple, layout=layout, device=label,
+            device_memory=info.memory_bytes,
+        )
+
+    def warmup(self, table: BucketTable | None = None, progress: bool = False) -> BucketTable:
+        """Compile and time every bucket of `table` (default: derived for this device)."""
+        table = table or self.derive_table()
+        if table.max_seqlen < self.embedding_config.max_seq_length:
+            raise ValueError(
+                f"bucket table stops at seqlen {table.max_seqlen}, below the model's "
+                f"max_seq_length {self.embedding_config.max_seq_length}"
+            )
+        return self.engine.use(table, progress=progress)
+
+    @property
+    def table(self) -> BucketTable:
+        if self.engine.table is None:
+            self.warmup()
+        return self.engine.table
+
     def embed(self, texts: list[str], normalize: bool | None = None) -> np.ndarray:
         """Texts -> [N, dim] float32 embeddings in input order (truncated at the model's max length)."""
         normalize = self.embedding_config.normalize if normalize is None else normalize
         seqs = self.tokenizer.encode(list(texts))
         out = np.zeros((len(seqs), self.dim), np.float32)
-        fwd = _jitted_forward(self.module, self.embedding_config.pooling)
-        for idx, seqlen in _simple_groups([len(s) for s in seqs]):
-            batch = rows_batch([seqs[i] for i in idx], len(idx), seqlen)
-            vecs = fwd(self.params, jax.device_put(batch))[:, 0]  # [B, D]
-            if normalize:
-                vecs = l2_normalize(vecs)
-            out[idx] = np.asarray(vecs)
-        return out
-
-
-@partial(jax.jit, static_argnums=(0, 1))
-def _forward(module, pooling, params, batch):
-    return embed_forward(module, pooling, 1, params, batch)
-
-
-def _jitted_forward(module, pooling):
-    return partial(_forward, module, pooling)
-
-
-def _simple_groups(lengths: list[int], max_batch: int = 32):
-    """Documents grouped by power-of-two length, at most `max_batch` each."""
-    by_len: dict[int, list[int]] = {}
-    for i, n in enumerate(lengths):
-        by_len.setdefault(max(16, 1 << (n - 1).bit_length()), []).append(i)
-    for seqlen, idx in sorted(by_len.items()):
-        for start in range(0, len(idx), max_batch):
-            yield np.asarray(idx[start : start + max_batch]), seqlen
+        for planned in plan_padded([len(s) for s in seqs], self.table):
+            scatter(planned, self.engine.run(planned.bucket, assemble(planned, seqs)), out)
+        return normalize_rows(out) if normalize else out

@@ -92,5 +92,6 @@ def _layer_norm(cfg: ModelConfig, dtype, name: str) -> nn.LayerNorm:
 def param_shapes(cfg: ModelConfig, dtype=jnp.float32):
     """The params tree the encoder expects, as ShapeDtypeStructs (no memory used)."""
     ids = jax.ShapeDtypeStruct((1, 8), jnp.int32)
-    tree = jax.eval_shape(Encoder(cfg, dtype).init, jax.random.key(0), ids, ids, ids, ids)
+    init = lambda *xs: Encoder(cfg, dtype).init(jax.random.key(0), *xs)
+    tree = jax.eval_shape(init, ids, ids, ids, ids)
     return tree["params"]

@@ -36,7 +36,3 @@ def pool(mode: str, hidden_bsd, segment_ids, positions, num_segments: int) -> ja
         raise ValueError(f"unknown pooling mode {mode!r}")
     return jnp.einsum("bsk,bsd->bkd", pick, h)
 
-
-def l2_normalize(x, eps: float = 1e-12):
-    """Unit vectors along the last axis (as torch.nn.functional.normalize)."""
-    return x / jnp.maximum(jnp.linalg.norm(x, axis=-1, keepdims=True), eps)

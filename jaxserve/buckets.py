@@ -1,0 +1,263 @@
+"""The bucket table: the fixed set of (batch, seqlen) shapes every forward runs at.
+
+Pure data and arithmetic (no JAX): routing, the seqlen ladders, the analytic
+memory estimate and the derivation of each seqlen's batch from a memory
+budget. The compiled figure comes in through `measure`, a callable the engine
+supplies (XLA's memory analysis of the compiled bucket), so the derivation is
+testable with a fake.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import json
+from pathlib import Path
+from typing import Callable
+
+LAYOUTS = ("default", "max", "pow2", "fine")
+
+
+@dataclasses.dataclass(frozen=True)
+class Bucket:
+    batch: int  # rows per dispatch
+    seqlen: int  # tokens per row
+    slots: int = 1  # documents per row (1 = one document per row, padded)
+    estimated_bytes: int = 0  # analytic: weights + activations
+    compiled_bytes: int = 0  # XLA memory analysis: arguments + outputs + temporaries
+    limited_by: str = ""  # what stopped the batch growing: memory, tokens, max_batch
+    compile_s: float | None = None  # measured at warmup
+    run_s: float | None = None  # measured at warmup (median of a few runs)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.batch, self.seqlen)
+
+    @property
+    def tokens(self) -> int:
+        """The bucket's padded cost: what one dispatch computes."""
+        return self.batch * self.seqlen
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketTable:
+    buckets: tuple[Bucket, ...]  # sorted by seqlen, one per seqlen
+    layout: str = "default"
+    device: str = ""
+    device_memory: int = 0  # the device's limit the budget was taken from
+    budget_bytes: int = 0  # headroom * device_memory
+    weights_bytes: int = 0
+    max_batch_tokens: int = 0
+    dropped: tuple[tuple[int, str], ...] = ()  # seqlens left out, with the reason
+
+    def __post_init__(self):
+        seqlens = [b.seqlen for b in self.buckets]
+        if not seqlens:
+            raise ValueError("a bucket table needs at least one bucket")
+        if seqlens != sorted(set(seqlens)):
+            raise ValueError(f"bucket seqlens must be distinct and ascending, got {seqlens}")
+
+    @property
+    def seqlens(self) -> list[int]:
+        return [b.seqlen for b in self.buckets]
+
+    @property
+    def max_seqlen(self) -> int:
+        return self.buckets[-1].seqlen
+
+    def pick(self, length: int) -> Bucket:
+        """The bucket with the smallest seqlen that holds `length` tokens."""
+        i = bisect.bisect_left(self.seqlens, length)
+        if i == len(self.buckets):
+            raise ValueError(f"no bucket holds {length} tokens (largest seqlen {self.max_seqlen})")
+        return self.buckets[i]
+
+    def replace_bucket(self, new: Bucket) -> "BucketTable":
+        return dataclasses.replace(self, buckets=tuple(new if b.seqlen == new.seqlen else b for b in self.buckets))
+
+    def to_json(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["buckets"] = [dataclasses.asdict(b) for b in self.buckets]
+        d["dropped"] = [{"seqlen": s, "reason": r} for s, r in self.dropped]
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> "BucketTable":
+        fields = {f.name for f in dataclasses.fields(Bucket)}
+        buckets = tuple(Bucket(**{k: v for k, v in b.items() if k in fields}) for b in d["buckets"])
+        dropped = tuple((x["seqlen"], x["reason"]) for x in d.get("dropped", []))
+        top = {f.name for f in dataclasses.fields(cls)} - {"buckets", "dropped"}
+        return cls(buckets=buckets, dropped=dropped, **{k: v for k, v in d.items() if k in top})
+
+    def save(self, path: Path) -> None:
+        Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
+
+    @classmethod
+    def load(cls, path: Path) -> "BucketTable":
+        return cls.from_json(json.loads(Path(path).read_text()))
+
+
+# ---- seqlen ladders ----
+
+def pow2_ladder(max_len: int, min_len: int = 16) -> list[int]:
+    """16, 32, 64, ... up to max_len (max_len itself always included)."""
+    out, s = [], min_len
+    while s < max_len:
+        out.append(s)
+        s *= 2
+    return out + [max_len]
+
+
+def fine_ladder(max_len: int, step: int = 16) -> list[int]:
+    """Every `step` tokens up to max_len."""
+    return list(range(step, max_len, step)) + [max_len]
+
+
+def geometric_ladder(max_len: int, min_len: int = 16) -> list[int]:
+    """Powers of two up to 64, then steps of about 1.5x (96, 128, 192, 256, 384, 512).
+
+    Worst-case padding 33% instead of 50% for long documents, where padding
+    costs most, for a couple more shapes to compile.
+    """
+    out = [s for s in pow2_ladder(max_len, min_len) if s <= 64 and s < max_len]
+    s = 64
+    while s < max_len:
+        s2 = s * 3 // 2
+        out += [x for x in (s2, 2 * s) if x < max_len]
+        s *= 2
+    return out + [max_len]
+
+
+def ladder(layout: str, max_len: int) -> list[int]:
+    if layout == "max":
+        return [max_len]
+    if layout == "fine":
+        return fine_ladder(max_len)
+    if layout == "pow2":
+        return pow2_ladder(max_len)
+    if layout == "default":
+        return geometric_ladder(max_len)
+    raise ValueError(f"unknown layout {layout!r}; choose from {', '.join(LAYOUTS)}")
+
+
+# ---- memory math ----
+
+@dataclasses.dataclass(frozen=True)
+class ModelDims:
+    """What the analytic estimate needs of the model (taken from ModelConfig)."""
+
+    hidden: int
+    intermediate: int
+    heads: int
+    dtype_bytes: int = 4
+
+    def activation_bytes(self, batch: int, seqlen: int, slots: int = 1) -> int:
+        """Peak live activations of one encoder layer plus the inputs and outputs.
+
+        Per token: the residual stream, fused QKV, the attention output (D each,
+        3D for QKV) and the MLP's hidden layer before and after the activation
+        (2F). Per row: the attention scores and their softmax, B*heads*S*S in
+        float32, and the boolean mask B*S*S.
+        """
+        tokens = batch * seqlen
+        per_token = (2 * self.hidden + 3 * self.hidden + 2 * self.intermediate) * self.dtype_bytes
+        scores = 2 * 4 * batch * self.heads * seqlen * seqlen
+        mask = batch * seqlen * seqlen
+        io = 4 * 4 * tokens + 4 * batch * slots * self.hidden
+        return tokens * per_token + scores + mask + io
+
+
+def round_down(n: int, multiple: int) -> int:
+    return n if n < multiple else n - n % multiple
+
+
+Measure = Callable[[int, int], int]  # (batch, seqlen) -> compiled bytes (weights included)
+
+
+def derive(
+    seqlens: list[int],
+    dims: ModelDims,
+    weights_bytes: int,
+    budget_bytes: int,
+    measure: Measure | None,
+    max_batch_tokens: int,
+    max_batch: int = 256,
+    multiple: int = 1,
+    slots: int = 1,
+    layout: str = "default",
+    **table_fields,
+) -> BucketTable:
+    """For each seqlen, the largest batch that fits the budget (weights + compiled peak).
+
+    The analytic estimate proposes a batch; the compiled figure checks it, and
+    while it is over budget the batch shrinks in proportion and is checked again.
+    A seqlen where not even batch 1 fits is dropped, with the reason kept.
+    """
+    buckets, dropped = [], []
+    for seqlen in seqlens:
+        per_row = dims.activation_bytes(1, seqlen, slots)
+        free = budget_bytes - weights_bytes
+        by_memory = free // per_row if free > 0 else 0
+        by_tokens = max_batch_tokens // seqlen
+        limits = {"memory": by_memory, "tokens": by_tokens, "max_batch": max_batch}
+        limited_by = min(limits, key=limits.get)
+        batch = round_down(limits[limited_by], multiple)
+        compiled = 0
+        while batch >= 1:
+            compiled = measure(batch, seqlen) if measure else weights_bytes + dims.activation_bytes(batch, seqlen, slots)
+            if compiled <= budget_bytes:
+                break
+            limited_by = "memory"
+            shrunk = int(batch * budget_bytes / compiled)
+            batch = round_down(min(shrunk, batch - 1), multiple)
+        if batch < 1:
+            dropped.append((seqlen, f"batch 1 needs more than the budget of {budget_bytes} bytes"))
+            continue
+        if limited_by == "memory" and measure and compiled < 0.95 * budget_bytes:
+            # The estimate was pessimistic: grow toward the budget once, if the compiled figure agrees.
+            grown = round_down(min(int(batch * budget_bytes / compiled), by_tokens, max_batch), multiple)
+            if grown > batch and (grown_bytes := measure(grown, seqlen)) <= budget_bytes:
+                batch, compiled = grown, grown_bytes
+        buckets.append(Bucket(
+            batch=batch, seqlen=seqlen, slots=slots,
+            estimated_bytes=weights_bytes + dims.activation_bytes(batch, seqlen, slots),
+            compiled_bytes=compiled, limited_by=limited_by,
+        ))
+    if not buckets:
+        raise ValueError(
+            f"the memory budget ({budget_bytes} bytes, weights {weights_bytes}) fits no bucket at seqlens {seqlens}"
+        )
+    return BucketTable(
+        buckets=tuple(buckets), layout=layout, budget_bytes=budget_bytes, weights_bytes=weights_bytes,
+        max_batch_tokens=max_batch_tokens, dropped=tuple(dropped), **table_fields,
+    )
+
+
+def fixed(seqlen_batches: list[tuple[int, int]], layout: str = "custom", slots: int = 1, **table_fields) -> BucketTable:
+    """A table from explicit (batch, seqlen) pairs (tests, hand-written layouts)."""
+    return BucketTable(
+        buckets=tuple(Bucket(batch=b, seqlen=s, slots=slots) for b, s in sorted(seqlen_batches, key=lambda x: x[1])),
+        layout=layout, **table_fields,
+    )
+
+
+def format_table(table: BucketTable) -> str:
+    """The table with its memory math, one line per bucket."""
+    mb = lambda n: f"{n / 2**20:9.1f}"
+    lines = [
+        f"layout {table.layout} on {table.device or '?'}: device memory {table.device_memory / 2**30:.2f} GiB, "
+        f"budget {table.budget_bytes / 2**30:.2f} GiB, weights {table.weights_bytes / 2**20:.1f} MiB, "
+        f"max_batch_tokens {table.max_batch_tokens}",
+        f"{'seqlen':>7} {'batch':>6} {'slots':>5} {'tokens':>8} {'est MiB':>9} {'XLA MiB':>9} {'budget%':>7} "
+        f"{'limited by':>10} {'compile s':>9} {'run ms':>8}",
+    ]
+    for b in table.buckets:
+        pct = 100 * b.compiled_bytes / table.budget_bytes if table.budget_bytes else 0
+        lines.append(
+            f"{b.seqlen:>7} {b.batch:>6} {b.slots:>5} {b.tokens:>8} {mb(b.estimated_bytes)} {mb(b.compiled_bytes)} "
+            f"{pct:>6.1f}% {b.limited_by:>10} "
+            f"{'' if b.compile_s is None else f'{b.compile_s:.2f}':>9} {'' if b.run_s is None else f'{1e3 * b.run_s:.1f}':>8}"
+        )
+    for seqlen, reason in table.dropped:
+        lines.append(f"{seqlen:>7} dropped: {reason}")
+    return "\n".join(lines)

@@ -1,0 +1,56 @@
+"""What the device offers: its memory limit and the batch rounding that suits it."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import jax
+import psutil
+
+# Share of free host RAM a CPU "device" may use: the rest stays for the
+# tokenizer, the HTTP server and the OS.
+CPU_MEMORY_SHARE = 0.5
+# Fraction of the device limit the buckets may fill (XLA's analysis misses
+# allocator fragmentation and the runtime's own buffers).
+DEFAULT_HEADROOM = 0.9
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceInfo:
+    platform: str  # cpu, gpu, tpu
+    kind: str  # e.g. "NVIDIA H200", "cpu"
+    count: int
+    memory_bytes: int  # per device
+    batch_multiple: int  # batch sizes are rounded down to this
+    max_batch_tokens: int  # default token budget per dispatch
+
+
+def describe(memory_override: int | None = None) -> DeviceInfo:
+    dev = jax.devices()[0]
+    platform = dev.platform
+    memory = memory_override or _memory_limit(dev)
+    if platform == "cpu":
+        # On CPU, big dispatches gain nothing over medium ones once both cores are
+        # busy, and cost latency: cap the tokens per dispatch.
+        return DeviceInfo(platform, "cpu", len(jax.devices()), memory, batch_multiple=1, max_batch_tokens=4096)
+    return DeviceInfo(platform, dev.device_kind, len(jax.devices()), memory, batch_multiple=8, max_batch_tokens=262144)
+
+
+def _memory_limit(dev) -> int:
+    stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
+    if stats and "bytes_limit" in stats:
+        return int(stats["bytes_limit"])
+    return int(CPU_MEMORY_SHARE * _host_available())
+
+
+def _host_available() -> int:
+    available = psutil.virtual_memory().available
+    cgroup = Path("/sys/fs/cgroup/memory.max")
+    try:
+        raw = cgroup.read_text().strip()
+        if raw != "max":
+            available = min(available, int(raw))
+    except (OSError, ValueError):
+        pass
+    return available

@@ -1,0 +1,122 @@
+"""Bucket table logic without JAX: routing, ladders, and the memory derivation (fake measure)."""
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from jaxserve.buckets import (
+    BucketTable, ModelDims, derive, fine_ladder, fixed, format_table, geometric_ladder, ladder, pow2_ladder,
+)
+
+DIMS = ModelDims(hidden=384, intermediate=1536, heads=12)
+WEIGHTS = 90 * 2**20
+
+
+def fake_measure(factor=1.3):
+    """A compiled figure that disagrees with the estimate (as XLA's does), by a fixed factor."""
+    calls = []
+
+    def measure(batch, seqlen):
+        calls.append((batch, seqlen))
+        return WEIGHTS + int(factor * DIMS.activation_bytes(batch, seqlen))
+
+    measure.calls = calls
+    return measure
+
+
+@given(st.integers(2, 4096), st.sampled_from(["default", "max", "pow2", "fine"]))
+def test_ladders_ascend_and_end_at_max(max_len, layout):
+    seqlens = ladder(layout, max_len)
+    assert seqlens == sorted(set(seqlens))
+    assert seqlens[-1] == max_len and seqlens[0] >= 1
+
+
+def test_ladder_shapes():
+    assert pow2_ladder(256) == [16, 32, 64, 128, 256]
+    assert geometric_ladder(256) == [16, 32, 64, 96, 128, 192, 256]
+    assert fine_ladder(64) == [16, 32, 48, 64]
+    assert ladder("max", 256) == [256]
+    with pytest.raises(ValueError, match="unknown layout"):
+        ladder("zigzag", 256)
+
+
+@given(st.lists(st.integers(1, 512), min_size=1, max_size=8, unique=True), st.integers(1, 512))
+def test_pick_is_smallest_fitting(seqlens, length):
+    table = fixed([(4, s) for s in seqlens])
+    fitting = [s for s in sorted(seqlens) if s >= length]
+    if not fitting:
+        with pytest.raises(ValueError, match="no bucket holds"):
+            table.pick(length)
+    else:
+        assert table.pick(length).seqlen == fitting[0]
+
+
+@given(st.integers(100, 20_000), st.sampled_from([1, 8]), st.floats(0.7, 1.6))
+def test_derived_buckets_fit_budget(budget_mib, multiple, factor):
+    budget = budget_mib * 2**20
+    try:
+        table = derive(pow2_ladder(512), DIMS, WEIGHTS, budget, fake_measure(factor), max_batch_tokens=10**9,
+                       max_batch=10**6, multiple=multiple)
+    except ValueError as err:
+        assert "fits no bucket" in str(err)
+        return
+    for b in table.buckets:
+        assert b.compiled_bytes <= budget
+        assert b.batch >= 1
+        assert b.batch % multiple == 0 or b.batch < multiple
+        assert b.compiled_bytes == WEIGHTS + int(factor * DIMS.activation_bytes(b.batch, b.seqlen))
+    assert {b.seqlen for b in table.buckets} | {s for s, _ in table.dropped} == set(pow2_ladder(512))
+
+
+@given(st.integers(200, 5000), st.integers(200, 5000))
+def test_smaller_budget_gives_smaller_batches(a, b):
+    small, big = sorted((a * 2**20, b * 2**20))
+    kw = dict(max_batch_tokens=10**9, max_batch=10**6)
+    t_small = derive(pow2_ladder(256), DIMS, WEIGHTS, small, fake_measure(), **kw)
+    t_big = derive(pow2_ladder(256), DIMS, WEIGHTS, big, fake_measure(), **kw)
+    big_by_len = {x.seqlen: x.batch for x in t_big.buckets}
+    for x in t_small.buckets:
+        assert x.batch <= big_by_len[x.seqlen]
+
+
+def test_memory_limit_is_reported_and_verified_by_compiled_figure():
+    measure = fake_measure(1.3)
+    table = derive([256], DIMS, WEIGHTS, 2**30, measure, max_batch_tokens=10**9, max_batch=10**6)
+    (b,) = table.buckets
+    assert b.limited_by == "memory"
+    assert len(measure.calls) >= 2  # the estimate's candidate was over budget and was shrunk
+    assert b.compiled_bytes <= 2**30 < WEIGHTS + int(1.3 * DIMS.activation_bytes(b.batch + 1, 256))
+
+
+def test_token_and_row_caps():
+    t = derive([16, 256], DIMS, WEIGHTS, 2**34, fake_measure(), max_batch_tokens=4096, max_batch=128)
+    assert [(b.batch, b.limited_by) for b in t.buckets] == [(128, "max_batch"), (16, "tokens")]
+
+
+def test_budget_too_small_for_long_seqlen_drops_it():
+    one_row_256 = WEIGHTS + int(1.3 * DIMS.activation_bytes(1, 256))
+    budget = one_row_256 - 1
+    t = derive([16, 64, 256], DIMS, WEIGHTS, budget, fake_measure(), max_batch_tokens=10**9)
+    assert t.seqlens == [16, 64]
+    assert t.dropped[0][0] == 256 and "batch 1 needs more than the budget" in t.dropped[0][1]
+    assert "256 dropped" in format_table(t)
+
+
+def test_budget_below_weights_is_a_clear_error():
+    with pytest.raises(ValueError, match="fits no bucket"):
+        derive([16, 32], DIMS, WEIGHTS, WEIGHTS // 2, fake_measure(), max_batch_tokens=4096)
+
+
+def test_json_round_trip(tmp_path):
+    t = derive(pow2_ladder(128), DIMS, WEIGHTS, 2**31, fake_measure(), max_batch_tokens=8192, device="cpu")
+    t.save(tmp_path / "t.json")
+    assert BucketTable.load(tmp_path / "t.json") == t
+
+
+def test_table_rejects_unsorted_or_duplicate_seqlens():
+    from jaxserve.buckets import Bucket
+
+    with pytest.raises(ValueError, match="distinct and ascending"):
+        BucketTable(buckets=(Bucket(4, 32), Bucket(4, 16)))
+    with pytest.raises(ValueError, match="at least one"):
+        BucketTable(buckets=())

@@ -1,0 +1,86 @@
+"""The AOT engine on a tiny model: zero compiles after warmup, shapes outside the table raise."""
+
+import numpy as np
+import pytest
+
+from jaxserve import Encoder, compiles
+from jaxserve.buckets import fixed
+from jaxserve.engine import ShapeError
+from jaxserve.planner import PlannedBatch, assemble
+
+
+@pytest.fixture
+def warm(tiny_checkpoint):
+    enc = Encoder.from_pretrained(str(tiny_checkpoint()))
+    table = enc.warmup(fixed([(8, 16), (4, 32), (2, 64)]))
+    return enc, table
+
+
+def texts_of_length(n):
+    """A text the tiny tokenizer turns into exactly n tokens ([CLS] + n-2 words + [SEP])."""
+    return "the " * (n - 2)
+
+
+def test_no_compile_after_warmup_for_every_length_and_batch_size(warm):
+    enc, table = warm
+    assert all(b.compile_s is not None and b.run_s > 0 and b.compiled_bytes > 0 for b in table.buckets)
+    before = compiles.xla_compiles_total()
+    for n in range(2, 65):  # every sequence length the model takes (specials included)
+        (ids,) = enc.tokenizer.encode([texts_of_length(n)])
+        assert len(ids) == n
+        enc.embed([texts_of_length(n)])
+    for size in range(1, 20):  # batch sizes up to more than two full buckets
+        enc.embed([texts_of_length(2 + (7 * i) % 63) for i in range(size)], normalize=bool(size % 2))
+    enc.embed(["the " * 500])  # truncated to the largest bucket
+    assert compiles.xla_compiles_total() == before
+
+
+def test_shape_outside_table_raises(warm):
+    enc, table = warm
+    odd = fixed([(3, 16)]).buckets[0]
+    seqs = enc.tokenizer.encode(["the model"])
+    with pytest.raises(ShapeError, match=r"not a warmed bucket"):
+        enc.engine.run(odd, assemble(PlannedBatch(odd, ((0,),)), seqs))
+    before = compiles.xla_compiles_total()
+    bucket = table.buckets[0]
+    wrong = assemble(PlannedBatch(table.buckets[1], ((0,),)), seqs)  # arrays of another bucket's shape
+    with pytest.raises(ShapeError):
+        enc.engine.run(bucket, wrong)
+    assert compiles.xla_compiles_total() == before
+
+
+def test_warmup_rejects_table_shorter_than_model(tiny_checkpoint):
+    enc = Encoder.from_pretrained(str(tiny_checkpoint()))
+    with pytest.raises(ValueError, match="below the model's max_seq_length 64"):
+        enc.warmup(fixed([(4, 32)]))
+
+
+def test_derived_table_uses_xla_memory_analysis(tiny_checkpoint):
+    enc = Encoder.from_pretrained(str(tiny_checkpoint()))
+    weights = enc.engine.weights_bytes
+    kw = dict(layout="pow2", max_batch_tokens=10**7, max_batch=10**5)
+    big = enc.derive_table(device_memory=64 * 2**20, **kw)
+    small = enc.derive_table(device_memory=16 * 2**20, **kw)
+    assert big.seqlens == small.seqlens == [16, 32, 64]
+    for b, s in zip(big.buckets, small.buckets):
+        assert s.batch < b.batch
+        assert s.compiled_bytes <= small.budget_bytes and b.compiled_bytes <= big.budget_bytes
+        assert s.limited_by == "memory"
+        assert s.compiled_bytes == enc.engine.measure(s.batch, s.seqlen)
+        assert s.compiled_bytes > weights
+    one_row_64 = enc.engine.measure(1, 64)
+    tight = enc.derive_table(device_memory=int((one_row_64 - 1) / 0.9), **kw)
+    assert 64 not in tight.seqlens and tight.dropped[0][0] == 64
+    with pytest.raises(ValueError, match="fits no bucket"):
+        enc.derive_table(device_memory=weights, **kw)
+
+
+def test_results_equal_across_buckets(tiny_checkpoint):
+    """The same documents at their smallest bucket and all at the largest give the same vectors."""
+    enc = Encoder.from_pretrained(str(tiny_checkpoint()))
+    texts = ["the model is jax", "a", "the " * 20, "the " * 50]
+    enc.warmup(fixed([(8, 16), (4, 32), (2, 64)]))
+    ladder = enc.embed(texts)
+    enc.warmup(fixed([(2, 64)]))
+    assert enc.table.seqlens == [64]
+    np.testing.assert_allclose(enc.embed(texts), ladder, atol=1e-5)
