@@ -27,16 +27,16 @@ def cmd_demo(args) -> int:
 
 
 def table_for(enc, args):
-    """The bucket table named by --buckets: a JSON file, or `auto` (derived with the layout flags)."""
+    """The bucket table named by --buckets: a JSON file, or `auto` (derived with the ladder and layout flags)."""
     from jaxserve.buckets import BucketTable
 
     if args.buckets and args.buckets != "auto":
         return BucketTable.load(args.buckets)
     seqlens = [int(x) for x in args.seqlens.split(",")] if args.seqlens else None
     return enc.derive_table(
-        layout=args.layout, device_memory=args.device_memory, headroom=args.headroom,
+        ladder=args.ladder, layout=args.layout, device_memory=args.device_memory, headroom=args.headroom,
         max_batch_tokens=args.max_batch_tokens, max_batch=args.max_batch, seqlens=seqlens,
-        batch_multiple=args.batch_multiple,
+        batch_multiple=args.batch_multiple, batch_ladder=args.batch_ladder == "on",
     )
 
 
@@ -104,16 +104,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _table_args(p: argparse.ArgumentParser) -> None:
-    from jaxserve.buckets import LAYOUTS
+    from jaxserve.buckets import LADDERS, LAYOUTS
     from jaxserve.device import DEFAULT_HEADROOM
 
     p.add_argument("--buckets", default="auto", metavar="FILE|auto", help="a bucket table JSON file, or auto (derive)")
-    p.add_argument("--layout", default="default", choices=LAYOUTS, help="seqlen ladder to derive")
-    p.add_argument("--seqlens", help="explicit seqlen ladder, comma-separated (overrides --layout's)")
+    p.add_argument("--ladder", default="default", choices=LADDERS, help="seqlen ladder to derive")
+    p.add_argument("--layout", default="packed", choices=LAYOUTS, help="one document per row, or several packed")
+    p.add_argument("--seqlens", help="explicit seqlen ladder, comma-separated (overrides --ladder's)")
     p.add_argument("--device-memory", type=int, metavar="BYTES", help="derive for a device of this memory (default: this device's)")
     p.add_argument("--headroom", type=float, default=DEFAULT_HEADROOM, help="fraction of device memory the buckets may use")
     p.add_argument("--max-batch-tokens", type=int, help="cap on batch*seqlen per dispatch (default: the device's)")
     p.add_argument("--max-batch", type=int, default=256, help="cap on rows per dispatch")
+    p.add_argument("--batch-ladder", default="on", choices=["on", "off"],
+                   help="also compile batches 1, 4, 16, ... below each seqlen's largest")
     p.add_argument("--batch-multiple", type=int, help="round batches down to a multiple of this (default: 8 on GPU, 1 on CPU)")
 
 

@@ -21,9 +21,9 @@ from jaxserve.device import DEFAULT_HEADROOM
 from jaxserve.engine import Engine
 from jaxserve.model import Encoder as EncoderModule
 from jaxserve.model import param_shapes
-from jaxserve.planner import assemble, plan_padded, scatter
+from jaxserve.planner import Plan, assemble, plan, scatter
 from jaxserve.pooling import pool
-from jaxserve.tokenize import TextTokenizer
+from jaxserve.tokenize import Pieces, TextTokenizer
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -51,7 +51,11 @@ class Encoder:
     dtype: str
 
     @classmethod
-    def from_pretrained(cls, name: str | None = None, dtype: str = "float32") -> "Encoder":
+    def from_pretrained(
+        cls, name: str | None = None, dtype: str = "float32", buckets: BucketTable | str | Path | None = None,
+    ) -> "Encoder":
+        """Load a checkpoint. With `buckets` (a table or its JSON file) the engine is warmed at once;
+        otherwise on first use, with the table derived for this device."""
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
         path = checkpoint.resolve(name)
@@ -62,7 +66,10 @@ class Encoder:
         params = jax.device_put(checkpoint.load_params(path, cfg, param_shapes(cfg, jdtype), dtype=jdtype))
         module = EncoderModule(cfg, jdtype)
         engine = Engine(lambda slots: partial(embed_forward, module, emb.pooling, slots), params)
-        return cls(path, cfg, emb, tokenizer, engine, dtype)
+        enc = cls(path, cfg, emb, tokenizer, engine, dtype)
+        if buckets is not None:
+            enc.warmup(buckets if isinstance(buckets, BucketTable) else BucketTable.load(buckets))
+        return enc
 
     @property
     def dim(self) -> int:
@@ -82,22 +89,24 @@ class Encoder:
         return ModelDims(c.hidden_size, c.intermediate_size, c.num_heads, jnp.dtype(DTYPES[self.dtype]).itemsize)
 
     def derive_table(
-        self, layout: str = "default", device_memory: int | None = None, headroom: float = DEFAULT_HEADROOM,
+        self, ladder: str = "default", layout: str = "packed", device_memory: int | None = None, headroom: float = DEFAULT_HEADROOM,
         max_batch_tokens: int | None = None, max_batch: int = 256, seqlens: list[int] | None = None,
-        batch_multiple: int | None = None,
+        batch_multiple: int | None = None, batch_ladder: bool = True,
     ) -> BucketTable:
         """The bucket table for this model on this device (compiles each candidate to measure it).
 
         With `device_memory` given, the table is derived for a device of that
         size, still with this backend's compiler doing the memory analysis.
+        `batch_ladder` adds batches 1, 4, 16, ... below each seqlen's largest.
         """
         info = device.describe(device_memory)
         label = info.kind if device_memory is None else f"{info.kind} compiler, {device_memory} bytes given"
         return buckets.derive(
-            seqlens or buckets.ladder(layout, self.embedding_config.max_seq_length),
+            seqlens or buckets.ladder(ladder, self.embedding_config.max_seq_length),
             self.dims, self.engine.weights_bytes, int(headroom * info.memory_bytes), self.engine.measure,
             max_batch_tokens=max_batch_tokens or info.max_batch_tokens, max_batch=max_batch,
-            multiple=batch_multiple or info.batch_multiple, layout=layout, device=label,
+            multiple=batch_multiple or info.batch_multiple, ladder=ladder, layout=layout, device=label,
+            batch_ladder=batch_ladder,
             device_memory=info.memory_bytes,
         )
 
@@ -117,11 +126,26 @@ class Encoder:
             self.warmup()
         return self.engine.table
 
-    def embed(self, texts: list[str], normalize: bool | None = None) -> np.ndarray:
-        """Texts -> [N, dim] float32 embeddings in input order (truncated at the model's max length)."""
+    def prepare(self, texts: list[str], long: str = "truncate") -> tuple[Pieces, Plan]:
+        """Tokenize and plan (no device work): the pieces to run and the plan to run them by."""
+        pieces = self.tokenizer.pieces(self.tokenizer.encode_bodies(list(texts)), long)
+        return pieces, plan([len(s) for s in pieces.seqs], self.table)
+
+    def run_plan(self, pieces: Pieces, planned: Plan) -> np.ndarray:
+        """Run every batch of the plan -> [P, D] pooled piece vectors (not normalised)."""
+        out = np.zeros((len(pieces.seqs), self.dim), np.float32)
+        for batch in planned.batches:
+            scatter(batch, self.engine.run(batch.bucket, assemble(batch, pieces.seqs)), out)
+        return out
+
+    def embed(self, texts: list[str], normalize: bool | None = None, long: str = "truncate") -> np.ndarray:
+        """Texts -> [N, dim] float32 embeddings in input order.
+
+        `long`: what to do with a text over the model's max length: `truncate`
+        (as sentence-transformers), `chunk` (overlapping windows, token-weighted
+        mean), or `error` (raise `InputError` naming its token count).
+        """
         normalize = self.embedding_config.normalize if normalize is None else normalize
-        seqs = self.tokenizer.encode(list(texts))
-        out = np.zeros((len(seqs), self.dim), np.float32)
-        for planned in plan_padded([len(s) for s in seqs], self.table):
-            scatter(planned, self.engine.run(planned.bucket, assemble(planned, seqs)), out)
+        pieces, planned = self.prepare(texts, long)
+        out = pieces.combine(self.run_plan(pieces, planned), len(texts))
         return normalize_rows(out) if normalize else out

@@ -6,7 +6,9 @@ raises instead of compiling.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import os
 import statistics
 import threading
 import time
@@ -18,8 +20,7 @@ import numpy as np
 
 from jaxserve import compiles  # noqa: F401  (installs the compile counter)
 from jaxserve.buckets import Bucket, BucketTable
-
-INPUT_NAMES = ("token_ids", "segment_ids", "positions", "type_ids")
+from jaxserve.planner import INPUT_NAMES
 TIMED_RUNS = 1  # timed runs per bucket at warmup, after one burn-in (live timings refine it later)
 
 Forward = Callable[[dict, dict], jax.Array]  # (params, batch of [B, S] int32 arrays) -> [B, K, D]
@@ -45,7 +46,7 @@ class Engine:
         self._make_forward = make_forward
         self.params = params
         self._params_struct = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
-        self._compiled: dict[tuple[int, int, int], jax.stages.Compiled] = {}
+        self._compiled: dict[tuple[int, int, int], concurrent.futures.Future] = {}
         self._compile_s: dict[tuple[int, int, int], float] = {}
         self._lock = threading.Lock()
         self.table: BucketTable | None = None
@@ -56,16 +57,26 @@ class Engine:
         return int(sum(x.nbytes for x in jax.tree.leaves(self.params)))
 
     def compile(self, batch: int, seqlen: int, slots: int = 1) -> jax.stages.Compiled:
+        """The executable for one shape, compiled once (safe to call from several threads)."""
         key = (batch, seqlen, slots)
         with self._lock:
-            if key not in self._compiled:
-                start = time.perf_counter()
+            future = self._compiled.get(key)
+            owner = future is None
+            if owner:
+                future = self._compiled[key] = concurrent.futures.Future()
+        if owner:
+            start = time.perf_counter()
+            try:
                 fn = jax.jit(self._make_forward(slots))
-                self._compiled[key] = fn.lower(self._params_struct, batch_struct(batch, seqlen)).compile()
-                self._compile_s[key] = time.perf_counter() - start
-            return self._compiled[key]
+                future.set_result(fn.lower(self._params_struct, batch_struct(batch, seqlen)).compile())
+            except BaseException as exc:
+                with self._lock:
+                    del self._compiled[key]
+                future.set_exception(exc)
+            self._compile_s[key] = time.perf_counter() - start
+        return future.result()
 
-    def measure(self, batch: int, seqlen: int, slots: int = 1) -> int:
+    def measure(self, batch: int, seqlen: int, slots: int) -> int:
         return compiled_bytes(self.compile(batch, seqlen, slots))
 
     def use(self, table: BucketTable, progress: bool = False) -> BucketTable:
@@ -79,8 +90,14 @@ class Engine:
         keep = {(b.batch, b.seqlen, b.slots) for b in table.buckets}
         with self._lock:
             self._compiled = {k: v for k, v in self._compiled.items() if k in keep}
+        # XLA compiles release the GIL: compile on every core, then time one bucket at a time.
+        with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+            jobs = [pool.submit(self.compile, *key) for key in sorted(keep)]
+            for job in tqdm(concurrent.futures.as_completed(jobs), total=len(jobs), desc="compile",
+                            unit="bucket", disable=not progress):
+                job.result()
         warmed = []
-        for bucket in tqdm(table.buckets, desc="warmup", unit="bucket", disable=not progress):
+        for bucket in tqdm(table.buckets, desc="run", unit="bucket", disable=not progress):
             exe = self.compile(bucket.batch, bucket.seqlen, bucket.slots)
             key = (bucket.batch, bucket.seqlen, bucket.slots)
             inputs = jax.device_put(_dummy_batch(bucket))
@@ -98,11 +115,11 @@ class Engine:
     def run(self, bucket: Bucket, batch: dict[str, np.ndarray]) -> np.ndarray:
         """One dispatch at `bucket`'s shape -> host array [B, K, D]."""
         key = (bucket.batch, bucket.seqlen, bucket.slots)
-        exe = self._compiled.get(key) if key in self._table_keys else None
+        future = self._compiled.get(key) if key in self._table_keys else None
         shape = batch["token_ids"].shape
-        if exe is None or shape != bucket.shape:
+        if future is None or shape != bucket.shape:
             raise ShapeError(f"batch {shape} (slots {bucket.slots}) is not a warmed bucket of this engine")
-        return np.asarray(exe(self.params, jax.device_put(batch)))
+        return np.asarray(future.result()(self.params, jax.device_put(batch)))
 
 
 def _dummy_batch(bucket: Bucket) -> dict[str, np.ndarray]:

@@ -25,8 +25,9 @@ def pool(mode: str, hidden_bsd, segment_ids, positions, num_segments: int) -> ja
         total = jnp.einsum("bsk,bsd->bkd", member, h)
         return total / jnp.maximum(count, 1.0)[..., None]
     if mode == "max":
-        masked = jnp.where(member[..., None] > 0, h[:, :, None, :], -jnp.inf)  # [B, S, K, D]
-        return jnp.where(count[..., None] > 0, masked.max(axis=1), 0.0)
+        # One masked reduction per slot: never materialises a [B, S, K, D] tensor.
+        slot_max = [jnp.where(member[:, :, k : k + 1] > 0, h, -jnp.inf).max(axis=1) for k in range(num_segments)]
+        return jnp.where(count[..., None] > 0, jnp.stack(slot_max, axis=1), 0.0)  # [B, K, D]
     if mode == "cls":
         pick = member * (positions == 0)[..., None]
     elif mode == "lasttoken":

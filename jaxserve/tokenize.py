@@ -13,7 +13,30 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
-from jaxserve.errors import CheckpointError
+from jaxserve.errors import CheckpointError, InputError
+
+LONG_MODES = ("truncate", "chunk", "error")  # what to do with a document over the model's limit
+DEFAULT_CHUNK_OVERLAP = 32  # tokens shared by neighbouring windows in `chunk` mode
+
+
+@dataclasses.dataclass(frozen=True)
+class Pieces:
+    """Model sequences cut from documents: one per document, or several windows of a long one."""
+
+    seqs: list[np.ndarray]  # each a model sequence, special tokens included
+    doc: np.ndarray  # [P] int: the document each piece belongs to
+    weight: np.ndarray  # [P] float: body tokens in the piece, for the token-weighted mean
+
+    def token_counts(self, num_docs: int) -> np.ndarray:
+        """Tokens run through the model per document."""
+        return np.bincount(self.doc, weights=[len(s) for s in self.seqs], minlength=num_docs).astype(np.int64)
+
+    def combine(self, vectors: np.ndarray, num_docs: int) -> np.ndarray:
+        """[P, D] piece vectors -> [N, D] document vectors (token-weighted mean of a document's pieces)."""
+        out = np.zeros((num_docs, vectors.shape[1]), np.float64)
+        np.add.at(out, self.doc, vectors * self.weight[:, None])
+        total = np.bincount(self.doc, weights=self.weight, minlength=num_docs)
+        return (out / np.maximum(total, 1e-12)[:, None]).astype(np.float32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +79,31 @@ class TextTokenizer:
     def encode(self, texts: list[str]) -> list[np.ndarray]:
         """Each text as one truncated model sequence (what sentence-transformers feeds its model)."""
         return [self.wrap(b) for b in self.encode_bodies(texts)]
+
+    def pieces(self, bodies: list[np.ndarray], long: str = "truncate", overlap: int = DEFAULT_CHUNK_OVERLAP) -> Pieces:
+        """Documents -> model sequences, a long document truncated, split into windows, or refused."""
+        if long not in LONG_MODES:
+            raise InputError(f"unknown long-input mode {long!r}; choose from {', '.join(LONG_MODES)}")
+        seqs, doc, weight = [], [], []
+        w = self.max_body
+        for i, body in enumerate(bodies):
+            n = len(body)
+            if n <= w or long == "truncate":
+                starts = [0]
+            elif long == "error":
+                raise InputError(
+                    f"input {i} has {n + self.num_special} tokens, over the model's limit of {self.max_length} "
+                    "(allow truncation or chunking)"
+                )
+            else:
+                stride = max(1, w - min(overlap, w // 2))
+                starts = list(range(0, n - w, stride)) + [n - w]
+            for s in starts:
+                window = body[s : s + w]
+                seqs.append(self.wrap(window))
+                doc.append(i)
+                weight.append(max(len(window), 1))
+        return Pieces(seqs, np.asarray(doc, np.int64), np.asarray(weight, np.float64))
 
 
 def _special_template(tok: Tokenizer) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -14,6 +14,13 @@ import tiny  # noqa: E402
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
+from jaxserve.buckets import fixed  # noqa: E402
+
+# Small tables keep the tiny-model tests quick; the default derived table is
+# exercised by the MiniLM float32 parity test and the server tests.
+TINY_TABLE = fixed([(1, 16), (4, 16), (1, 32), (4, 32), (1, 64), (4, 64)], layout="packed")
+MINILM_SMALL_TABLE = fixed([(4, 64), (8, 64), (4, 128), (2, 256), (8, 256)], layout="packed")
+
 
 @pytest.fixture(scope="session")
 def minilm():

@@ -16,17 +16,17 @@ def fake_measure(factor=1.3):
     """A compiled figure that disagrees with the estimate (as XLA's does), by a fixed factor."""
     calls = []
 
-    def measure(batch, seqlen):
+    def measure(batch, seqlen, slots):
         calls.append((batch, seqlen))
-        return WEIGHTS + int(factor * DIMS.activation_bytes(batch, seqlen))
+        return WEIGHTS + int(factor * DIMS.activation_bytes(batch, seqlen, slots))
 
     measure.calls = calls
     return measure
 
 
 @given(st.integers(2, 4096), st.sampled_from(["default", "max", "pow2", "fine"]))
-def test_ladders_ascend_and_end_at_max(max_len, layout):
-    seqlens = ladder(layout, max_len)
+def test_ladders_ascend_and_end_at_max(max_len, name):
+    seqlens = ladder(name, max_len)
     assert seqlens == sorted(set(seqlens))
     assert seqlens[-1] == max_len and seqlens[0] >= 1
 
@@ -36,7 +36,7 @@ def test_ladder_shapes():
     assert geometric_ladder(256) == [16, 32, 64, 96, 128, 192, 256]
     assert fine_ladder(64) == [16, 32, 48, 64]
     assert ladder("max", 256) == [256]
-    with pytest.raises(ValueError, match="unknown layout"):
+    with pytest.raises(ValueError, match="unknown ladder"):
         ladder("zigzag", 256)
 
 
@@ -113,10 +113,26 @@ def test_json_round_trip(tmp_path):
     assert BucketTable.load(tmp_path / "t.json") == t
 
 
-def test_table_rejects_unsorted_or_duplicate_seqlens():
+def test_table_rejects_unsorted_or_duplicate_shapes():
     from jaxserve.buckets import Bucket
 
-    with pytest.raises(ValueError, match="distinct and ascending"):
+    with pytest.raises(ValueError, match="distinct and sorted"):
         BucketTable(buckets=(Bucket(4, 32), Bucket(4, 16)))
+    with pytest.raises(ValueError, match="distinct and sorted"):
+        BucketTable(buckets=(Bucket(4, 16), Bucket(4, 16)))
+    with pytest.raises(ValueError, match="disagree on slots"):
+        BucketTable(buckets=(Bucket(2, 16, slots=1), Bucket(4, 16, slots=2)))
+
+
+def test_batch_ladder_adds_halvings_that_fit():
+    from jaxserve.buckets import batch_sizes
+
+    assert batch_sizes(16) == [1, 4, 16] and batch_sizes(21) == [1, 4, 16, 21] and batch_sizes(1) == [1]
+    t = derive([16, 256], DIMS, WEIGHTS, 2**34, fake_measure(), max_batch_tokens=4096, batch_ladder=True)
+    assert [b.batch for b in t.at(256)] == [1, 4, 16]
+    assert [b.batch for b in t.at(16)] == [1, 4, 16, 64, 256]
+    assert t.pick(200).shape == (16, 256)
+    assert all(b.compiled_bytes <= t.budget_bytes for b in t.buckets)
+    assert {b.limited_by for b in t.at(256)[:-1]} == {"ladder"}
     with pytest.raises(ValueError, match="at least one"):
         BucketTable(buckets=())

@@ -58,7 +58,7 @@ def test_warmup_rejects_table_shorter_than_model(tiny_checkpoint):
 def test_derived_table_uses_xla_memory_analysis(tiny_checkpoint):
     enc = Encoder.from_pretrained(str(tiny_checkpoint()))
     weights = enc.engine.weights_bytes
-    kw = dict(layout="pow2", max_batch_tokens=10**7, max_batch=10**5)
+    kw = dict(ladder="pow2", layout="padded", batch_ladder=False, max_batch_tokens=10**7, max_batch=10**5)
     big = enc.derive_table(device_memory=64 * 2**20, **kw)
     small = enc.derive_table(device_memory=16 * 2**20, **kw)
     assert big.seqlens == small.seqlens == [16, 32, 64]
@@ -66,9 +66,9 @@ def test_derived_table_uses_xla_memory_analysis(tiny_checkpoint):
         assert s.batch < b.batch
         assert s.compiled_bytes <= small.budget_bytes and b.compiled_bytes <= big.budget_bytes
         assert s.limited_by == "memory"
-        assert s.compiled_bytes == enc.engine.measure(s.batch, s.seqlen)
+        assert s.compiled_bytes == enc.engine.measure(s.batch, s.seqlen, 1)
         assert s.compiled_bytes > weights
-    one_row_64 = enc.engine.measure(1, 64)
+    one_row_64 = enc.engine.measure(1, 64, 1)
     tight = enc.derive_table(device_memory=int((one_row_64 - 1) / 0.9), **kw)
     assert 64 not in tight.seqlens and tight.dropped[0][0] == 64
     with pytest.raises(ValueError, match="fits no bucket"):

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
+from conftest import TINY_TABLE
 from jaxserve import Encoder
 from jaxserve.errors import CheckpointError
 
@@ -16,14 +17,14 @@ def test_missing_weights(tiny_checkpoint):
     os.remove(path / "model.safetensors")
     (path / "pytorch_model.bin").write_bytes(b"")
     with pytest.raises(CheckpointError, match=r"no model\.safetensors \(found: .*pytorch_model\.bin"):
-        Encoder.from_pretrained(str(path))
+        Encoder.from_pretrained(str(path), buckets=TINY_TABLE)
 
 
 def test_missing_config(tiny_checkpoint):
     path = tiny_checkpoint()
     os.remove(path / "config.json")
     with pytest.raises(CheckpointError, match=r"no config\.json \(found: .*model\.safetensors"):
-        Encoder.from_pretrained(str(path))
+        Encoder.from_pretrained(str(path), buckets=TINY_TABLE)
 
 
 def test_unknown_architecture(tiny_checkpoint):
@@ -32,7 +33,7 @@ def test_unknown_architecture(tiny_checkpoint):
     cfg["model_type"] = "gpt2"
     (path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match=r"unsupported model_type 'gpt2'.*GPT2LMHeadModel"):
-        Encoder.from_pretrained(str(path))
+        Encoder.from_pretrained(str(path), buckets=TINY_TABLE)
 
 
 @pytest.mark.parametrize(
@@ -50,14 +51,14 @@ def test_bad_config(tiny_checkpoint, edit, message):
     edit(cfg)
     (path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match=message):
-        Encoder.from_pretrained(str(path))
+        Encoder.from_pretrained(str(path), buckets=TINY_TABLE)
 
 
 def test_config_not_json(tiny_checkpoint):
     path = tiny_checkpoint()
     (path / "config.json").write_text("{not json")
     with pytest.raises(CheckpointError, match=r"cannot read .*config\.json"):
-        Encoder.from_pretrained(str(path))
+        Encoder.from_pretrained(str(path), buckets=TINY_TABLE)
 
 
 def test_config_disagrees_with_weights(tiny_checkpoint):
@@ -66,7 +67,7 @@ def test_config_disagrees_with_weights(tiny_checkpoint):
     cfg["intermediate_size"] = 48
     (path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match=r"intermediate\.dense\.weight: shape \(32, 64\) does not fit"):
-        Encoder.from_pretrained(str(path))
+        Encoder.from_pretrained(str(path), buckets=TINY_TABLE)
 
 
 def test_missing_and_unknown_tensors_are_named(tiny_checkpoint):
@@ -76,7 +77,7 @@ def test_missing_and_unknown_tensors_are_named(tiny_checkpoint):
     tensors["encoder.layer.1.adapter.weight"] = np.zeros(3, np.float32)
     save_file(tensors, str(path / "model.safetensors"))
     with pytest.raises(CheckpointError) as err:
-        Encoder.from_pretrained(str(path))
+        Encoder.from_pretrained(str(path), buckets=TINY_TABLE)
     assert "missing encoder.layer.1.output.dense.bias" in str(err.value)
     assert "unknown tensors encoder.layer.1.adapter.weight" in str(err.value)
 
@@ -84,19 +85,19 @@ def test_missing_and_unknown_tensors_are_named(tiny_checkpoint):
 def test_prefixed_task_checkpoint_loads(tiny_checkpoint):
     """`bert.`-prefixed tensors (as in *ForSequenceClassification checkpoints) load the same encoder."""
     path = tiny_checkpoint()
-    plain = Encoder.from_pretrained(str(path)).embed(["the model"])
+    plain = Encoder.from_pretrained(str(path), buckets=TINY_TABLE).embed(["the model"])
     tensors = load_file(path / "model.safetensors")
     prefixed = {f"bert.{k}": v for k, v in tensors.items()}
     prefixed["classifier.weight"] = np.zeros((2, 32), np.float32)
     save_file(prefixed, str(path / "model.safetensors"))
-    np.testing.assert_allclose(Encoder.from_pretrained(str(path)).embed(["the model"]), plain, atol=1e-6)
+    np.testing.assert_allclose(Encoder.from_pretrained(str(path), buckets=TINY_TABLE).embed(["the model"]), plain, atol=1e-6)
 
 
 def test_unsupported_pooling(tiny_checkpoint):
     path = tiny_checkpoint()
     (path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_mean_sqrt_len_tokens": True}))
     with pytest.raises(CheckpointError, match="unsupported pooling config"):
-        Encoder.from_pretrained(str(path))
+        Encoder.from_pretrained(str(path), buckets=TINY_TABLE)
 
 
 def test_not_a_directory(tmp_path):

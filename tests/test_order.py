@@ -2,11 +2,12 @@
 
 import numpy as np
 
+from conftest import TINY_TABLE
 from jaxserve import Encoder
 
 
 def test_order_preserved_across_length_groups(tiny_checkpoint):
-    enc = Encoder.from_pretrained(str(tiny_checkpoint()))
+    enc = Encoder.from_pretrained(str(tiny_checkpoint()), buckets=TINY_TABLE)
     rng = np.random.default_rng(1)
     texts = ["the " * int(n) + f"doc {i}" for i, n in enumerate(rng.integers(0, 60, size=70))]
     batched = enc.embed(texts)
@@ -17,6 +18,6 @@ def test_order_preserved_across_length_groups(tiny_checkpoint):
 
 
 def test_empty_list_gives_empty_array(tiny_checkpoint):
-    enc = Encoder.from_pretrained(str(tiny_checkpoint()))
+    enc = Encoder.from_pretrained(str(tiny_checkpoint()), buckets=TINY_TABLE)
     out = enc.embed([])
     assert out.shape == (0, 32) and out.dtype == np.float32

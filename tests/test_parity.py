@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import tiny
-from conftest import FIXTURES, cosine_rows
+from conftest import MINILM_SMALL_TABLE, TINY_TABLE, FIXTURES, cosine_rows
 from jaxserve import Encoder
 
 
@@ -21,7 +21,7 @@ def test_minilm_matches_sentence_transformers_float32(minilm, minilm_reference):
 
 def test_minilm_matches_sentence_transformers_bfloat16(minilm_reference):
     texts, want = minilm_reference
-    enc = Encoder.from_pretrained(None, dtype="bfloat16")
+    enc = Encoder.from_pretrained(None, dtype="bfloat16", buckets=MINILM_SMALL_TABLE)
     got = enc.embed(texts)
     assert got.dtype == np.float32
     cos = cosine_rows(got, want)
@@ -39,7 +39,7 @@ def test_tiny_model_matches_transformers_pytorch(tmp_path, model_type):
     """Hidden states equal transformers' BertModel / RobertaModel (RoBERTa's position offset included)."""
     ref = np.load(FIXTURES / "tiny_torch_reference.npz")
     path = tiny.write_checkpoint(tmp_path / model_type, model_type=model_type)
-    enc = Encoder.from_pretrained(str(path))
+    enc = Encoder.from_pretrained(str(path), buckets=TINY_TABLE)
     texts = ["the model", "a batch of jax documents is the query", "x", "hello, world! 42"]
     seqs = enc.tokenizer.encode(texts)
     for i, ids in enumerate(seqs):

@@ -126,9 +126,9 @@ def write_checkpoint(
 # ---- numpy reference (HF semantics, read straight from the HF tensor names) ----
 
 def _gelu(x):
-    from math import erf, sqrt
+    from scipy.special import erf
 
-    return 0.5 * x * (1 + np.vectorize(erf)(x / sqrt(2)))
+    return 0.5 * x * (1 + erf(x / np.sqrt(2)))
 
 
 def _ln(x, w, b, eps):

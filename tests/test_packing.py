@@ -1,0 +1,93 @@
+"""Packed rows (segment ids, positions restarting) equal one-document rows; long-input modes."""
+
+import numpy as np
+import pytest
+
+from conftest import cosine_rows
+from jaxserve import Encoder
+from jaxserve.buckets import fixed
+from jaxserve.errors import InputError
+from jaxserve.planner import plan
+from jaxserve.tokenize import Pieces
+
+SMALL = [(4, 64), (4, 128), (2, 256)]
+
+
+@pytest.fixture(scope="module")
+def minilm_packed():
+    enc = Encoder.from_pretrained(None)
+    enc.warmup(fixed(SMALL, layout="packed"))
+    return enc
+
+
+def sentences(texts):
+    return [s.strip() + "." for t in texts for s in t.split(".") if s.strip()][:60]
+
+
+def test_packed_equals_padded_and_reference_minilm(minilm_packed, minilm_reference):
+    texts, want = minilm_reference
+    short = sentences(texts)
+    _, packed_plan = minilm_packed.prepare(short)
+    assert packed_plan.layout == "packed"
+    assert max(len(r) for b in packed_plan.batches for r in b.rows) > 1  # rows really are shared
+    packed = minilm_packed.embed(short)
+    padded_enc = Encoder.from_pretrained(None)
+    padded_enc.warmup(fixed(SMALL))
+    padded = padded_enc.embed(short)
+    assert cosine_rows(packed, padded).min() >= 0.99999
+    # the reference texts (short and over-length) through the packed engine
+    assert cosine_rows(minilm_packed.embed(texts), want).min() >= 0.99999
+
+
+@pytest.mark.parametrize("pooling", ["mean", "cls", "max", "lasttoken"])
+def test_packed_equals_padded_every_pooling(tiny_checkpoint, pooling):
+    path = str(tiny_checkpoint(pooling=pooling))
+    texts = ["the model " * (i % 7) + f"doc {i}" for i in range(30)]
+    padded = Encoder.from_pretrained(path)
+    padded.warmup(fixed([(2, 32), (2, 64)]))
+    packed = Encoder.from_pretrained(path)
+    packed.warmup(fixed([(2, 32), (2, 64)], layout="packed"))
+    assert packed.prepare(texts)[1].layout == "packed"
+    np.testing.assert_allclose(packed.embed(texts), padded.embed(texts), atol=2e-5)
+
+
+def test_chunk_mode_is_token_weighted_mean_of_windows(tiny_checkpoint):
+    enc = Encoder.from_pretrained(str(tiny_checkpoint(max_seq_length=20)))
+    enc.warmup(fixed([(4, 20)]))
+    text = " ".join(f"w{i % 10}" for i in range(40))  # 80 body tokens (w + ##digit)
+    (body,) = enc.tokenizer.encode_bodies([text])
+    assert len(body) == 80 and enc.tokenizer.max_body == 18
+    pieces = enc.tokenizer.pieces([body], "chunk")
+    stride = 18 - 9  # default overlap 32, capped at half a window
+    starts = list(range(0, 80 - 18, stride)) + [80 - 18]
+    assert len(pieces.seqs) == len(starts)
+    for seq, s in zip(pieces.seqs, starts):
+        np.testing.assert_array_equal(seq[1:-1], body[s : s + 18])
+    one_per_window = Pieces([enc.tokenizer.wrap(body[s : s + 18]) for s in starts], np.arange(len(starts)),
+                            np.ones(len(starts)))
+    windows = enc.run_plan(one_per_window, plan([len(x) for x in one_per_window.seqs], enc.table))
+    want = windows.mean(0)  # every window has 18 tokens: equal weights
+    got = enc.embed([text], long="chunk", normalize=False)[0]
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    unit = enc.embed([text], long="chunk")[0]
+    np.testing.assert_allclose(unit, want / np.linalg.norm(want), atol=1e-5)
+    assert not np.allclose(unit, enc.embed([text])[0], atol=1e-3)  # differs from truncation
+
+
+def test_chunk_keeps_short_documents_whole_and_in_order(tiny_checkpoint):
+    enc = Encoder.from_pretrained(str(tiny_checkpoint(max_seq_length=20)))
+    enc.warmup(fixed([(4, 20)], layout="packed"))
+    texts = ["the model", "x " * 50, "a query"]
+    chunked = enc.embed(texts, long="chunk")
+    truncated = enc.embed(texts)
+    np.testing.assert_allclose(chunked[[0, 2]], truncated[[0, 2]], atol=1e-5)
+
+
+def test_error_mode_names_token_count_and_limit(tiny_checkpoint):
+    enc = Encoder.from_pretrained(str(tiny_checkpoint(max_seq_length=20)))
+    enc.warmup(fixed([(4, 20)]))
+    with pytest.raises(InputError, match=r"input 1 has 32 tokens, over the model's limit of 20"):
+        enc.embed(["ok", "the " * 30], long="error")
+    assert enc.embed(["ok", "the " * 18], long="error").shape == (2, 32)
+    with pytest.raises(InputError, match="unknown long-input mode"):
+        enc.embed(["ok"], long="squash")
