@@ -13,7 +13,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 
 .PHONY: serve test
 serve: $(VENV)/.installed
-	$(VENV)/bin/jaxserve demo
+	$(VENV)/bin/jaxserve serve
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 DEMO_TEXTS = [
@@ -80,6 +81,21 @@ def cmd_warmup(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    """Serve the model over HTTP (OpenAI and TEI routes)."""
+    from jaxserve.server import ServerConfig, serve
+
+    config = ServerConfig(
+        model=args.model, model_name=args.served_model_name, dtype=args.dtype, buckets=args.buckets,
+        ladder=args.ladder, layout=args.layout, max_wait_ms=args.max_wait_ms, max_queue=args.max_queue,
+        max_client_batch=args.max_client_batch, max_input_chars=args.max_input_chars,
+        max_body_bytes=args.max_body_bytes, long=args.long, api_key=args.api_key or os.environ.get("JAXSERVE_API_KEY"),
+        cache_dir=args.cache_dir, use_cache=not args.no_cache,
+    )
+    serve(config, args.host, args.port)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -100,6 +116,29 @@ def build_parser() -> argparse.ArgumentParser:
     warmup.add_argument("--no-cache", action="store_true", help="do not use the persistent compilation cache")
     warmup.add_argument("--write", metavar="FILE", help="save the table, with measured times, as JSON")
     warmup.set_defaults(func=cmd_warmup)
+
+    from jaxserve import server
+
+    serve = sub.add_parser("serve", help="serve the model over HTTP (OpenAI /v1/embeddings, TEI /embed)")
+    _model_args(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8080)
+    serve.add_argument("--buckets", default="auto", metavar="FILE|auto", help="a bucket table JSON file, or auto")
+    serve.add_argument("--ladder", default="default", choices=["default", "max", "pow2", "fine"])
+    serve.add_argument("--layout", default="packed", choices=["padded", "packed"])
+    serve.add_argument("--max-wait-ms", type=float, default=server.MAX_WAIT_MS,
+                       help="batch window: how long a partial batch waits while the device is busy")
+    serve.add_argument("--max-queue", type=int, default=server.MAX_QUEUE, help="sequences waiting before 429")
+    serve.add_argument("--max-client-batch", type=int, default=server.MAX_CLIENT_BATCH, help="inputs per request")
+    serve.add_argument("--max-input-chars", type=int, default=server.MAX_INPUT_CHARS, help="characters per input")
+    serve.add_argument("--max-body-bytes", type=int, default=server.MAX_BODY_BYTES, help="request body size (413 past it)")
+    serve.add_argument("--long", default="truncate", choices=["truncate", "chunk", "error"],
+                       help="default for inputs over the model's limit")
+    serve.add_argument("--api-key", help="require `Authorization: Bearer KEY` (or set JAXSERVE_API_KEY)")
+    serve.add_argument("--served-model-name", help="model name reported in responses")
+    serve.add_argument("--cache-dir", help="persistent compilation cache directory")
+    serve.add_argument("--no-cache", action="store_true", help="do not use the persistent compilation cache")
+    serve.set_defaults(func=cmd_serve)
     return parser
 
 

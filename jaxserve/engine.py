@@ -112,14 +112,23 @@ class Engine:
         self._table_keys = frozenset(keep)
         return self.table
 
-    def run(self, bucket: Bucket, batch: dict[str, np.ndarray]) -> np.ndarray:
-        """One dispatch at `bucket`'s shape -> host array [B, K, D]."""
+    def put(self, bucket: Bucket, batch: dict[str, np.ndarray]) -> tuple[jax.stages.Compiled, dict]:
+        """Check the shape and start the host-to-device copy (the host part of a dispatch)."""
         key = (bucket.batch, bucket.seqlen, bucket.slots)
         future = self._compiled.get(key) if key in self._table_keys else None
         shape = batch["token_ids"].shape
         if future is None or shape != bucket.shape:
             raise ShapeError(f"batch {shape} (slots {bucket.slots}) is not a warmed bucket of this engine")
-        return np.asarray(future.result()(self.params, jax.device_put(batch)))
+        return future.result(), jax.device_put(batch)
+
+    def execute(self, prepared: tuple[jax.stages.Compiled, dict]) -> np.ndarray:
+        """Run a prepared batch -> host array [B, K, D] (blocks until the device is done)."""
+        exe, inputs = prepared
+        return np.asarray(exe(self.params, inputs))
+
+    def run(self, bucket: Bucket, batch: dict[str, np.ndarray]) -> np.ndarray:
+        """One dispatch at `bucket`'s shape -> host array [B, K, D]."""
+        return self.execute(self.put(bucket, batch))
 
 
 def _dummy_batch(bucket: Bucket) -> dict[str, np.ndarray]:

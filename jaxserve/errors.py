@@ -10,4 +10,8 @@ class CheckpointError(JaxserveError):
 
 
 class InputError(JaxserveError):
-    """A request's documents cannot be run as asked (e.g. too long with truncation off)."""
+    """A request's documents cannot be run as asked."""
+
+
+class TooLongError(InputError):
+    """A document is over the model's limit and neither truncation nor chunking was allowed."""

@@ -145,7 +145,7 @@ def _pack(lengths: tuple[int, ...], table: BucketTable, width: int) -> Plan:
 
 def _finish(lengths, table: BucketTable, rows: list[list[int]], width: int | None) -> Plan:
     """Rows -> each in its smallest seqlen -> batches (cheapest batch sizes) -> spare rows filled."""
-    cost = _cost_model(table)
+    cost = cost_model(table)
     by_seqlen: dict[int, list[tuple[int, ...]]] = {}
     for row in rows:
         seqlen = table.pick(sum(lengths[i] for i in row), docs=len(row)).seqlen
@@ -157,11 +157,23 @@ def _finish(lengths, table: BucketTable, rows: list[list[int]], width: int | Non
     return Plan(lengths, tuple(PlannedBatch(b, tuple(r)) for b, r in batches if r), width)
 
 
-def _cost_model(table: BucketTable):
+def cost_model(table: BucketTable):
     """A dispatch's cost: its measured time once warmed, else its tokens plus a fixed overhead."""
     if all(b.run_s is not None for b in table.buckets):
         return lambda b: b.run_s
     return lambda b: b.tokens + DISPATCH_OVERHEAD_TOKENS
+
+
+def cheapest_cover(n_rows: int, options: list[Bucket], cost) -> list[Bucket]:
+    """The batch sizes (of one seqlen's ladder) that hold `n_rows` rows at the least cost, largest first."""
+    best = [(0.0, None)] * (n_rows + 1)  # best[x]: cheapest (cost, first bucket) covering x rows
+    for x in range(1, n_rows + 1):
+        best[x] = min(((cost(b) + best[max(0, x - b.batch)][0], b) for b in options), key=lambda t: (t[0], -t[1].batch))
+    cover = []
+    while n_rows > 0:
+        cover.append(best[n_rows][1])
+        n_rows -= min(cover[-1].batch, n_rows)
+    return sorted(cover, key=lambda b: -b.batch)
 
 
 def _split(rows, options: list[Bucket], cost) -> list[tuple[Bucket, list]]:
@@ -169,16 +181,10 @@ def _split(rows, options: list[Bucket], cost) -> list[tuple[Bucket, list]]:
     largest = options[-1]
     full = len(rows) // largest.batch * largest.batch
     out = [(largest, rows[s : s + largest.batch]) for s in range(0, full, largest.batch)]
-    rest = len(rows) - full
-    best = [(0.0, None)] * (rest + 1)  # best[x]: cheapest (cost, bucket) covering x rows
-    for x in range(1, rest + 1):
-        best[x] = min(((cost(b) + best[max(0, x - b.batch)][0], b) for b in options), key=lambda t: (t[0], -t[1].batch))
     start = full
-    while rest > 0:
-        bucket = best[rest][1]
-        take = min(bucket.batch, rest)
-        out.append((bucket, rows[start : start + take]))
-        start, rest = start + take, rest - take
+    for bucket in cheapest_cover(len(rows) - full, options, cost):
+        out.append((bucket, rows[start : start + bucket.batch]))
+        start += bucket.batch
     return out
 
 

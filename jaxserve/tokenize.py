@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
-from jaxserve.errors import CheckpointError, InputError
+from jaxserve.errors import CheckpointError, InputError, TooLongError
 
 LONG_MODES = ("truncate", "chunk", "error")  # what to do with a document over the model's limit
 DEFAULT_CHUNK_OVERLAP = 32  # tokens shared by neighbouring windows in `chunk` mode
@@ -91,7 +91,7 @@ class TextTokenizer:
             if n <= w or long == "truncate":
                 starts = [0]
             elif long == "error":
-                raise InputError(
+                raise TooLongError(
                     f"input {i} has {n + self.num_special} tokens, over the model's limit of {self.max_length} "
                     "(allow truncation or chunking)"
                 )

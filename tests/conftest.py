@@ -47,3 +47,54 @@ def cosine_rows(a, b):
     a = np.asarray(a, np.float64)
     b = np.asarray(b, np.float64)
     return (a * b).sum(-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))
+
+
+@pytest.fixture(scope="session")
+def minilm_warm(minilm):
+    """The bundled MiniLM with its default bucket table warmed (shared by the server tests)."""
+    minilm.table
+    return minilm
+
+
+@pytest.fixture
+def make_server(aiohttp_client):
+    """Factory: a real jaxserve app on a loopback port, returned once /health says ready."""
+    import asyncio
+
+    from jaxserve.server import ServerConfig, create_app
+
+    async def make(encoder, **config):
+        client = await aiohttp_client(create_app(ServerConfig(**config), encoder),
+                                      server_kwargs={"handler_cancellation": True})
+        for _ in range(600):
+            resp = await client.get("/health")
+            if resp.status == 200:
+                return client
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"server not ready: {await resp.text()}")
+
+    return make
+
+
+class SlowEngine:
+    """Fault injection: the real engine, with a delay (or an error) in each device step."""
+
+    def __init__(self, engine, delay=0.0, fail_when=None):
+        self._engine = engine
+        self.delay = delay
+        self.fail_when = fail_when  # predicate on the prepared batch's token ids
+        self.steps = 0
+        self.seen: list[np.ndarray] = []  # token ids of every batch that reached the device
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def execute(self, prepared):
+        import time
+
+        self.steps += 1
+        self.seen.append(np.asarray(prepared[1]["token_ids"]))
+        time.sleep(self.delay)
+        if self.fail_when is not None and self.fail_when(self.seen[-1]):
+            raise RuntimeError("injected device fault")
+        return self._engine.execute(prepared)

@@ -1,0 +1,151 @@
+"""Request validation and response shapes of the HTTP API (OpenAI- and TEI-compatible), without HTTP.
+
+Each `parse_*` turns a decoded JSON body into a typed request or raises
+`ApiError` with the status and a message naming the offending field.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+
+import numpy as np
+
+from jaxserve.tokenize import LONG_MODES
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", headers: dict | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type}}
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    max_client_batch: int  # inputs per request
+    max_input_chars: int  # characters per input
+
+
+@dataclasses.dataclass(frozen=True)
+class EmbedRequest:
+    texts: list[str] | None  # either texts ...
+    token_ids: list[np.ndarray] | None  # ... or pre-tokenized bodies (no special tokens)
+    long: str  # truncate | chunk | error
+    normalize: bool = True
+    dimensions: int | None = None
+    encoding_format: str = "float"
+
+    @property
+    def count(self) -> int:
+        return len(self.texts if self.texts is not None else self.token_ids)
+
+
+def _inputs(value, field: str, limits: Limits, allow_tokens: bool) -> tuple[list[str] | None, list[np.ndarray] | None]:
+    """A string, a list of strings, or (OpenAI) a list of token ids or of token-id lists."""
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list):
+        raise ApiError(400, f"`{field}` must be a string or a list of strings, not {type(value).__name__}")
+    if not value:
+        raise ApiError(400, f"`{field}` must not be empty")
+    if allow_tokens and all(isinstance(x, int) and not isinstance(x, bool) for x in value):
+        value = [value]  # one pre-tokenized input
+    if len(value) > limits.max_client_batch:
+        raise ApiError(413, f"`{field}` has {len(value)} inputs; at most {limits.max_client_batch} per request",
+                       "request_too_large")
+    if allow_tokens and all(isinstance(x, list) for x in value):
+        for i, ids in enumerate(value):
+            if not ids or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+                raise ApiError(400, f"`{field}[{i}]` must be a non-empty list of non-negative token ids")
+        return None, [np.asarray(ids, np.int32) for ids in value]
+    for i, x in enumerate(value):
+        if not isinstance(x, str):
+            raise ApiError(400, f"`{field}[{i}]` must be a string, not {type(x).__name__}")
+        if len(x) > limits.max_input_chars:
+            raise ApiError(413, f"`{field}[{i}]` has {len(x)} characters; at most {limits.max_input_chars}",
+                           "request_too_large")
+    return value, None
+
+
+def _long_mode(body: dict, default: str) -> str:
+    long = body.get("long", default)
+    if long not in LONG_MODES:
+        raise ApiError(400, f"`long` must be one of {', '.join(LONG_MODES)}, not {long!r}")
+    return long
+
+
+def _object(body) -> dict:
+    if not isinstance(body, dict):
+        raise ApiError(400, f"the request body must be a JSON object, not {type(body).__name__}")
+    return body
+
+
+def _bool(body: dict, key: str, default):
+    value = body.get(key, default)
+    if value is not None and not isinstance(value, bool):
+        raise ApiError(400, f"`{key}` must be true or false, not {value!r}")
+    return value
+
+
+def parse_openai_embeddings(body, limits: Limits, dim: int, default_long: str) -> EmbedRequest:
+    body = _object(body)
+    if "input" not in body:
+        raise ApiError(400, "missing required field `input`")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise ApiError(400, "`model` must be a string")
+    texts, ids = _inputs(body["input"], "input", limits, allow_tokens=True)
+    fmt = body.get("encoding_format") or "float"
+    if fmt not in ("float", "base64"):
+        raise ApiError(400, f"`encoding_format` must be 'float' or 'base64', not {fmt!r}")
+    dims = body.get("dimensions")
+    if dims is not None and (not isinstance(dims, int) or isinstance(dims, bool) or not 1 <= dims <= dim):
+        raise ApiError(400, f"`dimensions` must be an integer from 1 to {dim}, not {dims!r}")
+    return EmbedRequest(texts, ids, _long_mode(body, default_long), True, dims, fmt)
+
+
+def parse_tei_embed(body, limits: Limits, default_long: str) -> EmbedRequest:
+    body = _object(body)
+    if "inputs" not in body:
+        raise ApiError(400, "missing required field `inputs`")
+    texts, _ = _inputs(body["inputs"], "inputs", limits, allow_tokens=False)
+    truncate = _bool(body, "truncate", None)
+    if body.get("truncation_direction", "Right") not in ("Right", "right"):
+        raise ApiError(400, "only `truncation_direction: Right` is supported")
+    long = default_long if truncate is None else ("truncate" if truncate else "error")
+    return EmbedRequest(texts, None, _long_mode(body, long), _bool(body, "normalize", True))
+
+
+def parse_tokenize(body, limits: Limits) -> tuple[list[str], bool]:
+    body = _object(body)
+    if "inputs" not in body:
+        raise ApiError(400, "missing required field `inputs`")
+    texts, _ = _inputs(body["inputs"], "inputs", limits, allow_tokens=False)
+    return texts, _bool(body, "add_special_tokens", True)
+
+
+def shape_vectors(vectors: np.ndarray, dimensions: int | None) -> np.ndarray:
+    """Truncate to `dimensions` and renormalise (Matryoshka-style, as OpenAI's `dimensions` does)."""
+    if dimensions is None or dimensions == vectors.shape[1]:
+        return vectors
+    cut = vectors[:, :dimensions]
+    return cut / np.maximum(np.linalg.norm(cut, axis=1, keepdims=True), 1e-12)
+
+
+def openai_response(vectors: np.ndarray, model: str, prompt_tokens: int, encoding_format: str) -> dict:
+    if encoding_format == "base64":
+        encode = lambda v: base64.b64encode(np.ascontiguousarray(v, "<f4").tobytes()).decode("ascii")
+    else:
+        encode = lambda v: v.tolist()
+    return {
+        "object": "list",
+        "data": [{"object": "embedding", "index": i, "embedding": encode(v)} for i, v in enumerate(vectors)],
+        "model": model,
+        "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
+    }

@@ -1,0 +1,367 @@
+"""The HTTP service: aiohttp routes over the encoder, the batcher and one device worker.
+
+Data flows one way: HTTP -> validate (api.py) -> tokenize + plan (a thread)
+-> batcher -> device worker (service.py) -> scatter -> response.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import hmac
+import json
+import logging
+import time
+from pathlib import Path
+
+import numpy as np
+from aiohttp import web
+
+from jaxserve import api, compiles
+from jaxserve.api import ApiError, EmbedRequest, Limits
+from jaxserve.batcher import QueueFull
+from jaxserve.buckets import BucketTable
+from jaxserve.encoder import Encoder, normalize_rows
+from jaxserve.errors import InputError, TooLongError
+from jaxserve.metrics import ServerMetrics
+from jaxserve.planner import plan
+from jaxserve.service import DeviceError, Draining, EmbeddingService
+
+log = logging.getLogger("jaxserve.server")
+
+# Limits, each with its reason.
+MAX_BODY_BYTES = 16 * 2**20  # 1024 inputs of ~16 k characters; larger bodies are refused before parsing (413)
+MAX_CLIENT_BATCH = 1024  # inputs per request: a 100-document request with room to spare
+MAX_INPUT_CHARS = 100_000  # characters per input: ~25 k tokens, ~100 chunk windows at most
+MAX_QUEUE = 4096  # sequences waiting for the device; past it, 429 (memory stays bounded)
+MAX_WAIT_MS = 5.0  # batch window: how long a partial batch may wait for company while the device is busy
+DRAIN_TIMEOUT_S = 30.0  # SIGTERM: how long accepted work may take to finish
+RETRY_AFTER_S = 1  # told to clients on 429/503
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    model: str | None = None  # checkpoint dir or hub id; None = bundled all-MiniLM-L6-v2
+    model_name: str | None = None  # name reported in responses (default: the model argument or directory name)
+    dtype: str = "float32"
+    buckets: str = "auto"  # a bucket table JSON file, or auto (derived for this device)
+    ladder: str = "default"
+    layout: str = "packed"
+    max_wait_ms: float = MAX_WAIT_MS
+    max_queue: int = MAX_QUEUE
+    max_client_batch: int = MAX_CLIENT_BATCH
+    max_input_chars: int = MAX_INPUT_CHARS
+    max_body_bytes: int = MAX_BODY_BYTES
+    long: str = "truncate"  # default for inputs over the model's limit
+    api_key: str | None = None
+    cache_dir: str | None = None  # persistent compilation cache; None = default location
+    use_cache: bool = True
+
+    def __post_init__(self):
+        if self.max_queue < self.max_client_batch:
+            raise ValueError(f"max_queue ({self.max_queue}) must be at least max_client_batch ({self.max_client_batch})")
+
+
+class AppState:
+    """Everything the handlers share; `ready` once the buckets are warm."""
+
+    def __init__(self, config: ServerConfig, encoder: Encoder | None):
+        self.config = config
+        self.encoder = encoder
+        self.metrics = ServerMetrics()
+        self.service: EmbeddingService | None = None
+        self.table: BucketTable | None = None
+        self.ready = False
+        self.failed: str | None = None
+        self.tokenizer_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="jaxserve-tokenize")
+        self.limits = Limits(config.max_client_batch, config.max_input_chars)
+
+    @property
+    def model_name(self) -> str:
+        return self.config.model_name or self.config.model or "sentence-transformers/all-MiniLM-L6-v2"
+
+    def require_ready(self) -> None:
+        if self.service is not None and self.service.draining:
+            raise ApiError(503, "the server is draining; retry on another replica", "unavailable",
+                           {"Retry-After": str(RETRY_AFTER_S)})
+        if not self.ready:
+            raise ApiError(503, self.failed or "the model is warming up", "unavailable",
+                           {"Retry-After": str(RETRY_AFTER_S)})
+
+
+STATE = web.AppKey("state", AppState)
+
+
+# ---- start-up: load, warm, then serve ----
+
+def load_encoder(config: ServerConfig) -> Encoder:
+    return Encoder.from_pretrained(config.model, dtype=config.dtype)
+
+
+def warm(state: AppState) -> BucketTable:
+    """Compile and time every bucket (blocking; runs in a thread while /health says 503)."""
+    enc, cfg = state.encoder, state.config
+    if cfg.use_cache:
+        compiles.enable_persistent_cache(cfg.cache_dir)
+    if enc.engine.table is not None and cfg.buckets == "auto":
+        return enc.engine.table  # warmed by the caller (tests, embedding scripts)
+    table = BucketTable.load(cfg.buckets) if cfg.buckets != "auto" else enc.derive_table(cfg.ladder, cfg.layout)
+    return enc.warmup(table, progress=True)
+
+
+async def lifecycle(app: web.Application):
+    state = app[STATE]
+    cfg = state.config
+    loop = asyncio.get_running_loop()
+
+    async def start():
+        try:
+            if state.encoder is None:
+                state.encoder = await loop.run_in_executor(None, load_encoder, cfg)
+            state.table = await loop.run_in_executor(None, warm, state)
+        except Exception as exc:
+            state.failed = f"warmup failed: {type(exc).__name__}: {exc}"
+            log.error(state.failed)
+            return
+        enc = state.encoder
+        state.service = EmbeddingService(enc.engine, state.table, enc.dim, cfg.max_wait_ms / 1000, cfg.max_queue,
+                                         state.metrics)
+        await state.service.start()
+        state.ready = True
+        log.info("ready: %d buckets, %d XLA compiles so far", len(state.table.buckets), compiles.xla_compiles_total())
+
+    starting = asyncio.create_task(start())
+    yield
+    starting.cancel()
+    if state.service is not None:
+        await state.service.stop()
+    state.tokenizer_pool.shutdown(wait=False)
+
+
+async def on_shutdown(app: web.Application) -> None:
+    """SIGTERM: the listening socket is closed already; finish what was accepted, refuse the rest."""
+    state = app[STATE]
+    if state.service is not None:
+        finished = await state.service.drain(DRAIN_TIMEOUT_S)
+        log.info("drained: %s", "all accepted requests finished" if finished else "timed out")
+
+
+# ---- middleware: errors as JSON, auth, metrics ----
+
+@web.middleware
+async def errors_middleware(request: web.Request, handler):
+    state = request.app[STATE]
+    route = request.match_info.route.resource.canonical if request.match_info.route.resource else "unmatched"
+    start = time.perf_counter()
+    try:
+        _authorize(request, state.config.api_key)
+        response = await handler(request)
+    except ApiError as err:
+        response = _error(err)
+    except web.HTTPException as exc:
+        kind = {404: "not_found_error", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status, "http_error")
+        message = {404: f"no route {request.method} {request.path}",
+                   405: f"method {request.method} is not allowed on {request.path}",
+                   413: f"request body over {state.config.max_body_bytes} bytes"}.get(exc.status, exc.reason)
+        response = _error(ApiError(exc.status, message, kind))
+    except Exception as exc:  # a bug: say so without echoing the request
+        log.exception("unhandled error on %s", route)
+        response = _error(ApiError(500, f"internal error: {type(exc).__name__}", "server_error"))
+    state.metrics.requests.labels(route, str(response.status)).inc()
+    state.metrics.request_duration.labels(route).observe(time.perf_counter() - start)
+    if response.status >= 400:
+        state.metrics.errors.labels(getattr(response, "error_type", "http_error")).inc()
+    return response
+
+
+def _authorize(request: web.Request, api_key: str | None) -> None:
+    if api_key is None or request.path == "/health":
+        return
+    given = request.headers.get("Authorization", "")
+    scheme, _, token = given.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+        raise ApiError(401, "missing or wrong API key (send `Authorization: Bearer KEY`)", "authentication_error",
+                       {"WWW-Authenticate": "Bearer"})
+
+
+def _error(err: ApiError) -> web.Response:
+    response = web.json_response(err.body(), status=err.status, headers=err.headers)
+    response.error_type = err.type
+    return response
+
+
+async def _json_body(request: web.Request):
+    raw = await request.read()  # raises 413 past client_max_size
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+
+
+# ---- the embedding path ----
+
+async def embed(state: AppState, req: EmbedRequest, too_long_status: int = 400) -> tuple[np.ndarray, int, dict]:
+    """Validated request -> [N, D] vectors (input order), tokens used, per-phase times."""
+    loop = asyncio.get_running_loop()
+    enc = state.encoder
+    t0 = time.perf_counter()
+    try:
+        pieces, planned = await loop.run_in_executor(state.tokenizer_pool, _tokenize_and_plan, enc, req)
+    except TooLongError as err:
+        raise ApiError(too_long_status, str(err), "request_too_large" if too_long_status == 413 else
+                       "invalid_request_error") from None
+    except InputError as err:
+        raise ApiError(400, str(err)) from None
+    t1 = time.perf_counter()
+    rows = [(row, sum(planned.lengths[i] for i in row)) for b in planned.batches for row in b.rows]
+    try:
+        out, timing = await state.service.run(pieces.seqs, rows)
+    except QueueFull as err:
+        raise ApiError(429, f"queue full: {err}", "rate_limit_error", {"Retry-After": str(RETRY_AFTER_S)}) from None
+    except Draining as err:
+        raise ApiError(503, str(err), "unavailable", {"Retry-After": str(RETRY_AFTER_S)}) from None
+    except DeviceError as err:
+        raise ApiError(500, str(err), "server_error") from None
+    vectors = pieces.combine(out, req.count)
+    if req.normalize:
+        vectors = normalize_rows(vectors)
+    tokens = int(pieces.token_counts(req.count).sum())
+    phases = {"tokenize": t1 - t0, "queue": timing.queue_s, "device": timing.device_s,
+              "host_prepare": timing.host_prepare_s}
+    for name, seconds in phases.items():
+        state.metrics.phase.labels(name).observe(seconds)
+    state.metrics.inputs.inc(req.count)
+    return vectors, tokens, phases
+
+
+def _tokenize_and_plan(enc: Encoder, req: EmbedRequest):
+    tok = enc.tokenizer
+    if req.token_ids is not None:
+        vocab = enc.model_config.vocab_size
+        for i, ids in enumerate(req.token_ids):
+            if ids.max() >= vocab:
+                raise InputError(f"input {i} has token id {int(ids.max())}, outside the vocabulary of {vocab}")
+        bodies = req.token_ids
+    else:
+        bodies = tok.encode_bodies(req.texts)
+    pieces = tok.pieces(bodies, req.long)
+    return pieces, plan([len(s) for s in pieces.seqs], enc.table)
+
+
+# ---- routes ----
+
+async def openai_embeddings(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    state.require_ready()
+    req = api.parse_openai_embeddings(await _json_body(request), state.limits, state.encoder.dim, state.config.long)
+    vectors, tokens, _ = await embed(state, req)
+    start = time.perf_counter()
+    body = api.openai_response(api.shape_vectors(vectors, req.dimensions), state.model_name, tokens, req.encoding_format)
+    response = web.json_response(body)
+    state.metrics.phase.labels("respond").observe(time.perf_counter() - start)
+    return response
+
+
+async def tei_embed(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    state.require_ready()
+    req = api.parse_tei_embed(await _json_body(request), state.limits, state.config.long)
+    vectors, _, _ = await embed(state, req, too_long_status=413)  # TEI answers 413 for over-length inputs
+    start = time.perf_counter()
+    response = web.json_response(vectors.tolist())
+    state.metrics.phase.labels("respond").observe(time.perf_counter() - start)
+    return response
+
+
+async def tei_tokenize(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    state.require_ready()
+    texts, add_special = api.parse_tokenize(await _json_body(request), state.limits)
+    tok = state.encoder.tokenizer.tokenizer
+    encodings = await asyncio.get_running_loop().run_in_executor(
+        state.tokenizer_pool, lambda: tok.encode_batch(texts, add_special_tokens=add_special))
+    out = [
+        [
+            {"id": tid, "text": token if special else text[a:b], "special": bool(special),
+             "start": None if special else a, "stop": None if special else b}
+            for tid, token, (a, b), special in zip(e.ids, e.tokens, e.offsets, e.special_tokens_mask)
+        ]
+        for text, e in zip(texts, encodings)
+    ]
+    return web.json_response(out)
+
+
+async def health(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    if state.service is not None and state.service.draining:
+        return web.json_response({"status": "draining"}, status=503)
+    if not state.ready:
+        return web.json_response({"status": state.failed or "warming"}, status=503)
+    return web.json_response({"status": "ok"})
+
+
+async def info(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    enc, cfg = state.encoder, state.config
+    body = {
+        "model_id": state.model_name,
+        "ready": state.ready,
+        "version": _version(),
+        "limits": {
+            "max_client_batch_size": cfg.max_client_batch, "max_input_chars": cfg.max_input_chars,
+            "max_body_bytes": cfg.max_body_bytes, "max_queue": cfg.max_queue, "max_wait_ms": cfg.max_wait_ms,
+            "default_long": cfg.long, "auth": cfg.api_key is not None,
+        },
+    }
+    if enc is not None:
+        c, e = enc.model_config, enc.embedding_config
+        body.update({
+            "model_type": c.model_type, "model_dtype": enc.dtype, "dimensions": enc.dim,
+            "max_input_length": e.max_seq_length, "pooling": e.pooling, "normalize": e.normalize,
+        })
+    if state.table is not None:
+        import jax
+
+        body["device"] = {"platform": jax.devices()[0].platform, "kind": state.table.device,
+                          "count": len(jax.devices()), "memory_bytes": state.table.device_memory}
+        body["buckets"] = state.table.to_json()
+        body["xla_compiles_total"] = compiles.xla_compiles_total()
+    return web.json_response(body)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    if state.service is not None:
+        state.metrics.queue_depth(state.service.batcher.queued)
+    return web.Response(body=state.metrics.render(), content_type="text/plain", charset="utf-8")
+
+
+def _version() -> str:
+    from jaxserve import __version__
+
+    return __version__
+
+
+def create_app(config: ServerConfig, encoder: Encoder | None = None) -> web.Application:
+    """The aiohttp application. With `encoder` given (already loaded, maybe warmed), it is used as is."""
+    app = web.Application(client_max_size=config.max_body_bytes, middlewares=[errors_middleware])
+    app[STATE] = AppState(config, encoder)
+    app.cleanup_ctx.append(lifecycle)
+    app.on_shutdown.append(on_shutdown)
+    app.router.add_post("/v1/embeddings", openai_embeddings)
+    app.router.add_post("/embed", tei_embed)
+    app.router.add_post("/tokenize", tei_tokenize)
+    app.router.add_get("/health", health)
+    app.router.add_get("/info", info)
+    app.router.add_get("/metrics", metrics)
+    return app
+
+
+def serve(config: ServerConfig, host: str, port: int) -> None:
+    """Load the model (errors end the process at once), then serve; warmup runs while /health says 503."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    encoder = load_encoder(config)
+    log.info("loaded %s (%s, dim %d); warming up", encoder.path, encoder.model_config.model_type, encoder.dim)
+    web.run_app(create_app(config, encoder), host=host, port=port, handler_cancellation=True,
+                shutdown_timeout=DRAIN_TIMEOUT_S, print=lambda msg: log.info(msg))

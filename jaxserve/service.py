@@ -1,0 +1,263 @@
+"""The device worker: one owner of the device, fed by the batcher, one batch prepared ahead.
+
+Two asyncio tasks share the event loop with the HTTP handlers (so the batcher
+needs no lock): the scheduler asks the batcher for the next dispatch and
+prepares it on a host thread (assembling the arrays, starting the copy to the
+device) while the device thread runs the current one; the device task runs
+prepared batches one at a time and scatters each row's vectors back to its
+request. A request's future resolves once all its sequences are done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import itertools
+import logging
+import time
+
+import numpy as np
+
+from jaxserve.batcher import Batcher, Dispatch
+from jaxserve.buckets import BucketTable
+from jaxserve.engine import Engine
+from jaxserve.planner import PlannedBatch, assemble
+
+log = logging.getLogger("jaxserve.service")
+
+
+class Draining(Exception):
+    """The service is shutting down and takes no new work."""
+
+
+class DeviceError(Exception):
+    """The batch holding some of this request's rows failed on the device."""
+
+
+@dataclasses.dataclass
+class RequestTiming:
+    """Where one request's time went (seconds)."""
+
+    submitted: float
+    first_dispatch: float | None = None
+    done: float | None = None
+    host_prepare_s: float = 0.0  # assembling + copying its batches
+    device_s: float = 0.0  # device time of the batches its rows ran in
+    batches: list = dataclasses.field(default_factory=list)  # (bucket shape, rows of this request, reason)
+
+    @property
+    def queue_s(self) -> float:
+        return (self.first_dispatch or self.submitted) - self.submitted
+
+    @property
+    def total_s(self) -> float:
+        return (self.done or self.submitted) - self.submitted
+
+
+@dataclasses.dataclass
+class _Pending:
+    future: asyncio.Future
+    seqs: list[np.ndarray]
+    out: np.ndarray  # [P, D] filled as rows finish
+    remaining: int
+    timing: RequestTiming
+
+
+class Metrics:
+    """What the service reports; the server's Prometheus metrics implement it, tests may pass None."""
+
+    def dispatched(self, d: Dispatch, real_tokens: int, waits: list[float]) -> None: ...
+
+    def device_time(self, d: Dispatch, seconds: float) -> None: ...
+
+    def queue_depth(self, sequences: int) -> None: ...
+
+
+class EmbeddingService:
+    def __init__(self, engine: Engine, table: BucketTable, dim: int, max_wait_s: float, max_queued: int,
+                 metrics: Metrics | None = None):
+        self.engine = engine
+        self.batcher = Batcher(table, max_wait_s, max_queued)
+        self.dim = dim
+        self.metrics = metrics or Metrics()
+        self._pending: dict[int, _Pending] = {}
+        self._ids = itertools.count()
+        self._host = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxserve-host")
+        self._device = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxserve-device")
+        self._tasks: list[asyncio.Task] = []
+        self._draining = False
+        self._running = False  # the device is busy with a batch
+        self.device_batches = 0
+
+    # ---- lifecycle ----
+
+    async def start(self) -> None:
+        self._wake = asyncio.Event()
+        self._slot_free = asyncio.Event()
+        self._slot_free.set()
+        self._ready: asyncio.Queue = asyncio.Queue(maxsize=1)  # prefetch depth 1
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._tasks = [asyncio.create_task(self._schedule(), name="jaxserve-scheduler"),
+                       asyncio.create_task(self._run_device(), name="jaxserve-device")]
+
+    async def drain(self, timeout: float) -> bool:
+        """Take no new work; wait for every accepted request to finish. True if all did."""
+        self._draining = True
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for p in self._pending.values():
+            if not p.future.done():
+                p.future.set_exception(Draining("the server stopped before this request finished"))
+        self._host.shutdown(wait=False)
+        self._device.shutdown(wait=True)
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._pending)
+
+    # ---- requests ----
+
+    async def run(self, seqs: list[np.ndarray], rows: list[tuple[tuple[int, ...], int]]) -> tuple[np.ndarray, RequestTiming]:
+        """Embed one request's sequences, packed into `rows` ((sequence indices, tokens) each).
+
+        Raises QueueFull (queue limit), Draining (shutting down) or DeviceError.
+        """
+        now = time.monotonic()
+        timing = RequestTiming(submitted=now)
+        if self._draining:
+            raise Draining("the server is draining and takes no new requests")
+        if not seqs:
+            timing.done = now
+            return np.zeros((0, self.dim), np.float32), timing
+        rid = next(self._ids)
+        self.batcher.submit(rid, rows, now)
+        future = asyncio.get_running_loop().create_future()
+        self._pending[rid] = _Pending(future, seqs, np.zeros((len(seqs), self.dim), np.float32), len(seqs), timing)
+        self._idle.clear()
+        self.metrics.queue_depth(self.batcher.queued)
+        self._wake.set()
+        try:
+            out = await future
+        finally:
+            if not future.done():  # the client went away: its waiting rows are dropped
+                self.batcher.cancel(rid)
+                self.metrics.queue_depth(self.batcher.queued)
+            self._forget(rid)
+        return out, timing
+
+    def _forget(self, rid: int) -> None:
+        self._pending.pop(rid, None)
+        if not self._pending:
+            self._idle.set()
+
+    # ---- the two tasks ----
+
+    async def _schedule(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._slot_free.wait()
+            self._wake.clear()
+            d = self.batcher.next_dispatch(time.monotonic(), device_idle=not self._running)
+            if d is None:
+                deadline = self.batcher.next_deadline()
+                timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+                try:
+                    await asyncio.wait_for(self._wake.wait(), timeout)
+                except asyncio.TimeoutError:
+                    pass
+                continue
+            self.metrics.queue_depth(self.batcher.queued)
+            now = time.monotonic()
+            flat, planned = self._flatten(d)
+            waits = [now - r.enqueued for r in d.rows]
+            self.metrics.dispatched(d, sum(r.tokens for r in d.rows), waits)
+            for rid in {r.request for r in d.rows}:
+                if (p := self._pending.get(rid)) and p.timing.first_dispatch is None:
+                    p.timing.first_dispatch = now
+            start = time.perf_counter()
+            try:
+                prepared = await loop.run_in_executor(self._host, self._prepare, planned, flat)
+            except Exception as exc:
+                log.exception("preparing a batch failed")
+                self._fail(d, exc)
+                continue
+            self._slot_free.clear()
+            self._ready.put_nowait((d, prepared, time.perf_counter() - start))
+
+    def _flatten(self, d: Dispatch) -> tuple[list[np.ndarray], PlannedBatch]:
+        """The dispatch's sequences as one list, and its rows as indices into it (cancelled rows: empty)."""
+        flat, rows = [], []
+        for r in d.rows:
+            p = self._pending.get(r.request)
+            idx = []
+            for i in r.pieces if p else ():
+                idx.append(len(flat))
+                flat.append(p.seqs[i])
+            rows.append(tuple(idx))
+        return flat, PlannedBatch(d.bucket, tuple(rows))
+
+    def _prepare(self, planned: PlannedBatch, flat: list[np.ndarray]):
+        return self.engine.put(planned.bucket, assemble(planned, flat))
+
+    async def _run_device(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            d, prepared, prepare_s = await self._ready.get()
+            self._slot_free.set()
+            self._running = True
+            start = time.perf_counter()
+            try:
+                out = await loop.run_in_executor(self._device, self.engine.execute, prepared)
+            except Exception as exc:
+                log.error("device step failed for a batch at %s: %s", d.bucket.shape, exc)
+                self._fail(d, exc)
+                continue
+            finally:
+                self._running = False
+                self._wake.set()
+            device_s = time.perf_counter() - start
+            self.device_batches += 1
+            self.metrics.device_time(d, device_s)
+            self._scatter(d, out, prepare_s, device_s)
+
+    def _scatter(self, d: Dispatch, out: np.ndarray, prepare_s: float, device_s: float) -> None:
+        now = time.monotonic()
+        touched: dict[int, int] = {}
+        for r, row in enumerate(d.rows):
+            p = self._pending.get(row.request)
+            if p is None or p.future.done():
+                continue
+            for slot, i in enumerate(row.pieces):
+                p.out[i] = out[r, slot]
+            p.remaining -= len(row.pieces)
+            touched[row.request] = touched.get(row.request, 0) + 1
+        for rid, n_rows in touched.items():
+            p = self._pending[rid]
+            p.timing.host_prepare_s += prepare_s
+            p.timing.device_s += device_s
+            p.timing.batches.append((d.bucket.shape, n_rows, d.reason))
+            if p.remaining == 0:
+                p.timing.done = now
+                p.future.set_result(p.out)
+
+    def _fail(self, d: Dispatch, exc: Exception) -> None:
+        """Fail exactly the requests with rows in this batch; everyone else carries on."""
+        for rid in {r.request for r in d.rows}:
+            p = self._pending.get(rid)
+            if p and not p.future.done():
+                self.batcher.cancel(rid)
+                p.future.set_exception(DeviceError(f"the batch at {d.bucket.shape} failed: {type(exc).__name__}: {exc}"))

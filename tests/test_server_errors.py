@@ -1,0 +1,218 @@
+"""Bad input, overload, auth, draining and disconnects against the real server (tiny model, loopback).
+
+Every failure case is followed by a good request that must succeed.
+"""
+
+import asyncio
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import aiohttp
+import pytest
+
+import tiny
+from conftest import TINY_TABLE, SlowEngine
+from jaxserve import Encoder
+
+GOOD = {"input": ["the model", "a query"]}
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    return tiny.write_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt", max_seq_length=32)
+
+
+@pytest.fixture(scope="module")
+def tiny_enc(tiny_path):
+    return Encoder.from_pretrained(str(tiny_path), buckets=TINY_TABLE)
+
+
+async def assert_good(client):
+    resp = await client.post("/v1/embeddings", json=GOOD)
+    assert resp.status == 200, await resp.text()
+    assert len((await resp.json())["data"]) == 2
+
+
+BAD = [
+    # (method, path, body (bytes or json), status, message fragment)
+    ("POST", "/v1/embeddings", b"{not json", 400, "not valid JSON"),
+    ("POST", "/v1/embeddings", b"\xff\xfe", 400, "not valid JSON"),
+    ("POST", "/v1/embeddings", [1, 2], 400, "must be a JSON object"),
+    ("POST", "/v1/embeddings", {}, 400, "missing required field `input`"),
+    ("POST", "/v1/embeddings", {"input": 5}, 400, "must be a string or a list of strings"),
+    ("POST", "/v1/embeddings", {"input": []}, 400, "must not be empty"),
+    ("POST", "/v1/embeddings", {"input": ["ok", 3.5]}, 400, "`input[1]` must be a string"),
+    ("POST", "/v1/embeddings", {"input": ["ok", None]}, 400, "`input[1]` must be a string"),
+    ("POST", "/v1/embeddings", {"input": [[1, 2], [-1]]}, 400, "non-negative token ids"),
+    ("POST", "/v1/embeddings", {"input": [[1, 99999]]}, 400, "outside the vocabulary"),
+    ("POST", "/v1/embeddings", {"input": ["x"] * 9}, 413, "at most 8 per request"),
+    ("POST", "/v1/embeddings", {"input": ["y" * 2001]}, 413, "at most 2000"),
+    ("POST", "/v1/embeddings", {"input": ["the " * 40], "long": "error"}, 400, "over the model's limit of 32"),
+    ("POST", "/v1/embeddings", {"input": ["ok"], "long": "squash"}, 400, "`long` must be one of"),
+    ("POST", "/v1/embeddings", {"input": ["ok"], "encoding_format": "hex"}, 400, "`encoding_format`"),
+    ("POST", "/v1/embeddings", {"input": ["ok"], "dimensions": 0}, 400, "`dimensions` must be an integer from 1 to 32"),
+    ("POST", "/v1/embeddings", {"input": ["ok"], "dimensions": 33}, 400, "`dimensions`"),
+    ("POST", "/v1/embeddings", {"input": ["ok"], "model": 7}, 400, "`model` must be a string"),
+    ("POST", "/v1/embeddings", b"[" * 30000 + b"]" * 30000, 413, "request body over"),
+    ("POST", "/embed", {"inputs": "the " * 40, "truncate": False}, 413, "over the model's limit"),
+    ("POST", "/embed", {"inputs": ["ok"], "normalize": "yes"}, 400, "`normalize` must be true or false"),
+    ("POST", "/embed", {"inputs": ["ok"], "truncation_direction": "Left"}, 400, "truncation_direction"),
+    ("POST", "/embed", {"input": ["ok"]}, 400, "missing required field `inputs`"),
+    ("POST", "/tokenize", {"inputs": [1]}, 400, "`inputs[0]` must be a string"),
+    ("GET", "/v1/nothing", None, 404, "no route GET /v1/nothing"),
+    ("GET", "/v1/embeddings", None, 405, "method GET is not allowed"),
+    ("DELETE", "/health", None, 405, "not allowed"),
+]
+
+
+@pytest.mark.parametrize("method, path, body, status, fragment", BAD, ids=[f"{b[1]}-{b[3]}-{i}" for i, b in enumerate(BAD)])
+async def test_bad_input_gets_clear_json_error_and_server_keeps_serving(make_server, tiny_enc, method, path, body,
+                                                                        status, fragment):
+    client = await make_server(tiny_enc, max_client_batch=8, max_input_chars=2000, max_body_bytes=50_000,
+                               max_queue=64)
+    kw = {"data": body} if isinstance(body, bytes) else ({"json": body} if body is not None else {})
+    resp = await client.request(method, path, **kw)
+    assert resp.status == status
+    err = (await resp.json())["error"]
+    assert fragment in err["message"] and err["type"]
+    await assert_good(client)
+
+
+async def test_error_messages_do_not_echo_documents(make_server, tiny_enc):
+    client = await make_server(tiny_enc, max_input_chars=100)
+    secret = "confidential-" + "z" * 200
+    resp = await client.post("/v1/embeddings", json={"input": ["ok", secret]})
+    assert resp.status == 413 and "confidential" not in await resp.text()
+
+
+async def test_overload_gives_429_with_retry_after_then_recovers(make_server, tiny_enc):
+    slow = dataclasses.replace(tiny_enc, engine=SlowEngine(tiny_enc.engine, delay=1.0))
+    client = await make_server(slow, max_queue=8, max_client_batch=8, max_wait_ms=0)
+    batch = {"input": [f"the model {i}" for i in range(8)]}
+    accepted = []
+    for _ in range(3):  # onto the device, prepared next (prefetch depth 1), waiting in the queue
+        accepted.append(asyncio.create_task(client.post("/v1/embeddings", json=batch)))
+        await asyncio.sleep(0.1)
+    rejected = await client.post("/v1/embeddings", json=GOOD)
+    assert rejected.status == 429 and rejected.headers["Retry-After"] == "1"
+    assert (await rejected.json())["error"]["type"] == "rate_limit_error"
+    assert [(await t).status for t in accepted] == [200, 200, 200]
+    await assert_good(client)
+
+
+async def test_auth_required_on_every_route_but_health(make_server, tiny_enc):
+    client = await make_server(tiny_enc, api_key="s3cret")
+    assert (await client.get("/health")).status == 200
+    for method, path in [("POST", "/v1/embeddings"), ("POST", "/embed"), ("GET", "/info"), ("GET", "/metrics")]:
+        resp = await client.request(method, path, json=GOOD)
+        assert resp.status == 401 and resp.headers["WWW-Authenticate"] == "Bearer"
+        assert (await resp.json())["error"]["type"] == "authentication_error"
+    wrong = await client.post("/v1/embeddings", json=GOOD, headers={"Authorization": "Bearer nope"})
+    assert wrong.status == 401
+    ok = await client.post("/v1/embeddings", json=GOOD, headers={"Authorization": "Bearer s3cret"})
+    assert ok.status == 200
+
+
+async def test_disconnected_client_has_its_queued_rows_dropped(make_server, tiny_enc):
+    from jaxserve.server import STATE
+
+    slow = dataclasses.replace(tiny_enc, engine=SlowEngine(tiny_enc.engine, delay=0.4))
+    client = await make_server(slow, max_wait_ms=0)
+    state = client.app[STATE]
+    busy = [asyncio.create_task(client.post("/v1/embeddings", json={"input": ["the model " * 2] * 4}))]
+    await asyncio.sleep(0.1)
+    busy.append(asyncio.create_task(client.post("/v1/embeddings", json={"input": ["the model"] * 4})))  # prefetched
+    await asyncio.sleep(0.1)
+    async with aiohttp.ClientSession() as other:
+        doomed = asyncio.create_task(other.post(client.make_url("/v1/embeddings"), json={"input": ["a query"] * 4}))
+        await asyncio.sleep(0.1)
+        assert state.service.batcher.queued == 4
+        doomed.cancel()  # the client goes away while its rows wait
+        await asyncio.sleep(0.2)
+    assert state.service.batcher.queued == 0
+    assert [(await t).status for t in busy] == [200, 200]
+    await asyncio.sleep(0.5)
+    query = tiny_enc.tokenizer.encode_bodies(["query"])[0][0]
+    assert slow.engine.seen and not any((ids == query).any() for ids in slow.engine.seen)  # never reached the device
+    await assert_good(client)
+
+
+async def test_draining_refuses_new_work_with_503(make_server, tiny_enc):
+    from jaxserve.server import STATE
+
+    client = await make_server(tiny_enc)
+    await client.app[STATE].service.drain(timeout=1)
+    resp = await client.post("/v1/embeddings", json=GOOD)
+    assert resp.status == 503 and resp.headers["Retry-After"] == "1"
+    assert (await client.get("/health")).status == 503
+
+
+def test_sigterm_finishes_accepted_requests_then_exits(tiny_path, tmp_path):
+    """The real `jaxserve serve` process: SIGTERM during load loses no accepted request."""
+    table = tmp_path / "table.json"
+    TINY_TABLE.save(table)
+    port = 18000 + os.getpid() % 1000
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jaxserve.cli", "serve", "--model", str(tiny_path), "--port", str(port),
+         "--buckets", str(table), "--no-cache"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+
+    async def scenario():
+        url = f"http://127.0.0.1:{port}"
+        async with aiohttp.ClientSession() as s:
+            for _ in range(600):
+                try:
+                    async with s.get(url + "/health") as r:
+                        if r.status == 200:
+                            break
+                except aiohttp.ClientError:
+                    pass
+                await asyncio.sleep(0.1)
+            else:
+                raise AssertionError("server never became ready")
+
+            async def one(i):
+                async with s.post(url + "/v1/embeddings", json={"input": [f"the model {i} " * 3] * 8}) as r:
+                    return r.status, len((await r.json())["data"])
+
+            tasks = [asyncio.create_task(one(i)) for i in range(20)]
+            await asyncio.sleep(0.05)
+            proc.send_signal(signal.SIGTERM)
+            return await asyncio.gather(*tasks, return_exceptions=True)
+
+    try:
+        results = asyncio.run(scenario())
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    accepted = [r for r in results if not isinstance(r, Exception)]
+    assert accepted, results
+    assert all(r == (200, 8) or r[0] == 503 for r in accepted), results
+    assert sum(r == (200, 8) for r in accepted) >= 1
+    refused = [r for r in results if isinstance(r, Exception)]
+    assert all(isinstance(e, aiohttp.ClientConnectionError) for e in refused), refused  # never accepted
+    assert proc.returncode == 0, out
+    assert "drained: all accepted requests finished" in out
+
+
+async def test_device_fault_fails_only_that_batchs_requests(make_server, tiny_enc):
+    query = int(tiny_enc.tokenizer.encode_bodies(["query"])[0][0])
+    faulty = dataclasses.replace(tiny_enc, engine=SlowEngine(tiny_enc.engine, delay=0.2,
+                                                             fail_when=lambda ids: (ids == query).any()))
+    client = await make_server(faulty, max_wait_ms=0)
+    before = asyncio.create_task(client.post("/v1/embeddings", json={"input": ["the model"]}))
+    await asyncio.sleep(0.05)
+    doomed = asyncio.create_task(client.post("/v1/embeddings", json={"input": ["a query", "the jax"]}))
+    resp = await doomed
+    assert resp.status == 500
+    err = (await resp.json())["error"]
+    assert err["type"] == "server_error" and "injected device fault" in err["message"]
+    assert (await before).status == 200
+    after = await client.post("/v1/embeddings", json={"input": ["the model", "a batch"]})
+    assert after.status == 200
