@@ -77,6 +77,10 @@ class Batcher:
         self.queued -= dropped
         return dropped
 
+    def backlog(self) -> list[tuple[int, int]]:
+        """(seqlen, rows) waiting, per seqlen."""
+        return [(s, len(q)) for s, q in self._queues.items() if q]
+
     def next_deadline(self) -> float | None:
         """When the oldest waiting row's window closes (None with nothing queued)."""
         oldest = [q[0].enqueued for q in self._queues.values() if q]

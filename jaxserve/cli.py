@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -96,6 +97,51 @@ def cmd_serve(args) -> int:
     return 0
 
 
+def read_documents(path: str) -> list[str]:
+    """One document per line, or JSONL with a `text` (or `input`) field per line."""
+    import json
+
+    docs = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            line = line.rstrip("\n")
+            if not line.strip():
+                continue
+            if line.lstrip().startswith("{"):
+                obj = json.loads(line)
+                docs.append(obj.get("text", obj.get("input")))
+            else:
+                docs.append(line)
+    return docs
+
+
+def cmd_explain(args) -> int:
+    """Plan a file of documents and print the latency math; with --run, also run it and measure."""
+    import time
+
+    from jaxserve import Encoder
+    from jaxserve.explain import LiveTimings, explain, format_report
+
+    enc = Encoder.from_pretrained(args.model, dtype=args.dtype)
+    table = enc.warmup(table_for(enc, args), progress=True)
+    docs = read_documents(args.file)
+    pieces, planned = enc.prepare(docs, long=args.long)
+    timings = LiveTimings(table)
+    measured = None
+    if args.run:
+        enc.run_plan(pieces, planned)  # once to settle caches; the second run is the measurement
+        device_s = 0.0
+        start = time.perf_counter()
+        for batch in planned.batches:
+            t = time.perf_counter()
+            enc.run_plan(pieces, dataclasses.replace(planned, batches=(batch,)))
+            device_s += time.perf_counter() - t
+        measured = {"device_s": device_s, "total_s": time.perf_counter() - start}
+    print(f"{len(docs)} documents from {args.file}; model {enc.path}; device {table.device}")
+    print(format_report(explain(planned, table, timings, pieces.doc), measured))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -116,6 +162,14 @@ def build_parser() -> argparse.ArgumentParser:
     warmup.add_argument("--no-cache", action="store_true", help="do not use the persistent compilation cache")
     warmup.add_argument("--write", metavar="FILE", help="save the table, with measured times, as JSON")
     warmup.set_defaults(func=cmd_warmup)
+
+    explain = sub.add_parser("explain", help="the plan, padding, memory and predicted time for a file of documents")
+    explain.add_argument("file", help="documents: one per line, or JSONL with a `text` field")
+    _model_args(explain)
+    _table_args(explain)
+    explain.add_argument("--long", default="truncate", choices=["truncate", "chunk", "error"])
+    explain.add_argument("--run", action="store_true", help="also run the plan and print measured times")
+    explain.set_defaults(func=cmd_explain)
 
     from jaxserve import server
 

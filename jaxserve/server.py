@@ -24,6 +24,7 @@ from jaxserve.batcher import QueueFull
 from jaxserve.buckets import BucketTable
 from jaxserve.encoder import Encoder, normalize_rows
 from jaxserve.errors import InputError, TooLongError
+from jaxserve.explain import explain
 from jaxserve.metrics import ServerMetrics
 from jaxserve.planner import plan
 from jaxserve.service import DeviceError, Draining, EmbeddingService
@@ -201,19 +202,39 @@ async def _json_body(request: web.Request):
 
 # ---- the embedding path ----
 
-async def embed(state: AppState, req: EmbedRequest, too_long_status: int = 400) -> tuple[np.ndarray, int, dict]:
-    """Validated request -> [N, D] vectors (input order), tokens used, per-phase times."""
-    loop = asyncio.get_running_loop()
-    enc = state.encoder
-    t0 = time.perf_counter()
+@dataclasses.dataclass
+class Embedded:
+    vectors: np.ndarray  # [N, D] in input order
+    tokens: int  # run through the model
+    phases: dict  # seconds per phase
+    explain: dict  # the plan with its predicted times (measured ones are in `phases`)
+
+
+async def plan_request(state: AppState, req: EmbedRequest, too_long_status: int = 400):
+    """Tokenize and plan on a thread (no device work): (pieces, plan)."""
     try:
-        pieces, planned = await loop.run_in_executor(state.tokenizer_pool, _tokenize_and_plan, enc, req)
+        return await asyncio.get_running_loop().run_in_executor(
+            state.tokenizer_pool, _tokenize_and_plan, state.encoder, req)
     except TooLongError as err:
         raise ApiError(too_long_status, str(err), "request_too_large" if too_long_status == 413 else
                        "invalid_request_error") from None
     except InputError as err:
         raise ApiError(400, str(err)) from None
+
+
+def explain_plan(state: AppState, pieces, planned) -> dict:
+    service = state.service
+    return explain(planned, state.table, service.timings, pieces.doc, service.batcher.backlog(),
+                   service.batches_in_flight, state.config.max_wait_ms / 1000)
+
+
+async def embed(state: AppState, req: EmbedRequest, too_long_status: int = 400) -> Embedded:
+    """Validated request -> vectors in input order, tokens used, per-phase times, the plan explained."""
+    enc = state.encoder
+    t0 = time.perf_counter()
+    pieces, planned = await plan_request(state, req, too_long_status)
     t1 = time.perf_counter()
+    explained = explain_plan(state, pieces, planned)
     rows = [(row, sum(planned.lengths[i] for i in row)) for b in planned.batches for row in b.rows]
     try:
         out, timing = await state.service.run(pieces.seqs, rows)
@@ -227,12 +248,12 @@ async def embed(state: AppState, req: EmbedRequest, too_long_status: int = 400) 
     if req.normalize:
         vectors = normalize_rows(vectors)
     tokens = int(pieces.token_counts(req.count).sum())
-    phases = {"tokenize": t1 - t0, "queue": timing.queue_s, "device": timing.device_s,
-              "host_prepare": timing.host_prepare_s}
-    for name, seconds in phases.items():
-        state.metrics.phase.labels(name).observe(seconds)
+    phases = {"tokenize_s": t1 - t0, "queue_s": timing.queue_s, "host_prepare_s": timing.host_prepare_s,
+              "device_s": timing.device_s, "service_s": timing.total_s, "dispatches_s": timing.batches}
+    for name in ("tokenize", "queue", "host_prepare", "device"):
+        state.metrics.phase.labels(name).observe(phases[name + "_s"])
     state.metrics.inputs.inc(req.count)
-    return vectors, tokens, phases
+    return Embedded(vectors, tokens, phases, explained)
 
 
 def _tokenize_and_plan(enc: Encoder, req: EmbedRequest):
@@ -254,22 +275,48 @@ def _tokenize_and_plan(enc: Encoder, req: EmbedRequest):
 async def openai_embeddings(request: web.Request) -> web.Response:
     state = request.app[STATE]
     state.require_ready()
-    req = api.parse_openai_embeddings(await _json_body(request), state.limits, state.encoder.dim, state.config.long)
-    vectors, tokens, _ = await embed(state, req)
     start = time.perf_counter()
-    body = api.openai_response(api.shape_vectors(vectors, req.dimensions), state.model_name, tokens, req.encoding_format)
-    response = web.json_response(body)
-    state.metrics.phase.labels("respond").observe(time.perf_counter() - start)
-    return response
+    req = api.parse_openai_embeddings(await _json_body(request), state.limits, state.encoder.dim, state.config.long)
+    result = await embed(state, req)
+    t_respond = time.perf_counter()
+    body = api.openai_response(api.shape_vectors(result.vectors, req.dimensions), state.model_name, result.tokens,
+                               req.encoding_format)
+    text = json.dumps(body)
+    respond_s = time.perf_counter() - t_respond
+    state.metrics.phase.labels("respond").observe(respond_s)
+    if _wants_explain(request):
+        measured = {k: v for k, v in result.phases.items() if k != "dispatches_s"}
+        measured.update(respond_s=respond_s, total_s=time.perf_counter() - start)
+        explained = dict(result.explain, measured=measured, dispatched=[
+            {"bucket": list(shape), "rows_of_this_request": n, "reason": reason}
+            for shape, n, reason in result.phases["dispatches_s"]])
+        text = text[:-1] + ', "explain": ' + json.dumps(explained) + "}"
+    return web.Response(text=text, content_type="application/json")
+
+
+def _wants_explain(request: web.Request) -> bool:
+    flag = request.query.get("explain") or request.headers.get("X-Jaxserve-Explain") or ""
+    return flag.lower() in ("1", "true", "yes")
+
+
+async def openai_plan(request: web.Request) -> web.Response:
+    """The plan of a /v1/embeddings body and its predicted times, without running the model."""
+    state = request.app[STATE]
+    state.require_ready()
+    req = api.parse_openai_embeddings(await _json_body(request), state.limits, state.encoder.dim, state.config.long)
+    pieces, planned = await plan_request(state, req)
+    body = explain_plan(state, pieces, planned)
+    body.update(documents=req.count, sequences=len(pieces.seqs), usage={"prompt_tokens": planned.real_tokens})
+    return web.json_response(body)
 
 
 async def tei_embed(request: web.Request) -> web.Response:
     state = request.app[STATE]
     state.require_ready()
     req = api.parse_tei_embed(await _json_body(request), state.limits, state.config.long)
-    vectors, _, _ = await embed(state, req, too_long_status=413)  # TEI answers 413 for over-length inputs
+    result = await embed(state, req, too_long_status=413)  # TEI answers 413 for over-length inputs
     start = time.perf_counter()
-    response = web.json_response(vectors.tolist())
+    response = web.json_response(result.vectors.tolist())
     state.metrics.phase.labels("respond").observe(time.perf_counter() - start)
     return response
 
@@ -350,6 +397,7 @@ def create_app(config: ServerConfig, encoder: Encoder | None = None) -> web.Appl
     app.cleanup_ctx.append(lifecycle)
     app.on_shutdown.append(on_shutdown)
     app.router.add_post("/v1/embeddings", openai_embeddings)
+    app.router.add_post("/v1/plan", openai_plan)
     app.router.add_post("/embed", tei_embed)
     app.router.add_post("/tokenize", tei_tokenize)
     app.router.add_get("/health", health)

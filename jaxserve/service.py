@@ -22,6 +22,7 @@ import numpy as np
 from jaxserve.batcher import Batcher, Dispatch
 from jaxserve.buckets import BucketTable
 from jaxserve.engine import Engine
+from jaxserve.explain import LiveTimings
 from jaxserve.planner import PlannedBatch, assemble
 
 log = logging.getLogger("jaxserve.service")
@@ -79,6 +80,7 @@ class EmbeddingService:
                  metrics: Metrics | None = None):
         self.engine = engine
         self.batcher = Batcher(table, max_wait_s, max_queued)
+        self.timings = LiveTimings(table)  # refreshed from every device step
         self.dim = dim
         self.metrics = metrics or Metrics()
         self._pending: dict[int, _Pending] = {}
@@ -128,6 +130,11 @@ class EmbeddingService:
     @property
     def in_flight(self) -> int:
         return len(self._pending)
+
+    @property
+    def batches_in_flight(self) -> int:
+        """Batches on the device or prepared for it."""
+        return int(self._running) + self._ready.qsize()
 
     # ---- requests ----
 
@@ -231,6 +238,7 @@ class EmbeddingService:
                 self._wake.set()
             device_s = time.perf_counter() - start
             self.device_batches += 1
+            self.timings.observe(d.bucket, device_s)
             self.metrics.device_time(d, device_s)
             self._scatter(d, out, prepare_s, device_s)
 

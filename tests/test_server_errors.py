@@ -179,10 +179,11 @@ def test_sigterm_finishes_accepted_requests_then_exits(tiny_path, tmp_path):
 
             async def one(i):
                 async with s.post(url + "/v1/embeddings", json={"input": [f"the model {i} " * 3] * 8}) as r:
-                    return r.status, len((await r.json())["data"])
+                    body = await r.json()
+                    return r.status, len(body["data"]) if r.status == 200 else body["error"]["type"]
 
-            tasks = [asyncio.create_task(one(i)) for i in range(20)]
-            await asyncio.sleep(0.05)
+            tasks = [asyncio.create_task(one(i)) for i in range(60)]
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)  # load is flowing
             proc.send_signal(signal.SIGTERM)
             return await asyncio.gather(*tasks, return_exceptions=True)
 
@@ -191,12 +192,11 @@ def test_sigterm_finishes_accepted_requests_then_exits(tiny_path, tmp_path):
         out, _ = proc.communicate(timeout=60)
     finally:
         proc.kill()
-    accepted = [r for r in results if not isinstance(r, Exception)]
-    assert accepted, results
-    assert all(r == (200, 8) or r[0] == 503 for r in accepted), results
-    assert sum(r == (200, 8) for r in accepted) >= 1
+    answered = [r for r in results if not isinstance(r, Exception)]
+    assert all(r in ((200, 8), (503, "unavailable")) for r in answered), results  # done, or cleanly refused
+    assert sum(r == (200, 8) for r in answered) >= 2, results
     refused = [r for r in results if isinstance(r, Exception)]
-    assert all(isinstance(e, aiohttp.ClientConnectionError) for e in refused), refused  # never accepted
+    assert all(isinstance(e, aiohttp.ClientConnectorError) for e in refused), refused  # never connected
     assert proc.returncode == 0, out
     assert "drained: all accepted requests finished" in out
 
