@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 from functools import partial
 from pathlib import Path
@@ -132,10 +133,23 @@ class Encoder:
         return pieces, plan([len(s) for s in pieces.seqs], self.table)
 
     def run_plan(self, pieces: Pieces, planned: Plan) -> np.ndarray:
-        """Run every batch of the plan -> [P, D] pooled piece vectors (not normalised)."""
+        """Run every batch of the plan -> [P, D] pooled piece vectors (not normalised).
+
+        Runs `streams` batches at once (2 on a CPU, see `device.describe`); each
+        writes its own rows of the output.
+        """
         out = np.zeros((len(pieces.seqs), self.dim), np.float32)
-        for batch in planned.batches:
+
+        def run(batch):
             scatter(batch, self.engine.run(batch.bucket, assemble(batch, pieces.seqs)), out)
+
+        streams = device.describe().streams
+        if streams == 1 or len(planned.batches) < 2:
+            for batch in planned.batches:
+                run(batch)
+        else:
+            with concurrent.futures.ThreadPoolExecutor(streams) as pool:
+                list(pool.map(run, planned.batches))
         return out
 
     def embed(self, texts: list[str], normalize: bool | None = None, long: str = "truncate") -> np.ndarray:

@@ -8,8 +8,8 @@ Packed: several sequences share a row (first-fit decreasing, up to the
 bucket's slots), each row then goes to the smallest seqlen that holds it. For
 a packed table the planner tries each seqlen as the packing width, keeps the
 padded plan as a candidate, and picks the cheapest plan that uses no more
-dispatches than padding. Rows of one seqlen fill full batches of its largest
-size, and the rest takes the cheapest cover from the seqlen's batch ladder; a
+dispatches than padding. Rows of one seqlen take the cheapest cover from the
+seqlen's batch ladder (measured times once warm: the fastest batch sizes); a
 batch that fits into spare rows of a larger seqlen's batch moves there, since
 those rows are computed anyway. Cost: measured run times once warmed, else
 padded tokens plus a per-dispatch overhead.
@@ -177,12 +177,13 @@ def cheapest_cover(n_rows: int, options: list[Bucket], cost) -> list[Bucket]:
 
 
 def _split(rows, options: list[Bucket], cost) -> list[tuple[Bucket, list]]:
-    """Rows of one seqlen -> full batches of the largest size, then the cheapest cover of the rest."""
-    largest = options[-1]
-    full = len(rows) // largest.batch * largest.batch
-    out = [(largest, rows[s : s + largest.batch]) for s in range(0, full, largest.batch)]
-    start = full
-    for bucket in cheapest_cover(len(rows) - full, options, cost):
+    """Rows of one seqlen -> the cheapest batch sizes that hold them all.
+
+    With measured times this picks, per seqlen, the batch sizes with the best
+    throughput (on a CPU, cache effects often make the smaller ones faster).
+    """
+    out, start = [], 0
+    for bucket in cheapest_cover(len(rows), options, cost):
         out.append((bucket, rows[start : start + bucket.batch]))
         start += bucket.batch
     return out

@@ -13,12 +13,11 @@ import hmac
 import json
 import logging
 import time
-from pathlib import Path
 
 import numpy as np
 from aiohttp import web
 
-from jaxserve import api, compiles
+from jaxserve import api, compiles, device
 from jaxserve.api import ApiError, EmbedRequest, Limits
 from jaxserve.batcher import QueueFull
 from jaxserve.buckets import BucketTable
@@ -58,6 +57,7 @@ class ServerConfig:
     api_key: str | None = None
     cache_dir: str | None = None  # persistent compilation cache; None = default location
     use_cache: bool = True
+    streams: int | None = None  # batches executing at once (default: the device's, 2 on CPU)
 
     def __post_init__(self):
         if self.max_queue < self.max_client_batch:
@@ -127,7 +127,7 @@ async def lifecycle(app: web.Application):
             return
         enc = state.encoder
         state.service = EmbeddingService(enc.engine, state.table, enc.dim, cfg.max_wait_ms / 1000, cfg.max_queue,
-                                         state.metrics)
+                                         state.metrics, streams=cfg.streams or device.describe().streams)
         await state.service.start()
         state.ready = True
         log.info("ready: %d buckets, %d XLA compiles so far", len(state.table.buckets), compiles.xla_compiles_total())
@@ -230,7 +230,6 @@ def explain_plan(state: AppState, pieces, planned) -> dict:
 
 async def embed(state: AppState, req: EmbedRequest, too_long_status: int = 400) -> Embedded:
     """Validated request -> vectors in input order, tokens used, per-phase times, the plan explained."""
-    enc = state.encoder
     t0 = time.perf_counter()
     pieces, planned = await plan_request(state, req, too_long_status)
     t1 = time.perf_counter()

@@ -44,7 +44,7 @@ class RequestTiming:
     first_dispatch: float | None = None
     done: float | None = None
     host_prepare_s: float = 0.0  # assembling + copying its batches
-    device_s: float = 0.0  # device time of the batches its rows ran in
+    device_s: float = 0.0  # device time of the batches its rows ran in (they may overlap: streams > 1)
     batches: list = dataclasses.field(default_factory=list)  # (bucket shape, rows of this request, reason)
 
     @property
@@ -77,7 +77,9 @@ class Metrics:
 
 class EmbeddingService:
     def __init__(self, engine: Engine, table: BucketTable, dim: int, max_wait_s: float, max_queued: int,
-                 metrics: Metrics | None = None):
+                 metrics: Metrics | None = None, streams: int = 1):
+        """`streams`: batches executing at once. 1 on an accelerator; 2 on a CPU, where one XLA
+        executable leaves cores idle in its single-threaded fusions (measured: +10-25% tokens/s)."""
         self.engine = engine
         self.batcher = Batcher(table, max_wait_s, max_queued)
         self.timings = LiveTimings(table)  # refreshed from every device step
@@ -86,10 +88,11 @@ class EmbeddingService:
         self._pending: dict[int, _Pending] = {}
         self._ids = itertools.count()
         self._host = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxserve-host")
-        self._device = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxserve-device")
+        self._device = concurrent.futures.ThreadPoolExecutor(streams, thread_name_prefix="jaxserve-device")
+        self._streams = streams
         self._tasks: list[asyncio.Task] = []
         self._draining = False
-        self._running = False  # the device is busy with a batch
+        self._running = 0  # batches executing now
         self.device_batches = 0
 
     # ---- lifecycle ----
@@ -134,7 +137,7 @@ class EmbeddingService:
     @property
     def batches_in_flight(self) -> int:
         """Batches on the device or prepared for it."""
-        return int(self._running) + self._ready.qsize()
+        return self._running + self._ready.qsize()
 
     # ---- requests ----
 
@@ -178,7 +181,7 @@ class EmbeddingService:
         while True:
             await self._slot_free.wait()
             self._wake.clear()
-            d = self.batcher.next_dispatch(time.monotonic(), device_idle=not self._running)
+            d = self.batcher.next_dispatch(time.monotonic(), device_idle=self._running < self._streams)
             if d is None:
                 deadline = self.batcher.next_deadline()
                 timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -221,26 +224,36 @@ class EmbeddingService:
         return self.engine.put(planned.bucket, assemble(planned, flat))
 
     async def _run_device(self) -> None:
-        loop = asyncio.get_running_loop()
+        free = asyncio.Semaphore(self._streams)
+        running: set[asyncio.Task] = set()
         while True:
+            await free.acquire()
             d, prepared, prepare_s = await self._ready.get()
             self._slot_free.set()
-            self._running = True
-            start = time.perf_counter()
-            try:
-                out = await loop.run_in_executor(self._device, self.engine.execute, prepared)
-            except Exception as exc:
-                log.error("device step failed for a batch at %s: %s", d.bucket.shape, exc)
-                self._fail(d, exc)
-                continue
-            finally:
-                self._running = False
-                self._wake.set()
-            device_s = time.perf_counter() - start
-            self.device_batches += 1
-            self.timings.observe(d.bucket, device_s)
-            self.metrics.device_time(d, device_s)
-            self._scatter(d, out, prepare_s, device_s)
+            self._running += 1
+            task = asyncio.create_task(self._execute(d, prepared, prepare_s))
+            running.add(task)
+            task.add_done_callback(lambda t: (running.discard(t), free.release()))
+
+    async def _execute(self, d: Dispatch, prepared, prepare_s: float) -> None:
+        sharing = self._running  # batches on the device now, this one included
+        start = time.perf_counter()
+        try:
+            out = await asyncio.get_running_loop().run_in_executor(self._device, self.engine.execute, prepared)
+        except Exception as exc:
+            log.error("device step failed for a batch at %s: %s", d.bucket.shape, exc)
+            self._fail(d, exc)
+            return
+        finally:
+            self._running -= 1
+            self._wake.set()
+        device_s = time.perf_counter() - start
+        self.device_batches += 1
+        # Batches sharing the device each take longer but overlap: their share of the
+        # wall time is what a plan's prediction adds up.
+        self.timings.observe(d.bucket, device_s / sharing)
+        self.metrics.device_time(d, device_s)
+        self._scatter(d, out, prepare_s, device_s)
 
     def _scatter(self, d: Dispatch, out: np.ndarray, prepare_s: float, device_s: float) -> None:
         now = time.monotonic()

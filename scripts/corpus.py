@@ -39,18 +39,31 @@ def docstrings() -> list[str]:
     return out
 
 
-def documents(n: int, seed: int = 0) -> list[str]:
-    """`n` documents: about 40% sentences, 40% paragraphs, 20% whole docstrings."""
-    rng = random.Random(seed)
+def pools() -> dict[str, list[str]]:
+    """The corpus's three kinds of document: sentences, paragraphs, whole docstrings."""
     docs = docstrings()
     paragraphs = [p.strip() for d in docs for p in d.split("\n\n") if len(p.strip()) > 30]
     sentences = [s.strip() for p in paragraphs for s in re.split(r"(?<=[.!?])\s+", p) if len(s.strip()) > 15]
+    return {"sentences": sentences, "paragraphs": paragraphs, "docstrings": docs}
+
+
+def documents(n: int, seed: int = 0) -> list[str]:
+    """`n` documents: about 40% sentences, 40% paragraphs, 20% whole docstrings."""
+    rng = random.Random(seed)
+    p = pools()
     out = []
     for _ in range(n):
         r = rng.random()
-        pool = sentences if r < 0.4 else paragraphs if r < 0.8 else docs
+        pool = p["sentences"] if r < 0.4 else p["paragraphs"] if r < 0.8 else p["docstrings"]
         out.append(" ".join(rng.choice(pool).split()))
     return out
+
+
+def sample(kind: str, n: int, min_chars: int = 0, seed: int = 0) -> list[str]:
+    """`n` documents of one kind (with replacement), at least `min_chars` long."""
+    rng = random.Random(seed)
+    pool = [" ".join(d.split()) for d in pools()[kind] if len(d) >= min_chars]
+    return [rng.choice(pool) for _ in range(n)]
 
 
 if __name__ == "__main__":

@@ -93,8 +93,9 @@ class SlowEngine:
         import time
 
         self.steps += 1
-        self.seen.append(np.asarray(prepared[1]["token_ids"]))
+        ids = np.asarray(prepared[1]["token_ids"])
+        self.seen.append(ids)
         time.sleep(self.delay)
-        if self.fail_when is not None and self.fail_when(self.seen[-1]):
+        if self.fail_when is not None and self.fail_when(ids):
             raise RuntimeError("injected device fault")
         return self._engine.execute(prepared)

@@ -92,9 +92,9 @@ async def test_predicted_and_measured_totals_agree_on_minilm(make_server, minilm
         await client.post("/v1/embeddings", json={"input": docs})
     predicted = (await (await client.post("/v1/plan", json={"input": docs})).json())["predicted_s"]
     body = await (await client.post("/v1/embeddings?explain=1", json={"input": docs})).json()
-    measured = body["explain"]["measured"]["device_s"]
+    measured = body["explain"]["measured"]["service_s"]  # submitted -> all rows done (batches may overlap)
     error = measured / predicted - 1
-    print(f"100 documents: predicted {predicted * 1e3:.0f} ms, measured device {measured * 1e3:.0f} ms ({error:+.1%})")
+    print(f"100 documents: predicted {predicted * 1e3:.0f} ms, measured {measured * 1e3:.0f} ms ({error:+.1%})")
     assert abs(error) < 0.5  # the bench script reports the figure; here a bound a noisy CI machine keeps
 
 

@@ -5,12 +5,10 @@ Every failure case is followed by a good request that must succeed.
 
 import asyncio
 import dataclasses
-import json
 import os
 import signal
 import subprocess
 import sys
-import time
 
 import aiohttp
 import pytest
@@ -92,7 +90,7 @@ async def test_error_messages_do_not_echo_documents(make_server, tiny_enc):
 
 async def test_overload_gives_429_with_retry_after_then_recovers(make_server, tiny_enc):
     slow = dataclasses.replace(tiny_enc, engine=SlowEngine(tiny_enc.engine, delay=1.0))
-    client = await make_server(slow, max_queue=8, max_client_batch=8, max_wait_ms=0)
+    client = await make_server(slow, max_queue=8, max_client_batch=8, max_wait_ms=0, streams=1)
     batch = {"input": [f"the model {i}" for i in range(8)]}
     accepted = []
     for _ in range(3):  # onto the device, prepared next (prefetch depth 1), waiting in the queue
@@ -122,7 +120,7 @@ async def test_disconnected_client_has_its_queued_rows_dropped(make_server, tiny
     from jaxserve.server import STATE
 
     slow = dataclasses.replace(tiny_enc, engine=SlowEngine(tiny_enc.engine, delay=0.4))
-    client = await make_server(slow, max_wait_ms=0)
+    client = await make_server(slow, max_wait_ms=0, streams=1)
     state = client.app[STATE]
     busy = [asyncio.create_task(client.post("/v1/embeddings", json={"input": ["the model " * 2] * 4}))]
     await asyncio.sleep(0.1)
@@ -156,6 +154,8 @@ def test_sigterm_finishes_accepted_requests_then_exits(tiny_path, tmp_path):
     """The real `jaxserve serve` process: SIGTERM during load loses no accepted request."""
     table = tmp_path / "table.json"
     TINY_TABLE.save(table)
+    from jaxserve.launch import wait_ready
+
     port = 18000 + os.getpid() % 1000
     proc = subprocess.Popen(
         [sys.executable, "-m", "jaxserve.cli", "serve", "--model", str(tiny_path), "--port", str(port),
@@ -166,16 +166,7 @@ def test_sigterm_finishes_accepted_requests_then_exits(tiny_path, tmp_path):
     async def scenario():
         url = f"http://127.0.0.1:{port}"
         async with aiohttp.ClientSession() as s:
-            for _ in range(600):
-                try:
-                    async with s.get(url + "/health") as r:
-                        if r.status == 200:
-                            break
-                except aiohttp.ClientError:
-                    pass
-                await asyncio.sleep(0.1)
-            else:
-                raise AssertionError("server never became ready")
+            await wait_ready(s, url, timeout_s=60)
 
             async def one(i):
                 async with s.post(url + "/v1/embeddings", json={"input": [f"the model {i} " * 3] * 8}) as r:
@@ -207,7 +198,8 @@ async def test_device_fault_fails_only_that_batchs_requests(make_server, tiny_en
                                                              fail_when=lambda ids: (ids == query).any()))
     client = await make_server(faulty, max_wait_ms=0)
     before = asyncio.create_task(client.post("/v1/embeddings", json={"input": ["the model"]}))
-    await asyncio.sleep(0.05)
+    while faulty.engine.steps == 0:  # its batch is on the device
+        await asyncio.sleep(0.01)
     doomed = asyncio.create_task(client.post("/v1/embeddings", json={"input": ["a query", "the jax"]}))
     resp = await doomed
     assert resp.status == 500

@@ -1,0 +1,204 @@
+"""jaxserve against the tools users would pick instead, side by side in one run (same texts, model, machine).
+
+    pip install -e '.[bench]'   # CPU torch + sentence-transformers, for the reference column
+    python scripts/bench_peers.py [--n 512] [--out results/peers.json] [--no-http]
+
+Workloads (scripts/corpus.py): short paragraphs, and long documents (docstrings
+over 1500 characters, truncated at the model's 256 tokens). Columns:
+
+- sentence-transformers `encode` at its best batch size (of 16, 32, 64, 128);
+- a plain `jax.jit` of the same Flax model without buckets: batches of 32
+  sorted by length and padded to their longest, so every new shape compiles
+  (first pass: compiles included and counted; second pass: all cached);
+- jaxserve in-process (`Encoder.embed`, warmed default table);
+- jaxserve over HTTP (a `jaxserve serve` subprocess on loopback, requests of
+  100 documents, 2 in flight).
+
+Throughput is real (unpadded) tokens per second; "useful FLOP/s" counts the
+model's matmuls on real tokens only (attention within each document) and is
+set against the measured float32 matmul ceiling of this machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import corpus  # noqa: E402
+
+
+def matmul_ceiling() -> float:
+    """Best float32 GFLOP/s of XLA's CPU matmul over model-like and square shapes."""
+    import jax
+    import jax.numpy as jnp
+
+    best = 0.0
+    for m, k, n in [(4096, 384, 1536), (4096, 1536, 384), (4096, 384, 1152), (2048, 2048, 2048)]:
+        a = jnp.ones((m, k), jnp.float32)
+        b = jnp.ones((k, n), jnp.float32)
+        f = jax.jit(lambda a, b: a @ b)
+        f(a, b).block_until_ready()
+        reps = 10
+        start = time.perf_counter()
+        for _ in range(reps):
+            f(a, b).block_until_ready()
+        best = max(best, 2 * m * k * n * reps / (time.perf_counter() - start) / 1e9)
+    return best
+
+
+def useful_flops(lengths: list[int], cfg) -> float:
+    """Matmul FLOPs on real tokens: dense layers per token, attention within each document."""
+    d, f, layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
+    per_token = 2 * layers * (4 * d * d + 2 * d * f)
+    attention = sum(2 * layers * 2 * n * n * d for n in lengths)
+    return float(per_token * sum(lengths) + attention)
+
+
+def timed(fn, repeats: int = 2) -> float:
+    """Best of `repeats` runs (the first also warms caches)."""
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def bench_sentence_transformers(texts: list[str]) -> dict | None:
+    try:
+        import torch
+        from sentence_transformers import SentenceTransformer
+    except ImportError:
+        return None
+    from jaxserve import checkpoint
+
+    model = SentenceTransformer(str(checkpoint.bundled_default()), device="cpu")
+    model.encode(texts[:64], batch_size=32)
+    results = {bs: timed(lambda: model.encode(texts, batch_size=bs, normalize_embeddings=True))
+               for bs in (16, 32, 64, 128)}
+    best = min(results, key=results.get)
+    return {"seconds": results[best], "note": f"batch_size {best} (of {sorted(results)}), torch {torch.__version__}, "
+            f"{torch.get_num_threads()} threads", "by_batch_size": results}
+
+
+def bench_plain_jit(enc, seqs: list[np.ndarray], batch: int = 32) -> dict:
+    """Sorted by length, batches padded to their longest: one compile per new shape."""
+    import jax
+
+    from jaxserve import compiles
+    from jaxserve.encoder import embed_forward
+    from jaxserve.planner import PlannedBatch, assemble
+    from jaxserve.buckets import Bucket
+
+    fn = jax.jit(lambda params, b: embed_forward(enc.module, enc.embedding_config.pooling, 1, params, b))
+    order = np.argsort([len(s) for s in seqs])
+
+    def run():
+        for start in range(0, len(order), batch):
+            idx = order[start : start + batch]
+            longest = max(len(seqs[i]) for i in idx)
+            planned = PlannedBatch(Bucket(len(idx), longest), tuple((int(i),) for i in idx))
+            np.asarray(fn(enc.params, jax.device_put(assemble(planned, seqs))))
+
+    before = compiles.xla_compiles_total()
+    start = time.perf_counter()
+    run()
+    first = time.perf_counter() - start
+    compiled = compiles.xla_compiles_total() - before
+    return {"seconds": timed(run, 1), "first_pass_s": first, "compiles": compiled,
+            "note": f"{compiled} compiles in the first pass ({first:.1f} s)"}
+
+
+def bench_http(texts: list[str], table_file: Path, per_request: int = 100, in_flight: int = 2) -> dict:
+    import asyncio
+
+    import aiohttp
+
+    from jaxserve.launch import served, wait_ready
+
+    async def main(url):
+        async with aiohttp.ClientSession() as s:
+            await wait_ready(s, url)
+            chunks = [texts[i : i + per_request] for i in range(0, len(texts), per_request)]
+            sem = asyncio.Semaphore(in_flight)
+
+            async def one(chunk):
+                async with sem, s.post(url + "/v1/embeddings", json={"input": chunk}) as r:
+                    assert r.status == 200, await r.text()
+                    await r.read()
+
+            best = float("inf")
+            for _ in range(2):
+                start = time.perf_counter()
+                await asyncio.gather(*(one(c) for c in chunks))
+                best = min(best, time.perf_counter() - start)
+            return best
+
+    with served(18500 + os.getpid() % 400, "--buckets", str(table_file)) as (url, _):
+        seconds = asyncio.run(main(url))
+    return {"seconds": seconds, "note": f"requests of {per_request}, {in_flight} in flight, loopback"}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--n", type=int, default=512, help="documents per workload")
+    ap.add_argument("--out", default=str(ROOT / "results" / "peers.json"))
+    ap.add_argument("--buckets", default=str(ROOT / "buckets" / "minilm-cpu-default.json"))
+    ap.add_argument("--no-http", action="store_true")
+    args = ap.parse_args()
+
+    from jaxserve import Encoder
+
+    enc = Encoder.from_pretrained(None, buckets=args.buckets)
+    ceiling = matmul_ceiling()
+    workloads = {
+        "short paragraphs": corpus.sample("paragraphs", args.n),
+        "long documents": corpus.sample("docstrings", args.n, min_chars=1500),
+    }
+    report = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+              "matmul_ceiling_gflops": ceiling, "workloads": {}}
+    print(f"float32 matmul ceiling (XLA CPU): {ceiling:.1f} GFLOP/s")
+    for name, texts in workloads.items():
+        seqs = enc.tokenizer.encode(texts)
+        lengths = [len(s) for s in seqs]
+        tokens, flops = sum(lengths), useful_flops(lengths, enc.model_config)
+        rows = {
+            "sentence-transformers": bench_sentence_transformers(texts),
+            "plain jax.jit (no buckets)": bench_plain_jit(enc, seqs),
+            "jaxserve in-process": {"seconds": timed(lambda: enc.embed(texts)), "note": f"table {Path(args.buckets).name}"},
+        }
+        if not args.no_http:
+            rows["jaxserve HTTP"] = bench_http(texts, Path(args.buckets))
+        ref = rows["sentence-transformers"]
+        print(f"\n{name}: {len(texts)} documents, {tokens} real tokens (mean {np.mean(lengths):.0f}), "
+              f"{flops / 1e9:.1f} useful GFLOP")
+        print(f"{'':28} {'seconds':>8} {'tokens/s':>9} {'vs s-t':>7} {'GFLOP/s':>8} {'of ceiling':>10}  note")
+        for tool, r in rows.items():
+            if r is None:
+                print(f"{tool:28} {'(not installed: pip install -e .[bench])':>40}")
+                continue
+            r.update(tokens_per_s=tokens / r["seconds"], useful_gflops=flops / r["seconds"] / 1e9)
+            r["of_ceiling"] = r["useful_gflops"] / ceiling
+            r["vs_sentence_transformers"] = ref["seconds"] / r["seconds"] if ref else None
+            vs = f"{r['vs_sentence_transformers']:.2f}x" if ref else "-"
+            print(f"{tool:28} {r['seconds']:>8.2f} {r['tokens_per_s']:>9.0f} {vs:>7} {r['useful_gflops']:>8.1f} "
+                  f"{r['of_ceiling']:>10.0%}  {r['note']}")
+        report["workloads"][name] = {"documents": len(texts), "tokens": tokens, "useful_gflop": flops / 1e9,
+                                     "results": rows}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=1, default=str) + "\n")
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
