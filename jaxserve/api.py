@@ -149,3 +149,84 @@ def openai_response(vectors: np.ndarray, model: str, prompt_tokens: int, encodin
         "model": model,
         "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
     }
+
+
+@dataclasses.dataclass(frozen=True)
+class ClassifyRequest:
+    inputs: list  # texts, or (text, text) pairs
+    single: bool  # the body held one input (TEI answers it unwrapped)
+    raw_scores: bool = False
+    truncate: bool = True
+    top_k: int | None = None
+
+
+def _pair_or_text(x, field: str, limits: Limits):
+    if isinstance(x, str):
+        return x
+    if isinstance(x, list) and len(x) in (1, 2) and all(isinstance(s, str) for s in x):
+        if any(len(s) > limits.max_input_chars for s in x):
+            raise ApiError(413, f"`{field}` has over {limits.max_input_chars} characters", "request_too_large")
+        return x[0] if len(x) == 1 else (x[0], x[1])
+    raise ApiError(400, f"`{field}` must be a string or a [text, text] pair")
+
+
+def parse_predict(body, limits: Limits, default_truncate: bool) -> ClassifyRequest:
+    """TEI /predict: `inputs` is a text, a [text, text] pair, or a list of texts or of pairs."""
+    body = _object(body)
+    if "inputs" not in body:
+        raise ApiError(400, "missing required field `inputs`")
+    raw = body["inputs"]
+    single = isinstance(raw, str)
+    if isinstance(raw, str):
+        items = [raw]
+    elif isinstance(raw, list) and raw and all(isinstance(x, list) for x in raw):
+        items = raw
+    else:
+        texts, _ = _inputs(raw, "inputs", limits, allow_tokens=False)
+        items = texts
+    if not items:
+        raise ApiError(400, "`inputs` must not be empty")
+    if len(items) > limits.max_client_batch:
+        raise ApiError(413, f"`inputs` has {len(items)} inputs; at most {limits.max_client_batch} per request",
+                       "request_too_large")
+    inputs = [_pair_or_text(x, f"inputs[{i}]", limits) for i, x in enumerate(items)]
+    top_k = body.get("top_k")
+    if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1):
+        raise ApiError(400, f"`top_k` must be a positive integer, not {top_k!r}")
+    truncate = _bool(body, "truncate", default_truncate)
+    return ClassifyRequest(inputs, single, _bool(body, "raw_scores", False), truncate, top_k)
+
+
+def parse_rerank(body, limits: Limits, default_truncate: bool) -> tuple[str, list[str], bool, bool, bool]:
+    """TEI /rerank -> (query, texts, raw_scores, return_text, truncate)."""
+    body = _object(body)
+    for key in ("query", "texts"):
+        if key not in body:
+            raise ApiError(400, f"missing required field `{key}`")
+    query = body["query"]
+    if not isinstance(query, str) or not query:
+        raise ApiError(400, "`query` must be a non-empty string")
+    if len(query) > limits.max_input_chars:
+        raise ApiError(413, f"`query` has {len(query)} characters; at most {limits.max_input_chars}", "request_too_large")
+    texts, _ = _inputs(body["texts"], "texts", limits, allow_tokens=False)
+    return (query, texts, _bool(body, "raw_scores", False), _bool(body, "return_text", False),
+            _bool(body, "truncate", default_truncate))
+
+
+def parse_classify(body, limits: Limits) -> list[str]:
+    """vLLM-style /classify: `input` is a text or a list of texts."""
+    body = _object(body)
+    if "input" not in body:
+        raise ApiError(400, "missing required field `input`")
+    texts, _ = _inputs(body["input"], "input", limits, allow_tokens=False)
+    return texts
+
+
+def scores(logits: np.ndarray, raw: bool) -> np.ndarray:
+    """Logits -> probabilities: sigmoid for one logit (cross-encoders), softmax otherwise."""
+    if raw:
+        return logits
+    if logits.shape[-1] == 1:
+        return 1 / (1 + np.exp(-logits))
+    e = np.exp(logits - logits.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)

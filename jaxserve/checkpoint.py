@@ -107,7 +107,14 @@ def _embedding(name: str) -> dict:
     return {"embedding": ([f"embeddings.{name}.weight"], lambda w: w)}
 
 
-def weight_map(cfg: ModelConfig) -> dict:
+def head_map(cfg: ModelConfig) -> dict:
+    """The classification head: BERT's pooler + classifier, or RoBERTa's classifier.dense + out_proj."""
+    if cfg.model_type == "bert":
+        return {"dense": _linear("pooler.dense"), "out": _linear("classifier")}
+    return {"dense": _linear("classifier.dense"), "out": _linear("classifier.out_proj")}
+
+
+def weight_map(cfg: ModelConfig, with_head: bool = False) -> dict:
     """Our params tree, each leaf as (source tensor names, how to turn them into the leaf)."""
     tree = {
         "embeddings": {
@@ -132,6 +139,8 @@ def weight_map(cfg: ModelConfig) -> dict:
             "mlp_out": _linear(f"{p}.output.dense"),
             "mlp_ln": _layer_norm(f"{p}.output.LayerNorm"),
         }
+    if with_head:
+        tree["head"] = head_map(cfg)
     return tree
 
 
@@ -162,7 +171,7 @@ def load_params(path: Path, cfg: ModelConfig, expected: dict, dtype=np.float32) 
             out[name] = np.ascontiguousarray(value.astype(dtype))
         return out
 
-    params = build(weight_map(cfg), expected, "")
+    params = build(weight_map(cfg, with_head="head" in expected), expected, "")
     unknown = sorted(k for k in tensors if k not in used and not k.startswith(IGNORED_PREFIXES))
     if unknown:
         problems.append(f"unknown tensors {', '.join(unknown[:8])}{' ...' if len(unknown) > 8 else ''}")

@@ -93,6 +93,27 @@ class ModelConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class HeadConfig:
+    """What the model's output is: pooled embeddings, or a sequence-classification head's logits."""
+
+    kind: str = "embedding"  # embedding | classifier
+    labels: tuple[str, ...] = ()  # classifier: label of each logit (id2label order)
+
+    @property
+    def num_labels(self) -> int:
+        return len(self.labels)
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "HeadConfig":
+        archs = raw.get("architectures") or []
+        if not any(a.endswith("ForSequenceClassification") for a in archs):
+            return cls()
+        n = int(raw.get("num_labels") or len(raw.get("id2label") or {}) or 2)
+        id2label = {int(k): v for k, v in (raw.get("id2label") or {}).items()}
+        return cls("classifier", tuple(id2label.get(i, f"LABEL_{i}") for i in range(n)))
+
+
+@dataclasses.dataclass(frozen=True)
 class EmbeddingConfig:
     """Sentence-transformers semantics: how token states become one vector."""
 
@@ -142,10 +163,18 @@ def pooling_mode(raw: dict) -> str:
 
 
 def read_model_config(path: Path) -> ModelConfig:
+    return ModelConfig.from_dict(_read_config(path))
+
+
+def read_head_config(path: Path) -> HeadConfig:
+    return HeadConfig.from_dict(_read_config(path))
+
+
+def _read_config(path: Path) -> dict:
     file = path / "config.json"
     if not file.exists():
         raise CheckpointError(f"{path} has no config.json (found: {_listing(path)})")
-    return ModelConfig.from_dict(_read_json(file))
+    return _read_json(file)
 
 
 def _read_json(file: Path):

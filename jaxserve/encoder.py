@@ -17,9 +17,11 @@ import numpy as np
 
 from jaxserve import buckets, checkpoint, device
 from jaxserve.buckets import BucketTable, ModelDims
-from jaxserve.config import EmbeddingConfig, ModelConfig, read_model_config
+from jaxserve.config import EmbeddingConfig, HeadConfig, ModelConfig, read_head_config, read_model_config
+from jaxserve.errors import InputError
 from jaxserve.device import DEFAULT_HEADROOM
 from jaxserve.engine import Engine
+from jaxserve.model import ClassificationHead
 from jaxserve.model import Encoder as EncoderModule
 from jaxserve.model import param_shapes
 from jaxserve.planner import Plan, assemble, plan, scatter
@@ -37,6 +39,16 @@ def embed_forward(module: EncoderModule, pooling: str, num_segments: int, params
     return pool(pooling, hidden, batch["segment_ids"], batch["positions"], num_segments)
 
 
+def classify_forward(module: EncoderModule, head: ClassificationHead, num_segments: int, params, batch: dict):
+    """Pure forward: packed rows -> [B, K, L] float32 logits of each sequence's first token."""
+    encoder_params = {k: v for k, v in params.items() if k != "head"}
+    hidden = module.apply(
+        {"params": encoder_params}, batch["token_ids"], batch["segment_ids"], batch["positions"], batch["type_ids"]
+    )  # [B, S, D]
+    first = pool("cls", hidden, batch["segment_ids"], batch["positions"], num_segments)  # [B, K, D]
+    return head.apply({"params": params["head"]}, first.astype(hidden.dtype)).astype(jnp.float32)
+
+
 def normalize_rows(x: np.ndarray) -> np.ndarray:
     """L2-normalise on the host (a device op would compile once per new shape)."""
     return x / np.maximum(np.linalg.norm(x, axis=-1, keepdims=True), 1e-12)
@@ -50,6 +62,7 @@ class Encoder:
     tokenizer: TextTokenizer
     engine: Engine  # weights on device; compiled buckets
     dtype: str
+    head: HeadConfig = HeadConfig()  # embedding, or a classifier's labels
 
     @classmethod
     def from_pretrained(
@@ -61,13 +74,19 @@ class Encoder:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
         path = checkpoint.resolve(name)
         cfg = read_model_config(path)
+        head = read_head_config(path)
         emb = EmbeddingConfig.from_checkpoint(path, cfg)
         tokenizer = TextTokenizer.from_dir(path, emb.max_seq_length)
         jdtype = DTYPES[dtype]
-        params = jax.device_put(checkpoint.load_params(path, cfg, param_shapes(cfg, jdtype), dtype=jdtype))
+        shapes = param_shapes(cfg, jdtype, head.num_labels)
+        params = jax.device_put(checkpoint.load_params(path, cfg, shapes, dtype=jdtype))
         module = EncoderModule(cfg, jdtype)
-        engine = Engine(lambda slots: partial(embed_forward, module, emb.pooling, slots), params)
-        enc = cls(path, cfg, emb, tokenizer, engine, dtype)
+        if head.kind == "classifier":
+            head_module = ClassificationHead(cfg.hidden_size, head.num_labels, jdtype)
+            engine = Engine(lambda slots: partial(classify_forward, module, head_module, slots), params)
+        else:
+            engine = Engine(lambda slots: partial(embed_forward, module, emb.pooling, slots), params)
+        enc = cls(path, cfg, emb, tokenizer, engine, dtype, head)
         if buckets is not None:
             enc.warmup(buckets if isinstance(buckets, BucketTable) else BucketTable.load(buckets))
         return enc
@@ -75,6 +94,11 @@ class Encoder:
     @property
     def dim(self) -> int:
         return self.model_config.hidden_size
+
+    @property
+    def out_dim(self) -> int:
+        """Width of one sequence's output: the embedding, or the classifier's logits."""
+        return self.head.num_labels if self.head.kind == "classifier" else self.dim
 
     @property
     def module(self) -> EncoderModule:
@@ -138,10 +162,10 @@ class Encoder:
         Runs `streams` batches at once (2 on a CPU, see `device.describe`); each
         writes its own rows of the output.
         """
-        out = np.zeros((len(pieces.seqs), self.dim), np.float32)
+        out = np.zeros((len(pieces.seqs), self.out_dim), np.float32)
 
         def run(batch):
-            scatter(batch, self.engine.run(batch.bucket, assemble(batch, pieces.seqs)), out)
+            scatter(batch, self.engine.run(batch.bucket, assemble(batch, pieces.seqs, pieces.types)), out)
 
         streams = device.describe().streams
         if streams == 1 or len(planned.batches) < 2:
@@ -159,7 +183,29 @@ class Encoder:
         (as sentence-transformers), `chunk` (overlapping windows, token-weighted
         mean), or `error` (raise `InputError` naming its token count).
         """
+        self._require("embedding")
         normalize = self.embedding_config.normalize if normalize is None else normalize
         pieces, planned = self.prepare(texts, long)
         out = pieces.combine(self.run_plan(pieces, planned), len(texts))
         return normalize_rows(out) if normalize else out
+
+    def classify(self, inputs: list, truncate: bool = True) -> np.ndarray:
+        """Texts, or (text, text) pairs -> [N, num_labels] logits (a classifier checkpoint)."""
+        self._require("classifier")
+        pieces = self.prepare_pairs(inputs, truncate)
+        return self.run_plan(pieces, plan([len(s) for s in pieces.seqs], self.table))
+
+    def rerank(self, query: str, texts: list[str], truncate: bool = True) -> np.ndarray:
+        """Cross-encoder relevance logits [N] of (query, text) pairs, in input order."""
+        return self.classify([(query, t) for t in texts], truncate)[:, 0]
+
+    def prepare_pairs(self, inputs: list, truncate: bool) -> Pieces:
+        """Texts (one sequence each) or pairs ([CLS] a [SEP] b [SEP]) as model sequences."""
+        if all(isinstance(x, str) for x in inputs):
+            return self.tokenizer.pieces(self.tokenizer.encode_bodies(list(inputs)), "truncate" if truncate else "error")
+        return self.tokenizer.pairs(inputs, truncate)
+
+    def _require(self, kind: str) -> None:
+        if self.head.kind != kind:
+            raise InputError(f"{self.path.name} is a{'n' if self.head.kind == 'embedding' else ''} {self.head.kind} "
+                             f"model; this needs a{'n' if kind == 'embedding' else ''} {kind} model")

@@ -85,13 +85,30 @@ class Encoder(nn.Module):
         return x
 
 
+class ClassificationHead(nn.Module):
+    """First token's state -> dense + tanh -> logits (BERT's pooler + classifier; RoBERTa's classifier)."""
+
+    hidden: int
+    num_labels: int
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, first_bkd):  # [B, K, D]
+        x = jnp.tanh(nn.Dense(self.hidden, dtype=self.dtype, param_dtype=self.dtype, name="dense")(first_bkd))
+        return nn.Dense(self.num_labels, dtype=self.dtype, param_dtype=self.dtype, name="out")(x)  # [B, K, L]
+
+
 def _layer_norm(cfg: ModelConfig, dtype, name: str) -> nn.LayerNorm:
     return nn.LayerNorm(epsilon=cfg.layer_norm_eps, dtype=dtype, param_dtype=dtype, name=name)
 
 
-def param_shapes(cfg: ModelConfig, dtype=jnp.float32):
-    """The params tree the encoder expects, as ShapeDtypeStructs (no memory used)."""
+def param_shapes(cfg: ModelConfig, dtype=jnp.float32, num_labels: int = 0):
+    """The params tree the model expects, as ShapeDtypeStructs (no memory used); `head` with labels."""
     ids = jax.ShapeDtypeStruct((1, 8), jnp.int32)
     init = lambda *xs: Encoder(cfg, dtype).init(jax.random.key(0), *xs)
-    tree = jax.eval_shape(init, ids, ids, ids, ids)
-    return tree["params"]
+    tree = dict(jax.eval_shape(init, ids, ids, ids, ids)["params"])
+    if num_labels:
+        first = jax.ShapeDtypeStruct((1, 1, cfg.hidden_size), dtype)
+        head = ClassificationHead(cfg.hidden_size, num_labels, dtype)
+        tree["head"] = jax.eval_shape(lambda x: head.init(jax.random.key(0), x), first)["params"]
+    return tree

@@ -202,8 +202,10 @@ def _fill_spare_rows(batches: list[tuple[Bucket, list]]) -> None:
                 break
 
 
-def assemble(planned: PlannedBatch, seqs: list[np.ndarray]) -> dict[str, np.ndarray]:
-    """The [B, S] input arrays of one batch: segment ids 1..k per row, positions restarting per sequence."""
+def assemble(planned: PlannedBatch, seqs: list[np.ndarray], types: list[np.ndarray] | None = None) -> dict[str, np.ndarray]:
+    """The [B, S] input arrays of one batch: segment ids 1..k per row, positions restarting per sequence.
+
+    `types`: token type ids per sequence (sentence pairs); zeros when None."""
     shape = planned.bucket.shape
     out = {k: np.zeros(shape, np.int32) for k in INPUT_NAMES}
     for r, row in enumerate(planned.rows):
@@ -213,6 +215,8 @@ def assemble(planned: PlannedBatch, seqs: list[np.ndarray]) -> dict[str, np.ndar
             out["token_ids"][r, col : col + n] = seqs[i]
             out["segment_ids"][r, col : col + n] = slot
             out["positions"][r, col : col + n] = np.arange(n)
+            if types is not None:
+                out["type_ids"][r, col : col + n] = types[i]
             col += n
     return out
 

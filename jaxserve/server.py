@@ -126,7 +126,7 @@ async def lifecycle(app: web.Application):
             log.error(state.failed)
             return
         enc = state.encoder
-        state.service = EmbeddingService(enc.engine, state.table, enc.dim, cfg.max_wait_ms / 1000, cfg.max_queue,
+        state.service = EmbeddingService(enc.engine, state.table, enc.out_dim, cfg.max_wait_ms / 1000, cfg.max_queue,
                                          state.metrics, streams=cfg.streams or device.describe().streams)
         await state.service.start()
         state.ready = True
@@ -210,11 +210,15 @@ class Embedded:
     explain: dict  # the plan with its predicted times (measured ones are in `phases`)
 
 
-async def plan_request(state: AppState, req: EmbedRequest, too_long_status: int = 400):
-    """Tokenize and plan on a thread (no device work): (pieces, plan)."""
+async def plan_request(state: AppState, make_pieces, too_long_status: int = 400):
+    """Tokenize (`make_pieces()`) and plan on a thread, no device work: (pieces, plan)."""
+
+    def work():
+        pieces = make_pieces()
+        return pieces, plan([len(s) for s in pieces.seqs], state.encoder.table)
+
     try:
-        return await asyncio.get_running_loop().run_in_executor(
-            state.tokenizer_pool, _tokenize_and_plan, state.encoder, req)
+        return await asyncio.get_running_loop().run_in_executor(state.tokenizer_pool, work)
     except TooLongError as err:
         raise ApiError(too_long_status, str(err), "request_too_large" if too_long_status == 413 else
                        "invalid_request_error") from None
@@ -228,21 +232,33 @@ def explain_plan(state: AppState, pieces, planned) -> dict:
                    service.batches_in_flight, state.config.max_wait_ms / 1000)
 
 
-async def embed(state: AppState, req: EmbedRequest, too_long_status: int = 400) -> Embedded:
-    """Validated request -> vectors in input order, tokens used, per-phase times, the plan explained."""
-    t0 = time.perf_counter()
-    pieces, planned = await plan_request(state, req, too_long_status)
-    t1 = time.perf_counter()
-    explained = explain_plan(state, pieces, planned)
+async def run_planned(state: AppState, pieces, planned):
+    """Through the batcher and the device: [P, out_dim] per sequence, and the request's timing."""
     rows = [(row, sum(planned.lengths[i] for i in row)) for b in planned.batches for row in b.rows]
     try:
-        out, timing = await state.service.run(pieces.seqs, rows)
+        return await state.service.run(pieces.seqs, rows, pieces.types)
     except QueueFull as err:
         raise ApiError(429, f"queue full: {err}", "rate_limit_error", {"Retry-After": str(RETRY_AFTER_S)}) from None
     except Draining as err:
         raise ApiError(503, str(err), "unavailable", {"Retry-After": str(RETRY_AFTER_S)}) from None
     except DeviceError as err:
         raise ApiError(500, str(err), "server_error") from None
+
+
+def require_kind(state: AppState, kind: str, route: str) -> None:
+    head = state.encoder.head
+    if head.kind != kind:
+        what = {"embedding": "an embedding model", "classifier": "a sequence-classification or cross-encoder model"}
+        raise ApiError(400, f"{route} needs {what[kind]}; this server serves {what[head.kind]} ({state.model_name})")
+
+
+async def embed(state: AppState, req: EmbedRequest, too_long_status: int = 400) -> Embedded:
+    """Validated request -> vectors in input order, tokens used, per-phase times, the plan explained."""
+    t0 = time.perf_counter()
+    pieces, planned = await plan_request(state, lambda: _embedding_pieces(state.encoder, req), too_long_status)
+    t1 = time.perf_counter()
+    explained = explain_plan(state, pieces, planned)
+    out, timing = await run_planned(state, pieces, planned)
     vectors = pieces.combine(out, req.count)
     if req.normalize:
         vectors = normalize_rows(vectors)
@@ -255,7 +271,7 @@ async def embed(state: AppState, req: EmbedRequest, too_long_status: int = 400) 
     return Embedded(vectors, tokens, phases, explained)
 
 
-def _tokenize_and_plan(enc: Encoder, req: EmbedRequest):
+def _embedding_pieces(enc: Encoder, req: EmbedRequest):
     tok = enc.tokenizer
     if req.token_ids is not None:
         vocab = enc.model_config.vocab_size
@@ -265,8 +281,7 @@ def _tokenize_and_plan(enc: Encoder, req: EmbedRequest):
         bodies = req.token_ids
     else:
         bodies = tok.encode_bodies(req.texts)
-    pieces = tok.pieces(bodies, req.long)
-    return pieces, plan([len(s) for s in pieces.seqs], enc.table)
+    return tok.pieces(bodies, req.long)
 
 
 # ---- routes ----
@@ -275,6 +290,7 @@ async def openai_embeddings(request: web.Request) -> web.Response:
     state = request.app[STATE]
     state.require_ready()
     start = time.perf_counter()
+    require_kind(state, "embedding", "/v1/embeddings")
     req = api.parse_openai_embeddings(await _json_body(request), state.limits, state.encoder.dim, state.config.long)
     result = await embed(state, req)
     t_respond = time.perf_counter()
@@ -302,8 +318,9 @@ async def openai_plan(request: web.Request) -> web.Response:
     """The plan of a /v1/embeddings body and its predicted times, without running the model."""
     state = request.app[STATE]
     state.require_ready()
+    require_kind(state, "embedding", "/v1/plan")
     req = api.parse_openai_embeddings(await _json_body(request), state.limits, state.encoder.dim, state.config.long)
-    pieces, planned = await plan_request(state, req)
+    pieces, planned = await plan_request(state, lambda: _embedding_pieces(state.encoder, req))
     body = explain_plan(state, pieces, planned)
     body.update(documents=req.count, sequences=len(pieces.seqs), usage={"prompt_tokens": planned.real_tokens})
     return web.json_response(body)
@@ -312,12 +329,70 @@ async def openai_plan(request: web.Request) -> web.Response:
 async def tei_embed(request: web.Request) -> web.Response:
     state = request.app[STATE]
     state.require_ready()
+    require_kind(state, "embedding", "/embed")
     req = api.parse_tei_embed(await _json_body(request), state.limits, state.config.long)
     result = await embed(state, req, too_long_status=413)  # TEI answers 413 for over-length inputs
     start = time.perf_counter()
     response = web.json_response(result.vectors.tolist())
     state.metrics.phase.labels("respond").observe(time.perf_counter() - start)
     return response
+
+
+async def classify_inputs(state: AppState, inputs: list, truncate: bool) -> tuple[np.ndarray, int]:
+    """Texts or pairs -> [N, num_labels] logits in input order, and the tokens run."""
+    enc = state.encoder
+    pieces, planned = await plan_request(state, lambda: enc.prepare_pairs(inputs, truncate), too_long_status=413)
+    out, _ = await run_planned(state, pieces, planned)
+    state.metrics.inputs.inc(len(inputs))
+    return out, planned.real_tokens
+
+
+async def tei_predict(request: web.Request) -> web.Response:
+    """TEI /predict: labels with scores, best first (softmax, or sigmoid for one logit; `raw_scores`: logits)."""
+    state = request.app[STATE]
+    state.require_ready()
+    require_kind(state, "classifier", "/predict")
+    req = api.parse_predict(await _json_body(request), state.limits, state.config.long != "error")
+    logits, _ = await classify_inputs(state, req.inputs, req.truncate)
+    labels = state.encoder.head.labels
+    results = []
+    for row in api.scores(logits, req.raw_scores):
+        ranked = sorted(zip(labels, row.tolist()), key=lambda t: -t[1])[: req.top_k]
+        results.append([{"label": label, "score": score} for label, score in ranked])
+    return web.json_response(results[0] if req.single else results)
+
+
+async def tei_rerank(request: web.Request) -> web.Response:
+    """TEI /rerank: (query, text) pairs through the cross-encoder, sorted by score."""
+    state = request.app[STATE]
+    state.require_ready()
+    require_kind(state, "classifier", "/rerank")
+    query, texts, raw, return_text, truncate = api.parse_rerank(
+        await _json_body(request), state.limits, state.config.long != "error")
+    if state.encoder.head.num_labels != 1:
+        raise ApiError(400, f"/rerank needs a cross-encoder with one output; this model has "
+                            f"{state.encoder.head.num_labels} labels (use /predict)")
+    logits, _ = await classify_inputs(state, [(query, t) for t in texts], truncate)
+    ranked = sorted(enumerate(api.scores(logits, raw)[:, 0].tolist()), key=lambda t: -t[1])
+    return web.json_response([{"index": i, "score": s, **({"text": texts[i]} if return_text else {})}
+                              for i, s in ranked])
+
+
+async def classify(request: web.Request) -> web.Response:
+    """vLLM-style /classify: per input its best label and the probabilities of all."""
+    state = request.app[STATE]
+    state.require_ready()
+    require_kind(state, "classifier", "/classify")
+    texts = api.parse_classify(await _json_body(request), state.limits)
+    logits, tokens = await classify_inputs(state, texts, state.config.long != "error")
+    labels = state.encoder.head.labels
+    probs = api.scores(logits, raw=False)
+    return web.json_response({
+        "id": f"classify-{time.time_ns():x}", "object": "list", "created": int(time.time()), "model": state.model_name,
+        "data": [{"index": i, "label": labels[int(p.argmax())], "probs": p.tolist(), "num_classes": len(labels)}
+                 for i, p in enumerate(probs)],
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+    })
 
 
 async def tei_tokenize(request: web.Request) -> web.Response:
@@ -365,6 +440,7 @@ async def info(request: web.Request) -> web.Response:
         body.update({
             "model_type": c.model_type, "model_dtype": enc.dtype, "dimensions": enc.dim,
             "max_input_length": e.max_seq_length, "pooling": e.pooling, "normalize": e.normalize,
+            "kind": enc.head.kind, "labels": list(enc.head.labels),
         })
     if state.table is not None:
         import jax
@@ -399,6 +475,9 @@ def create_app(config: ServerConfig, encoder: Encoder | None = None) -> web.Appl
     app.router.add_post("/v1/plan", openai_plan)
     app.router.add_post("/embed", tei_embed)
     app.router.add_post("/tokenize", tei_tokenize)
+    app.router.add_post("/predict", tei_predict)
+    app.router.add_post("/rerank", tei_rerank)
+    app.router.add_post("/classify", classify)
     app.router.add_get("/health", health)
     app.router.add_get("/info", info)
     app.router.add_get("/metrics", metrics)

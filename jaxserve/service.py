@@ -60,6 +60,7 @@ class RequestTiming:
 class _Pending:
     future: asyncio.Future
     seqs: list[np.ndarray]
+    types: list[np.ndarray] | None  # token type ids (sentence pairs), or None for zeros
     out: np.ndarray  # [P, D] filled as rows finish
     remaining: int
     timing: RequestTiming
@@ -141,8 +142,9 @@ class EmbeddingService:
 
     # ---- requests ----
 
-    async def run(self, seqs: list[np.ndarray], rows: list[tuple[tuple[int, ...], int]]) -> tuple[np.ndarray, RequestTiming]:
-        """Embed one request's sequences, packed into `rows` ((sequence indices, tokens) each).
+    async def run(self, seqs: list[np.ndarray], rows: list[tuple[tuple[int, ...], int]],
+                  types: list[np.ndarray] | None = None) -> tuple[np.ndarray, RequestTiming]:
+        """Run one request's sequences, packed into `rows` ((sequence indices, tokens) each) -> [P, D].
 
         Raises QueueFull (queue limit), Draining (shutting down) or DeviceError.
         """
@@ -156,7 +158,8 @@ class EmbeddingService:
         rid = next(self._ids)
         self.batcher.submit(rid, rows, now)
         future = asyncio.get_running_loop().create_future()
-        self._pending[rid] = _Pending(future, seqs, np.zeros((len(seqs), self.dim), np.float32), len(seqs), timing)
+        self._pending[rid] = _Pending(future, seqs, types, np.zeros((len(seqs), self.dim), np.float32), len(seqs),
+                                      timing)
         self._idle.clear()
         self.metrics.queue_depth(self.batcher.queued)
         self._wake.set()
@@ -192,7 +195,7 @@ class EmbeddingService:
                 continue
             self.metrics.queue_depth(self.batcher.queued)
             now = time.monotonic()
-            flat, planned = self._flatten(d)
+            flat, flat_types, planned = self._flatten(d)
             waits = [now - r.enqueued for r in d.rows]
             self.metrics.dispatched(d, sum(r.tokens for r in d.rows), waits)
             for rid in {r.request for r in d.rows}:
@@ -200,7 +203,7 @@ class EmbeddingService:
                     p.timing.first_dispatch = now
             start = time.perf_counter()
             try:
-                prepared = await loop.run_in_executor(self._host, self._prepare, planned, flat)
+                prepared = await loop.run_in_executor(self._host, self._prepare, planned, flat, flat_types)
             except Exception as exc:
                 log.exception("preparing a batch failed")
                 self._fail(d, exc)
@@ -208,20 +211,21 @@ class EmbeddingService:
             self._slot_free.clear()
             self._ready.put_nowait((d, prepared, time.perf_counter() - start))
 
-    def _flatten(self, d: Dispatch) -> tuple[list[np.ndarray], PlannedBatch]:
-        """The dispatch's sequences as one list, and its rows as indices into it (cancelled rows: empty)."""
-        flat, rows = [], []
+    def _flatten(self, d: Dispatch):
+        """The dispatch's sequences (and token types) as lists, its rows as indices into them (cancelled: empty)."""
+        flat, types, rows = [], [], []
         for r in d.rows:
             p = self._pending.get(r.request)
             idx = []
             for i in r.pieces if p else ():
                 idx.append(len(flat))
                 flat.append(p.seqs[i])
+                types.append(p.types[i] if p.types is not None else np.zeros(len(p.seqs[i]), np.int32))
             rows.append(tuple(idx))
-        return flat, PlannedBatch(d.bucket, tuple(rows))
+        return flat, types, PlannedBatch(d.bucket, tuple(rows))
 
-    def _prepare(self, planned: PlannedBatch, flat: list[np.ndarray]):
-        return self.engine.put(planned.bucket, assemble(planned, flat))
+    def _prepare(self, planned: PlannedBatch, flat: list[np.ndarray], types: list[np.ndarray]):
+        return self.engine.put(planned.bucket, assemble(planned, flat, types))
 
     async def _run_device(self) -> None:
         free = asyncio.Semaphore(self._streams)

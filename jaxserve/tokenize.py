@@ -26,6 +26,7 @@ class Pieces:
     seqs: list[np.ndarray]  # each a model sequence, special tokens included
     doc: np.ndarray  # [P] int: the document each piece belongs to
     weight: np.ndarray  # [P] float: body tokens in the piece, for the token-weighted mean
+    types: list[np.ndarray] | None = None  # token type ids per piece (sentence pairs); None: all zeros
 
     def token_counts(self, num_docs: int) -> np.ndarray:
         """Tokens run through the model per document."""
@@ -79,6 +80,33 @@ class TextTokenizer:
     def encode(self, texts: list[str]) -> list[np.ndarray]:
         """Each text as one truncated model sequence (what sentence-transformers feeds its model)."""
         return [self.wrap(b) for b in self.encode_bodies(texts)]
+
+    def pairs(self, pairs: list[tuple[str, str]], truncate: bool = True) -> Pieces:
+        """Sentence pairs as one sequence each ([CLS] a [SEP] b [SEP], token types 0 then 1).
+
+        Truncation is the tokenizer's `longest_first`, as transformers and
+        sentence-transformers' CrossEncoder do: the longer side loses tokens first.
+        """
+        pairs = [tuple(p) for p in pairs]
+        if not truncate:
+            for i, e in enumerate(self.tokenizer.encode_batch(pairs)):
+                if len(e.ids) > self.max_length:
+                    raise TooLongError(f"input {i} has {len(e.ids)} tokens, over the model's limit of "
+                                       f"{self.max_length} (allow truncation)")
+        seqs, types = [], []
+        for e in self._pair_tokenizer().encode_batch(pairs):
+            seqs.append(np.asarray(e.ids, np.int32))
+            types.append(np.asarray(e.type_ids, np.int32))
+        n = len(seqs)
+        return Pieces(seqs, np.arange(n), np.ones(n), types)
+
+    def _pair_tokenizer(self) -> Tokenizer:
+        """A copy of the tokenizer that truncates (the shared one must not: documents are windowed)."""
+        if "_pairs" not in self.__dict__:
+            tok = Tokenizer.from_str(self.tokenizer.to_str())
+            tok.enable_truncation(self.max_length, strategy="longest_first")
+            object.__setattr__(self, "_pairs", tok)
+        return self.__dict__["_pairs"]
 
     def pieces(self, bodies: list[np.ndarray], long: str = "truncate", overlap: int = DEFAULT_CHUNK_OVERLAP) -> Pieces:
         """Documents -> model sequences, a long document truncated, split into windows, or refused."""

@@ -62,6 +62,8 @@ BAD = [
     ("POST", "/embed", {"inputs": ["ok"], "truncation_direction": "Left"}, 400, "truncation_direction"),
     ("POST", "/embed", {"input": ["ok"]}, 400, "missing required field `inputs`"),
     ("POST", "/tokenize", {"inputs": [1]}, 400, "`inputs[0]` must be a string"),
+    ("POST", "/rerank", {"query": "q", "texts": ["x"]}, 400, "/rerank needs a sequence-classification"),
+    ("POST", "/predict", {"inputs": ["x"]}, 400, "/predict needs a sequence-classification"),
     ("GET", "/v1/nothing", None, 404, "no route GET /v1/nothing"),
     ("GET", "/v1/embeddings", None, 405, "method GET is not allowed"),
     ("DELETE", "/health", None, 405, "not allowed"),

@@ -97,15 +97,37 @@ def random_tensors(cfg: dict, seed: int = 0, prefix: str = "") -> dict[str, np.n
     return t
 
 
+def head_tensors(cfg: dict, seed: int = 1) -> dict[str, np.ndarray]:
+    """A *ForSequenceClassification head: BERT's pooler + classifier, or RoBERTa's classifier."""
+    rng = np.random.default_rng(seed)
+    d, n = cfg["hidden_size"], cfg["num_labels"]
+    w = lambda *shape: (rng.standard_normal(shape) * 0.3).astype(np.float32)
+    if cfg["model_type"] == "bert":
+        return {"pooler.dense.weight": w(d, d), "pooler.dense.bias": w(d), "classifier.weight": w(n, d),
+                "classifier.bias": w(n)}
+    return {"classifier.dense.weight": w(d, d), "classifier.dense.bias": w(d), "classifier.out_proj.weight": w(n, d),
+            "classifier.out_proj.bias": w(n)}
+
+
 def write_checkpoint(
     path: Path, model_type: str = "bert", pooling: str | None = "mean", max_seq_length: int | None = None,
-    seed: int = 0, **config_over,
+    seed: int = 0, num_labels: int = 0, **config_over,
 ) -> Path:
-    """A complete sentence-transformers style directory; `pooling=None` writes a plain HF checkpoint."""
+    """A complete sentence-transformers style directory; `pooling=None` writes a plain HF checkpoint.
+
+    With `num_labels`, a *ForSequenceClassification checkpoint (prefixed encoder tensors and a head)."""
     path.mkdir(parents=True, exist_ok=True)
     cfg = tiny_config(model_type, **config_over)
+    tensors = random_tensors(cfg, seed)
+    if num_labels:
+        family = "Bert" if model_type == "bert" else "Roberta"
+        cfg.update(architectures=[f"{family}ForSequenceClassification"], num_labels=num_labels,
+                   id2label={str(i): f"label_{chr(97 + i)}" for i in range(num_labels)})
+        prefix = "bert." if model_type == "bert" else "roberta."
+        tensors = {prefix + k: v for k, v in tensors.items()} | head_tensors(cfg)
+        pooling = None
     (path / "config.json").write_text(json.dumps(cfg))
-    save_file(random_tensors(cfg, seed), str(path / "model.safetensors"))
+    save_file(tensors, str(path / "model.safetensors"))
     make_tokenizer(model_type).save(str(path / "tokenizer.json"))
     if pooling is not None:
         modules = [
@@ -137,7 +159,7 @@ def _ln(x, w, b, eps):
     return (x - mu) / np.sqrt(var + eps) * w + b
 
 
-def reference_hidden(tensors: dict, cfg: dict, ids: np.ndarray) -> np.ndarray:
+def reference_hidden(tensors: dict, cfg: dict, ids: np.ndarray, types: np.ndarray | None = None) -> np.ndarray:
     """One sequence [S] of ids (special tokens included) -> [S, D] last hidden states, float64."""
     t = {k: v.astype(np.float64) for k, v in tensors.items()}
     roberta = cfg["model_type"] != "bert"
@@ -145,7 +167,7 @@ def reference_hidden(tensors: dict, cfg: dict, ids: np.ndarray) -> np.ndarray:
     s = len(ids)
     pos = np.arange(s) + (cfg["pad_token_id"] + 1 if roberta else 0)
     x = t["embeddings.word_embeddings.weight"][ids] + t["embeddings.position_embeddings.weight"][pos]
-    x = x + t["embeddings.token_type_embeddings.weight"][0]
+    x = x + t["embeddings.token_type_embeddings.weight"][np.zeros(s, int) if types is None else types]
     x = _ln(x, t["embeddings.LayerNorm.weight"], t["embeddings.LayerNorm.bias"], eps)
     n = cfg["num_attention_heads"]
     hd = cfg["hidden_size"] // n
@@ -162,6 +184,17 @@ def reference_hidden(tensors: dict, cfg: dict, ids: np.ndarray) -> np.ndarray:
         h = _gelu(lin(x, p + "intermediate.dense"))
         x = _ln(x + lin(h, p + "output.dense"), t[p + "output.LayerNorm.weight"], t[p + "output.LayerNorm.bias"], eps)
     return x
+
+
+def reference_logits(tensors: dict, cfg: dict, ids, types=None) -> np.ndarray:
+    """[L] logits of a *ForSequenceClassification model (unprefixed encoder tensors + head tensors)."""
+    first = reference_hidden(tensors, cfg, ids, types)[0]
+    h = {k: v.astype(np.float64) for k, v in head_tensors(cfg).items()}
+    if cfg["model_type"] == "bert":
+        x = np.tanh(first @ h["pooler.dense.weight"].T + h["pooler.dense.bias"])
+        return x @ h["classifier.weight"].T + h["classifier.bias"]
+    x = np.tanh(first @ h["classifier.dense.weight"].T + h["classifier.dense.bias"])
+    return x @ h["classifier.out_proj.weight"].T + h["classifier.out_proj.bias"]
 
 
 def reference_embedding(tensors: dict, cfg: dict, ids: np.ndarray, pooling: str, normalize: bool = True) -> np.ndarray:
