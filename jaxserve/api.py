@@ -61,7 +61,7 @@ def _inputs(value, field: str, limits: Limits, allow_tokens: bool) -> tuple[list
                        "request_too_large")
     if allow_tokens and all(isinstance(x, list) for x in value):
         for i, ids in enumerate(value):
-            if not ids or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+            if not ids or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31 for t in ids):
                 raise ApiError(400, f"`{field}[{i}]` must be a non-empty list of non-negative token ids")
         return None, [np.asarray(ids, np.int32) for ids in value]
     for i, x in enumerate(value):
@@ -87,8 +87,11 @@ def _object(body) -> dict:
 
 
 def _bool(body: dict, key: str, default):
-    value = body.get(key, default)
-    if value is not None and not isinstance(value, bool):
+    """A boolean field; absent or null means `default`."""
+    value = body.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
         raise ApiError(400, f"`{key}` must be true or false, not {value!r}")
     return value
 

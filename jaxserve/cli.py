@@ -91,7 +91,8 @@ def cmd_serve(args) -> int:
         ladder=args.ladder, layout=args.layout, max_wait_ms=args.max_wait_ms, max_queue=args.max_queue,
         max_client_batch=args.max_client_batch, max_input_chars=args.max_input_chars,
         max_body_bytes=args.max_body_bytes, long=args.long, api_key=args.api_key or os.environ.get("JAXSERVE_API_KEY"),
-        cache_dir=args.cache_dir, use_cache=not args.no_cache,
+        cache_dir=args.cache_dir, use_cache=not args.no_cache, max_concurrent=args.max_concurrent_requests,
+        request_timeout_s=args.request_timeout_s,
     )
     serve(config, args.host, args.port)
     return 0
@@ -186,6 +187,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-client-batch", type=int, default=server.MAX_CLIENT_BATCH, help="inputs per request")
     serve.add_argument("--max-input-chars", type=int, default=server.MAX_INPUT_CHARS, help="characters per input")
     serve.add_argument("--max-body-bytes", type=int, default=server.MAX_BODY_BYTES, help="request body size (413 past it)")
+    serve.add_argument("--max-concurrent-requests", type=int, default=server.MAX_CONCURRENT_REQUESTS,
+                       help="model requests handled at once (429 past it)")
+    serve.add_argument("--request-timeout-s", type=float, default=server.REQUEST_TIMEOUT_S,
+                       help="per request; 503 past it, and its waiting rows are dropped")
     serve.add_argument("--long", default="truncate", choices=["truncate", "chunk", "error"],
                        help="default for inputs over the model's limit")
     serve.add_argument("--api-key", help="require `Authorization: Bearer KEY` (or set JAXSERVE_API_KEY)")

@@ -38,6 +38,8 @@ MAX_QUEUE = 4096  # sequences waiting for the device; past it, 429 (memory stays
 MAX_WAIT_MS = 5.0  # batch window: how long a partial batch may wait for company while the device is busy
 DRAIN_TIMEOUT_S = 30.0  # SIGTERM: how long accepted work may take to finish
 RETRY_AFTER_S = 1  # told to clients on 429/503
+MAX_CONCURRENT_REQUESTS = 512  # model requests being handled at once; past it, 429 (bounds tokenizer and queue work)
+REQUEST_TIMEOUT_S = 60.0  # a model request still unanswered after this gets 503 and its waiting rows are dropped
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +57,8 @@ class ServerConfig:
     max_body_bytes: int = MAX_BODY_BYTES
     long: str = "truncate"  # default for inputs over the model's limit
     api_key: str | None = None
+    max_concurrent: int = MAX_CONCURRENT_REQUESTS
+    request_timeout_s: float = REQUEST_TIMEOUT_S
     cache_dir: str | None = None  # persistent compilation cache; None = default location
     use_cache: bool = True
     streams: int | None = None  # batches executing at once (default: the device's, 2 on CPU)
@@ -77,6 +81,7 @@ class AppState:
         self.failed: str | None = None
         self.tokenizer_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="jaxserve-tokenize")
         self.limits = Limits(config.max_client_batch, config.max_input_chars)
+        self.active = 0  # model requests being handled
 
     @property
     def model_name(self) -> str:
@@ -155,9 +160,17 @@ async def errors_middleware(request: web.Request, handler):
     state = request.app[STATE]
     route = request.match_info.route.resource.canonical if request.match_info.route.resource else "unmatched"
     start = time.perf_counter()
+    model_route = request.method == "POST"
     try:
         _authorize(request, state.config.api_key)
-        response = await handler(request)
+        if model_route and state.active >= state.config.max_concurrent:
+            raise ApiError(429, f"{state.active} requests are being handled; the limit is "
+                                f"{state.config.max_concurrent}", "rate_limit_error", {"Retry-After": str(RETRY_AFTER_S)})
+        state.active += model_route
+        try:
+            response = await handler(request)
+        finally:
+            state.active -= model_route
     except ApiError as err:
         response = _error(err)
     except web.HTTPException as exc:
@@ -235,8 +248,12 @@ def explain_plan(state: AppState, pieces, planned) -> dict:
 async def run_planned(state: AppState, pieces, planned):
     """Through the batcher and the device: [P, out_dim] per sequence, and the request's timing."""
     rows = [(row, sum(planned.lengths[i] for i in row)) for b in planned.batches for row in b.rows]
+    timeout = state.config.request_timeout_s
     try:
-        return await state.service.run(pieces.seqs, rows, pieces.types)
+        return await asyncio.wait_for(state.service.run(pieces.seqs, rows, pieces.types), timeout)
+    except asyncio.TimeoutError:
+        raise ApiError(503, f"the request did not finish within {timeout:g} s; its waiting rows were dropped",
+                       "timeout", {"Retry-After": str(RETRY_AFTER_S)}) from None
     except QueueFull as err:
         raise ApiError(429, f"queue full: {err}", "rate_limit_error", {"Retry-After": str(RETRY_AFTER_S)}) from None
     except Draining as err:
@@ -459,6 +476,12 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=state.metrics.render(), content_type="text/plain", charset="utf-8")
 
 
+async def openapi_json(request: web.Request) -> web.Response:
+    from jaxserve.openapi import spec
+
+    return web.json_response(spec(_version()))
+
+
 def _version() -> str:
     from jaxserve import __version__
 
@@ -481,6 +504,7 @@ def create_app(config: ServerConfig, encoder: Encoder | None = None) -> web.Appl
     app.router.add_get("/health", health)
     app.router.add_get("/info", info)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/openapi.json", openapi_json)
     return app
 
 

@@ -1,0 +1,104 @@
+"""The OpenAPI 3.1 document of every route (served at /openapi.json; fuzzed by schemathesis in the tests)."""
+
+from __future__ import annotations
+
+TEXTS = {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "minItems": 1}]}
+TOKEN_IDS = {"oneOf": [{"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
+                       {"type": "array", "items": {"type": "array", "items": {"type": "integer", "minimum": 0},
+                                                   "minItems": 1}, "minItems": 1}]}
+LONG = {"type": "string", "enum": ["truncate", "chunk", "error"],
+        "description": "what to do with an input over the model's limit (extension)"}
+
+EMBEDDINGS_BODY = {
+    "type": "object",
+    "required": ["input"],
+    "properties": {
+        "input": {"oneOf": [TEXTS, TOKEN_IDS]},
+        "model": {"type": "string"},
+        "encoding_format": {"type": "string", "enum": ["float", "base64"]},
+        "dimensions": {"type": "integer", "minimum": 1},
+        "user": {"type": "string"},
+        "long": LONG,
+    },
+}
+
+ERROR = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {"error": {"type": "object", "required": ["message", "type"],
+                             "properties": {"message": {"type": "string"}, "type": {"type": "string"}}}},
+}
+
+
+def _post(summary: str, body: dict, ok: dict) -> dict:
+    return {"post": {
+        "summary": summary,
+        "requestBody": {"required": True, "content": {"application/json": {"schema": body}}},
+        "responses": {
+            "200": {"description": "OK", "content": {"application/json": {"schema": ok}}},
+            **{code: {"description": what, "content": {"application/json": {"schema": ERROR}}} for code, what in [
+                ("400", "invalid request, or a route this model does not support"), ("401", "missing or wrong API key"),
+                ("413", "too large: body, inputs, characters, or an over-length input"),
+                ("429", "queue or concurrency limit reached; see Retry-After"),
+                ("500", "the device step of this request's batch failed"),
+                ("503", "warming up, draining, or timed out; see Retry-After")]},
+        },
+    }}
+
+
+def _get(summary: str, content_type: str = "application/json") -> dict:
+    return {"get": {"summary": summary, "responses": {
+        "200": {"description": "OK", "content": {content_type: {"schema": {}}}},
+        "401": {"description": "missing or wrong API key", "content": {"application/json": {"schema": ERROR}}},
+        "503": {"description": "not ready", "content": {"application/json": {"schema": {}}}},
+    }}}
+
+
+def spec(version: str) -> dict:
+    vector = {"oneOf": [{"type": "array", "items": {"type": "number"}}, {"type": "string"}]}
+    embeddings_ok = {"type": "object", "required": ["object", "data", "model", "usage"], "properties": {
+        "object": {"const": "list"},
+        "data": {"type": "array", "items": {"type": "object", "required": ["index", "embedding"], "properties": {
+            "object": {"const": "embedding"}, "index": {"type": "integer"}, "embedding": vector}}},
+        "model": {"type": "string"},
+        "usage": {"type": "object"},
+        "explain": {"type": "object"},
+    }}
+    pair_or_text = {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "minItems": 1,
+                                                   "maxItems": 2}]}
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "jaxserve", "version": version,
+                 "description": "Transformer encoders at static-shape buckets: OpenAI- and TEI-compatible routes."},
+        "components": {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+        "security": [{}, {"bearer": []}],
+        "paths": {
+            "/v1/embeddings": _post("OpenAI embeddings (`?explain=1` adds the latency math)", EMBEDDINGS_BODY,
+                                    embeddings_ok),
+            "/v1/plan": _post("The plan and predicted times of an embeddings body, without running it",
+                              EMBEDDINGS_BODY, {"type": "object"}),
+            "/embed": _post("text-embeddings-inference /embed", {"type": "object", "required": ["inputs"], "properties": {
+                "inputs": TEXTS, "normalize": {"type": "boolean"}, "truncate": {"type": "boolean"},
+                "truncation_direction": {"type": "string", "enum": ["Right"]}, "long": LONG}},
+                {"type": "array", "items": {"type": "array", "items": {"type": "number"}}}),
+            "/tokenize": _post("text-embeddings-inference /tokenize", {"type": "object", "required": ["inputs"],
+                               "properties": {"inputs": TEXTS, "add_special_tokens": {"type": "boolean"}}},
+                               {"type": "array"}),
+            "/predict": _post("TEI /predict (classifier models)", {"type": "object", "required": ["inputs"], "properties": {
+                "inputs": {"oneOf": [{"type": "string"}, {"type": "array", "items": pair_or_text, "minItems": 1}]},
+                "raw_scores": {"type": "boolean"}, "truncate": {"type": "boolean"},
+                "top_k": {"type": "integer", "minimum": 1}}}, {"type": "array"}),
+            "/rerank": _post("TEI /rerank (cross-encoder models)", {"type": "object", "required": ["query", "texts"],
+                             "properties": {"query": {"type": "string", "minLength": 1},
+                                            "texts": {"type": "array", "items": {"type": "string"}, "minItems": 1},
+                                            "raw_scores": {"type": "boolean"}, "return_text": {"type": "boolean"},
+                                            "truncate": {"type": "boolean"}}},
+                             {"type": "array", "items": {"type": "object", "required": ["index", "score"]}}),
+            "/classify": _post("vLLM-style /classify (classifier models)", {"type": "object", "required": ["input"],
+                               "properties": {"input": TEXTS, "model": {"type": "string"}}}, {"type": "object"}),
+            "/health": _get("200 when ready; 503 while warming or draining (no auth)"),
+            "/info": _get("model, device, limits and the bucket table with its memory math"),
+            "/metrics": _get("Prometheus metrics", "text/plain"),
+            "/openapi.json": _get("this document"),
+        },
+    }

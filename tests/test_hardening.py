@@ -1,0 +1,98 @@
+"""Hostile input and sustained load against a real `jaxserve serve` process on loopback (bounded)."""
+
+import asyncio
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import tiny
+from conftest import TINY_TABLE, SlowEngine
+from jaxserve import Encoder
+from jaxserve.launch import served
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
+
+
+@pytest.fixture(scope="module")
+def tiny_files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hard")
+    path = tiny.write_checkpoint(root / "ckpt")
+    TINY_TABLE.save(root / "table.json")
+    return path, root / "table.json"
+
+
+def test_schemathesis_fuzz_finds_no_server_error(tiny_files):
+    path, table = tiny_files
+    port = 17000 + os.getpid() % 900
+    with served(port, "--model", str(path), "--buckets", str(table), "--no-cache") as (url, _):
+        import aiohttp
+
+        from jaxserve.launch import wait_ready
+
+        async def ready():
+            async with aiohttp.ClientSession() as s:
+                await wait_ready(s, url, timeout_s=60)
+
+        asyncio.run(ready())
+        out = subprocess.run(
+            [sys.executable, "-m", "schemathesis.cli", "run", f"{url}/openapi.json", "--checks", "not_a_server_error",
+             "-n", "30", "--request-timeout", "30", "--generation-deterministic",
+             "--phases", "examples,coverage,fuzzing"],
+            capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stdout[-4000:]
+        assert "passed" in out.stdout
+
+        async def healthy():
+            async with aiohttp.ClientSession() as s:
+                async with s.get(url + "/health") as r:
+                    return r.status
+
+        assert asyncio.run(healthy()) == 200
+
+
+def test_soak_loses_nothing_and_leaks_nothing(tiny_files):
+    import soak
+
+    path, table = tiny_files
+    r = soak.run(str(path), str(table), seconds=15, clients=6, port=17900 + os.getpid() % 90)
+    print(r)
+    assert r["good"] > 100 and r["bad"] > 5 and r["abandoned"] > 5
+    assert r["good_wrong"] == 0 and r["bad_wrong_status"] == 0 and r["errors"] == 0
+    assert r["compiles_during"] == 0 and r["queue_depth_after"] == 0 and r["healthy_after"]
+    assert r["rss_growth_mib"] < 64
+
+
+@pytest.fixture(scope="module")
+def tiny_enc(tiny_files):
+    return Encoder.from_pretrained(str(tiny_files[0]), buckets=TINY_TABLE)
+
+
+async def test_concurrency_limit_gives_429(make_server, tiny_enc):
+    slow = dataclasses.replace(tiny_enc, engine=SlowEngine(tiny_enc.engine, delay=0.5))
+    client = await make_server(slow, max_concurrent=2)
+    first = [asyncio.create_task(client.post("/v1/embeddings", json={"input": ["the model"]})) for _ in range(2)]
+    await asyncio.sleep(0.1)
+    over = await client.post("/v1/embeddings", json={"input": ["the model"]})
+    assert over.status == 429 and "limit is 2" in (await over.json())["error"]["message"]
+    assert [(await t).status for t in first] == [200, 200]
+    assert (await client.get("/health")).status == 200  # GETs are not counted
+    assert (await client.post("/v1/embeddings", json={"input": ["the model"]})).status == 200
+
+
+async def test_request_timeout_gives_503_and_drops_its_rows(make_server, tiny_enc):
+    from jaxserve.server import STATE
+
+    slow = dataclasses.replace(tiny_enc, engine=SlowEngine(tiny_enc.engine, delay=0.6))
+    client = await make_server(slow, request_timeout_s=0.3, streams=1, max_wait_ms=0)
+    busy = asyncio.create_task(client.post("/v1/embeddings", json={"input": ["the model"] * 3}))
+    await asyncio.sleep(0.05)
+    late = await client.post("/v1/embeddings", json={"input": ["a batch"]})
+    assert late.status == 503 and (await late.json())["error"]["type"] == "timeout"
+    assert client.app[STATE].service.batcher.queued == 0
+    await busy
+    slow.engine.delay = 0.0
+    assert (await client.post("/v1/embeddings", json={"input": ["the model"]})).status == 200
