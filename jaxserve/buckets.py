@@ -16,6 +16,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Callable
 
@@ -210,6 +211,7 @@ def derive(
     multiple: int = 1,
     layout: str = "padded",
     batch_ladder: bool = False,
+    devices: int = 1,
     **table_fields,
 ) -> BucketTable:
     """For each seqlen, the largest batch that fits the budget (weights + compiled peak).
@@ -218,39 +220,50 @@ def derive(
     while it is over budget the batch shrinks in proportion and is checked again.
     A seqlen where not even batch 1 fits is dropped, with the reason kept.
     With `batch_ladder`, each seqlen also gets batches 1, 4, 16, ... below the largest.
+    With several `devices` (batch sharded across them), the budget and caps are per
+    device, `measure` reports one device's bytes, and every batch is a multiple of
+    the device count.
     """
+    multiple = multiple * devices // math.gcd(multiple, devices)
+
+    def fit(n: int) -> int:
+        """Round down to the batch multiple; a batch must split evenly over the devices."""
+        b = round_down(n, multiple)
+        return b if b % devices == 0 else 0
+
     buckets, dropped = [], []
     for seqlen in seqlens:
         slots = slots_for(seqlen, layout)
         per_row = dims.activation_bytes(1, seqlen, slots)
         free = budget_bytes - weights_bytes
-        by_memory = free // per_row if free > 0 else 0
-        by_tokens = max_batch_tokens // seqlen
-        limits = {"memory": by_memory, "tokens": by_tokens, "max_batch": max_batch}
+        by_memory = devices * (free // per_row) if free > 0 else 0
+        by_tokens = devices * (max_batch_tokens // seqlen)
+        limits = {"memory": by_memory, "tokens": by_tokens, "max_batch": devices * max_batch}
         limited_by = min(limits, key=limits.get)
-        batch = round_down(limits[limited_by], multiple)
+        batch = fit(limits[limited_by])
         compiled = 0
         while batch >= 1:
-            compiled = measure(batch, seqlen, slots) if measure else weights_bytes + dims.activation_bytes(batch, seqlen, slots)
+            compiled = (measure(batch, seqlen, slots) if measure
+                        else weights_bytes + dims.activation_bytes(batch // devices, seqlen, slots))
             if compiled <= budget_bytes:
                 break
             limited_by = "memory"
             shrunk = int(batch * budget_bytes / compiled)
-            batch = round_down(min(shrunk, batch - 1), multiple)
+            batch = fit(min(shrunk, batch - 1))
         if batch < 1:
             dropped.append((seqlen, f"batch 1 needs more than the budget of {budget_bytes} bytes"))
             continue
         if limited_by == "memory" and measure and compiled < 0.95 * budget_bytes:
             # The estimate was pessimistic: grow toward the budget once, if the compiled figure agrees.
-            grown = round_down(min(int(batch * budget_bytes / compiled), by_tokens, max_batch), multiple)
+            grown = fit(min(int(batch * budget_bytes / compiled), by_tokens, devices * max_batch))
             if grown > batch and (grown_bytes := measure(grown, seqlen, slots)) <= budget_bytes:
                 batch, compiled = grown, grown_bytes
         # Smaller batches fit if the largest does; their compiled bytes are filled in at warmup.
-        smaller = batch_sizes(batch)[:-1] if batch_ladder else []
+        smaller = sorted({fit(b) for b in batch_sizes(batch)[:-1]} - {0, batch}) if batch_ladder else []
         for b in smaller + [batch]:
             buckets.append(Bucket(
                 batch=b, seqlen=seqlen, slots=slots,
-                estimated_bytes=weights_bytes + dims.activation_bytes(b, seqlen, slots),
+                estimated_bytes=weights_bytes + dims.activation_bytes(b // devices, seqlen, slots),
                 compiled_bytes=compiled if b == batch else 0,
                 limited_by=limited_by if b == batch else "ladder",
             ))

@@ -92,7 +92,7 @@ def cmd_serve(args) -> int:
         max_client_batch=args.max_client_batch, max_input_chars=args.max_input_chars,
         max_body_bytes=args.max_body_bytes, long=args.long, api_key=args.api_key or os.environ.get("JAXSERVE_API_KEY"),
         cache_dir=args.cache_dir, use_cache=not args.no_cache, max_concurrent=args.max_concurrent_requests,
-        request_timeout_s=args.request_timeout_s,
+        request_timeout_s=args.request_timeout_s, devices=args.devices,
     )
     serve(config, args.host, args.port)
     return 0
@@ -243,6 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--long", default="truncate", choices=["truncate", "chunk", "error"],
                        help="default for inputs over the model's limit")
     serve.add_argument("--api-key", help="require `Authorization: Bearer KEY` (or set JAXSERVE_API_KEY)")
+    serve.add_argument("--devices", default="1", type=lambda v: v if v == "all" else int(v),
+                       help="local devices sharing each batch (data parallel): a number, or all")
     serve.add_argument("--served-model-name", help="model name reported in responses")
     serve.add_argument("--cache-dir", help="persistent compilation cache directory")
     serve.add_argument("--no-cache", action="store_true", help="do not use the persistent compilation cache")

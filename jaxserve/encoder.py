@@ -67,9 +67,13 @@ class Encoder:
     @classmethod
     def from_pretrained(
         cls, name: str | None = None, dtype: str = "float32", buckets: BucketTable | str | Path | None = None,
+        devices: int | str = 1,
     ) -> "Encoder":
         """Load a checkpoint. With `buckets` (a table or its JSON file) the engine is warmed at once;
-        otherwise on first use, with the table derived for this device."""
+        otherwise on first use, with the table derived for this device.
+
+        `devices`: how many local devices share each batch (an int, or "all"): data parallel,
+        weights replicated, batch axis sharded."""
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
         path = checkpoint.resolve(name)
@@ -83,9 +87,14 @@ class Encoder:
         module = EncoderModule(cfg, jdtype)
         if head.kind == "classifier":
             head_module = ClassificationHead(cfg.hidden_size, head.num_labels, jdtype)
-            engine = Engine(lambda slots: partial(classify_forward, module, head_module, slots), params)
+            forward = lambda slots: partial(classify_forward, module, head_module, slots)
         else:
-            engine = Engine(lambda slots: partial(embed_forward, module, emb.pooling, slots), params)
+            forward = lambda slots: partial(embed_forward, module, emb.pooling, slots)
+        local = jax.devices()
+        count = len(local) if devices == "all" else int(devices)
+        if not 1 <= count <= len(local):
+            raise ValueError(f"devices must be 'all' or 1..{len(local)}, not {devices!r}")
+        engine = Engine(forward, params, local[:count])
         enc = cls(path, cfg, emb, tokenizer, engine, dtype, head)
         if buckets is not None:
             enc.warmup(buckets if isinstance(buckets, BucketTable) else BucketTable.load(buckets))
@@ -131,7 +140,7 @@ class Encoder:
             self.dims, self.engine.weights_bytes, int(headroom * info.memory_bytes), self.engine.measure,
             max_batch_tokens=max_batch_tokens or info.max_batch_tokens, max_batch=max_batch,
             multiple=batch_multiple or info.batch_multiple, ladder=ladder, layout=layout, device=label,
-            batch_ladder=batch_ladder,
+            batch_ladder=batch_ladder, devices=self.engine.devices,
             device_memory=info.memory_bytes,
         )
 

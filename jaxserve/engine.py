@@ -17,6 +17,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxserve import compiles  # noqa: F401  (installs the compile counter)
 from jaxserve.buckets import Bucket, BucketTable
@@ -41,10 +42,19 @@ def compiled_bytes(compiled: jax.stages.Compiled) -> int:
 
 
 class Engine:
-    def __init__(self, make_forward: Callable[[int], Forward], params: dict):
-        """`make_forward(slots)` gives the pure forward for rows of up to `slots` documents."""
+    def __init__(self, make_forward: Callable[[int], Forward], params: dict, devices: list | None = None):
+        """`make_forward(slots)` gives the pure forward for rows of up to `slots` documents.
+
+        With several `devices`: a 1-D mesh; weights replicated on each, every bucket's
+        batch axis sharded across them, one compile per bucket for the whole mesh.
+        """
         self._make_forward = make_forward
-        self.params = params
+        devices = devices or jax.devices()[:1]
+        self.devices = len(devices)
+        mesh = Mesh(np.array(devices), ("data",))
+        self._replicated = NamedSharding(mesh, PartitionSpec())
+        self._by_row = NamedSharding(mesh, PartitionSpec("data"))
+        self.params = jax.device_put(params, self._replicated) if self.devices > 1 else params
         self._params_struct = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
         self._compiled: dict[tuple[int, int, int], concurrent.futures.Future] = {}
         self._compile_s: dict[tuple[int, int, int], float] = {}
@@ -54,6 +64,7 @@ class Engine:
 
     @property
     def weights_bytes(self) -> int:
+        """Bytes of one copy of the weights (each device holds one)."""
         return int(sum(x.nbytes for x in jax.tree.leaves(self.params)))
 
     def compile(self, batch: int, seqlen: int, slots: int = 1) -> jax.stages.Compiled:
@@ -67,7 +78,8 @@ class Engine:
         if owner:
             start = time.perf_counter()
             try:
-                fn = jax.jit(self._make_forward(slots))
+                fn = jax.jit(self._make_forward(slots), in_shardings=(self._replicated, self._by_row),
+                             out_shardings=self._by_row) if self.devices > 1 else jax.jit(self._make_forward(slots))
                 future.set_result(fn.lower(self._params_struct, batch_struct(batch, seqlen)).compile())
             except BaseException as exc:
                 with self._lock:
@@ -100,7 +112,7 @@ class Engine:
         for bucket in tqdm(table.buckets, desc="run", unit="bucket", disable=not progress):
             exe = self.compile(bucket.batch, bucket.seqlen, bucket.slots)
             key = (bucket.batch, bucket.seqlen, bucket.slots)
-            inputs = jax.device_put(_dummy_batch(bucket))
+            inputs = self._place(_dummy_batch(bucket))
             times = []
             for _ in range(TIMED_RUNS + 1):
                 start = time.perf_counter()
@@ -119,7 +131,11 @@ class Engine:
         shape = batch["token_ids"].shape
         if future is None or shape != bucket.shape:
             raise ShapeError(f"batch {shape} (slots {bucket.slots}) is not a warmed bucket of this engine")
-        return future.result(), jax.device_put(batch)
+        return future.result(), self._place(batch)
+
+    def _place(self, batch: dict[str, np.ndarray]) -> dict:
+        """Host arrays -> device, already split by rows across the mesh (no resharding op to compile)."""
+        return jax.device_put(batch, self._by_row if self.devices > 1 else None)
 
     def execute(self, prepared: tuple[jax.stages.Compiled, dict]) -> np.ndarray:
         """Run a prepared batch -> host array [B, K, D] (blocks until the device is done)."""

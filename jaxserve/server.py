@@ -62,6 +62,7 @@ class ServerConfig:
     cache_dir: str | None = None  # persistent compilation cache; None = default location
     use_cache: bool = True
     streams: int | None = None  # batches executing at once (default: the device's, 2 on CPU)
+    devices: int | str = 1  # local devices sharing each batch (data parallel), or "all"
 
     def __post_init__(self):
         if self.max_queue < self.max_client_batch:
@@ -102,7 +103,7 @@ STATE = web.AppKey("state", AppState)
 # ---- start-up: load, warm, then serve ----
 
 def load_encoder(config: ServerConfig) -> Encoder:
-    return Encoder.from_pretrained(config.model, dtype=config.dtype)
+    return Encoder.from_pretrained(config.model, dtype=config.dtype, devices=config.devices)
 
 
 def warm(state: AppState) -> BucketTable:
