@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 from functools import partial
 from pathlib import Path
 
@@ -176,14 +177,18 @@ class Encoder:
         def run(batch):
             scatter(batch, self.engine.run(batch.bucket, assemble(batch, pieces.seqs, pieces.types)), out)
 
-        streams = device.describe().streams
-        if streams == 1 or len(planned.batches) < 2:
+        if self._pool is None or len(planned.batches) < 2:
             for batch in planned.batches:
                 run(batch)
         else:
-            with concurrent.futures.ThreadPoolExecutor(streams) as pool:
-                list(pool.map(run, planned.batches))
+            list(self._pool.map(run, planned.batches))
         return out
+
+    @functools.cached_property
+    def _pool(self) -> concurrent.futures.ThreadPoolExecutor | None:
+        """Threads that run batches at once (made once; None where one stream suits the device)."""
+        streams = device.describe().streams
+        return concurrent.futures.ThreadPoolExecutor(streams, thread_name_prefix="jaxserve-run") if streams > 1 else None
 
     def embed(self, texts: list[str], normalize: bool | None = None, long: str = "truncate") -> np.ndarray:
         """Texts -> [N, dim] float32 embeddings in input order.

@@ -81,10 +81,9 @@ class Plan:
         return None if any(t is None for t in times) else float(sum(times))
 
     def cost(self) -> tuple[float, int]:
-        predicted = self.predicted_s
-        if predicted is None:
-            return (self.padded_tokens + DISPATCH_OVERHEAD_TOKENS * self.dispatches, self.dispatches)
-        return (predicted, self.dispatches)
+        """(summed dispatch cost, dispatches): measured times if every bucket here was timed."""
+        timed = self.predicted_s is not None
+        return (sum(dispatch_cost(b.bucket, timed) for b in self.batches), self.dispatches)
 
     def summary(self, doc_of: list[int] | np.ndarray | None = None) -> dict:
         """The plan as plain data: per batch the bucket, its documents, real vs padded tokens; totals.
@@ -157,11 +156,15 @@ def _finish(lengths, table: BucketTable, rows: list[list[int]], width: int | Non
     return Plan(lengths, tuple(PlannedBatch(b, tuple(r)) for b, r in batches if r), width)
 
 
-def cost_model(table: BucketTable):
+def dispatch_cost(bucket: Bucket, timed: bool) -> float:
     """A dispatch's cost: its measured time once warmed, else its tokens plus a fixed overhead."""
-    if all(b.run_s is not None for b in table.buckets):
-        return lambda b: b.run_s
-    return lambda b: b.tokens + DISPATCH_OVERHEAD_TOKENS
+    return bucket.run_s if timed else bucket.tokens + DISPATCH_OVERHEAD_TOKENS
+
+
+def cost_model(table: BucketTable):
+    """`dispatch_cost` for this table: timed only if every bucket of it was."""
+    timed = all(b.run_s is not None for b in table.buckets)
+    return lambda b: dispatch_cost(b, timed)
 
 
 def cheapest_cover(n_rows: int, options: list[Bucket], cost) -> list[Bucket]:

@@ -221,7 +221,7 @@ class Embedded:
     vectors: np.ndarray  # [N, D] in input order
     tokens: int  # run through the model
     phases: dict  # seconds per phase
-    explain: dict  # the plan with its predicted times (measured ones are in `phases`)
+    explain: dict | None  # the plan with its predicted times, when asked (measured ones are in `phases`)
 
 
 async def plan_request(state: AppState, make_pieces, too_long_status: int = 400):
@@ -270,12 +270,13 @@ def require_kind(state: AppState, kind: str, route: str) -> None:
         raise ApiError(400, f"{route} needs {what[kind]}; this server serves {what[head.kind]} ({state.model_name})")
 
 
-async def embed(state: AppState, req: EmbedRequest, too_long_status: int = 400) -> Embedded:
-    """Validated request -> vectors in input order, tokens used, per-phase times, the plan explained."""
+async def embed(state: AppState, req: EmbedRequest, too_long_status: int = 400, explain: bool = False) -> Embedded:
+    """Validated request -> vectors in input order, tokens used, per-phase times, and, with
+    `explain`, the plan with its predictions (taken before the request queues)."""
     t0 = time.perf_counter()
     pieces, planned = await plan_request(state, lambda: _embedding_pieces(state.encoder, req), too_long_status)
     t1 = time.perf_counter()
-    explained = explain_plan(state, pieces, planned)
+    explained = explain_plan(state, pieces, planned) if explain else None
     out, timing = await run_planned(state, pieces, planned)
     vectors = pieces.combine(out, req.count)
     if req.normalize:
@@ -310,14 +311,15 @@ async def openai_embeddings(request: web.Request) -> web.Response:
     start = time.perf_counter()
     require_kind(state, "embedding", "/v1/embeddings")
     req = api.parse_openai_embeddings(await _json_body(request), state.limits, state.encoder.dim, state.config.long)
-    result = await embed(state, req)
+    wants_explain = _wants_explain(request)
+    result = await embed(state, req, explain=wants_explain)
     t_respond = time.perf_counter()
     body = api.openai_response(api.shape_vectors(result.vectors, req.dimensions), state.model_name, result.tokens,
                                req.encoding_format)
     text = json.dumps(body)
     respond_s = time.perf_counter() - t_respond
     state.metrics.phase.labels("respond").observe(respond_s)
-    if _wants_explain(request):
+    if wants_explain:
         measured = {k: v for k, v in result.phases.items() if k != "dispatches_s"}
         measured.update(respond_s=respond_s, total_s=time.perf_counter() - start)
         explained = dict(result.explain, measured=measured, dispatched=[

@@ -8,6 +8,7 @@ model's template ([CLS] ... [SEP] for BERT, <s> ... </s> for RoBERTa).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 
 import numpy as np
@@ -94,19 +95,18 @@ class TextTokenizer:
                     raise TooLongError(f"input {i} has {len(e.ids)} tokens, over the model's limit of "
                                        f"{self.max_length} (allow truncation)")
         seqs, types = [], []
-        for e in self._pair_tokenizer().encode_batch(pairs):
+        for e in self._pair_tokenizer.encode_batch(pairs):
             seqs.append(np.asarray(e.ids, np.int32))
             types.append(np.asarray(e.type_ids, np.int32))
         n = len(seqs)
         return Pieces(seqs, np.arange(n), np.ones(n), types)
 
+    @functools.cached_property
     def _pair_tokenizer(self) -> Tokenizer:
         """A copy of the tokenizer that truncates (the shared one must not: documents are windowed)."""
-        if "_pairs" not in self.__dict__:
-            tok = Tokenizer.from_str(self.tokenizer.to_str())
-            tok.enable_truncation(self.max_length, strategy="longest_first")
-            object.__setattr__(self, "_pairs", tok)
-        return self.__dict__["_pairs"]
+        tok = Tokenizer.from_str(self.tokenizer.to_str())
+        tok.enable_truncation(self.max_length, strategy="longest_first")
+        return tok
 
     def pieces(self, bodies: list[np.ndarray], long: str = "truncate", overlap: int = DEFAULT_CHUNK_OVERLAP) -> Pieces:
         """Documents -> model sequences, a long document truncated, split into windows, or refused."""

@@ -12,6 +12,7 @@ needs shapes, not compiled executables.
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 from pathlib import Path
 
@@ -44,17 +45,16 @@ def main() -> None:
           f"median {sorted(lengths)[len(lengths) // 2]}, max {max(lengths)}, {over} over the {emb.max_seq_length} limit")
     print(f"{'ladder':>8} {'batches':>8} {'layout':>7} {'shapes':>6} {'padding':>8} {'dispatches':>10} "
           f"{'padded tok':>10} {'real tok':>9}")
-    for name in ("max", "pow2", "default", "fine"):
-        for batch_ladder in (False, True):
-          for layout in ("padded", "packed"):
-            table = derive(ladder(name, emb.max_seq_length), dims, 90 * 2**20, 10 * 2**30, None,
-                           max_batch_tokens=4096, layout=layout, batch_ladder=batch_ladder)
-            real = padded = dispatches = 0
-            for start in range(0, len(lengths), args.request):
-                p = plan(lengths[start : start + args.request], table)
-                real, padded, dispatches = real + p.real_tokens, padded + p.padded_tokens, dispatches + p.dispatches
-            print(f"{name:>8} {'ladder' if batch_ladder else 'max':>8} {layout:>7} {len(table.buckets):>6} "
-                  f"{1 - real / padded:>8.1%} {dispatches:>10} {padded:>10} {real:>9}")
+    configs = itertools.product(("max", "pow2", "default", "fine"), (False, True), ("padded", "packed"))
+    for name, batch_ladder, layout in configs:
+        table = derive(ladder(name, emb.max_seq_length), dims, 90 * 2**20, 10 * 2**30, None,
+                       max_batch_tokens=4096, layout=layout, batch_ladder=batch_ladder)
+        real = padded = dispatches = 0
+        for start in range(0, len(lengths), args.request):
+            p = plan(lengths[start : start + args.request], table)
+            real, padded, dispatches = real + p.real_tokens, padded + p.padded_tokens, dispatches + p.dispatches
+        print(f"{name:>8} {'ladder' if batch_ladder else 'max':>8} {layout:>7} {len(table.buckets):>6} "
+              f"{1 - real / padded:>8.1%} {dispatches:>10} {padded:>10} {real:>9}")
 
 
 if __name__ == "__main__":
