@@ -119,39 +119,22 @@ def read_documents(path: str) -> list[str]:
 
 
 def cmd_embed(args) -> int:
-    """Stream a corpus through the buckets into an .npy file; resumable (progress in FILE.progress)."""
-    import itertools
-    import json
-
-    import numpy as np
+    """Stream a corpus through the buckets into .npy or .parquet; resumable (see jaxserve/offline.py)."""
     from tqdm import tqdm
 
     from jaxserve import Encoder
+    from jaxserve.offline import embed_corpus, open_sink
 
     enc = Encoder.from_pretrained(args.model, dtype=args.dtype)
     enc.warmup(table_for(enc, args), progress=True)
     total = sum(1 for _ in iter_documents(args.input))  # a counting pass: nothing is held in memory
-    progress = f"{args.output}.progress"
-    done = 0
-    if os.path.exists(progress) and os.path.exists(args.output):
-        state = json.loads(open(progress).read())
-        if state.get("input") == os.path.abspath(args.input) and state.get("rows") == total:
-            done = state["done"]
-            out = np.lib.format.open_memmap(args.output, mode="r+")
-            print(f"resuming at row {done} of {total}")
-    if done == 0:
-        out = np.lib.format.open_memmap(args.output, mode="w+", dtype=np.float32, shape=(total, enc.dim))
-    docs = itertools.islice(iter_documents(args.input), done, None)
+    sink = open_sink(args.output, total, enc.dim, os.path.abspath(args.input))
+    done = sink.resume()
+    if done:
+        print(f"resuming at row {done} of {total}", flush=True)
     with tqdm(total=total, initial=done, unit="doc", desc="embed") as bar:
-        while chunk := list(itertools.islice(docs, args.chunk)):
-            out[done : done + len(chunk)] = enc.embed(chunk, long=args.long)
-            out.flush()
-            done += len(chunk)
-            with open(progress + ".tmp", "w") as f:
-                json.dump({"input": os.path.abspath(args.input), "rows": total, "done": done}, f)
-            os.replace(progress + ".tmp", progress)  # atomic: a kill leaves the last complete chunk recorded
-            bar.update(len(chunk))
-    os.remove(progress)
+        embed_corpus(iter_documents(args.input), lambda docs: enc.embed(docs, long=args.long), sink, done,
+                     args.chunk, bar.update)
     print(f"wrote {args.output}: {total} x {enc.dim} float32")
     return 0
 
@@ -212,9 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
     explain.add_argument("--run", action="store_true", help="also run the plan and print measured times")
     explain.set_defaults(func=cmd_explain)
 
-    embed = sub.add_parser("embed", help="embed a corpus file into .npy, streaming and resumable")
+    embed = sub.add_parser("embed", help="embed a corpus file into .npy or .parquet, streaming and resumable")
     embed.add_argument("--input", required=True, help="documents: one per line, or JSONL with a `text` field")
-    embed.add_argument("--output", required=True, help=".npy file (rows in input order)")
+    embed.add_argument("--output", required=True, help=".npy ([rows, dim] float32) or .parquet (columns row, embedding), rows in input order")
     embed.add_argument("--chunk", type=int, default=1024, help="documents per step (and per progress checkpoint)")
     embed.add_argument("--long", default="truncate", choices=["truncate", "chunk", "error"])
     _model_args(embed)

@@ -1,0 +1,95 @@
+"""What the Ray Serve hop costs: the same requests to `jaxserve serve` directly and through Ray's proxy.
+
+    python scripts/bench_ray.py [--docs 100] [--repeats 20] [--out results/ray.json]
+
+One process at a time on this machine (a jaxserve server, then a one-replica
+Ray Serve app with the same bucket table), so they never share the CPU.
+Requests are sequential: the figure is the hop's added latency, not throughput.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import corpus  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def latencies(url: str, bodies: dict, repeats: int) -> dict:
+    from jaxserve.launch import wait_ready
+
+    out = {}
+    async with aiohttp.ClientSession() as s:
+        await wait_ready(s, url, 600)
+        for name, body in bodies.items():
+            times = []
+            for i in range(repeats + 1):
+                start = time.perf_counter()
+                async with s.post(url + "/v1/embeddings", json=body) as r:
+                    assert r.status == 200, await r.text()
+                    await r.read()
+                if i:  # the first settles caches
+                    times.append(time.perf_counter() - start)
+            out[name] = {"p50_ms": 1000 * statistics.median(times), "min_ms": 1000 * min(times)}
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--docs", type=int, default=100)
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--buckets", default=str(ROOT / "buckets" / "minilm-cpu-default.json"))
+    ap.add_argument("--out", default=str(ROOT / "results" / "ray.json"))
+    args = ap.parse_args()
+    docs = corpus.documents(args.docs)
+    bodies = {f"{args.docs} documents": {"input": docs}, "1 short document": {"input": ["a short query"]}}
+
+    from jaxserve.launch import served
+
+    port = free_port()
+    with served(port, "--buckets", args.buckets) as (url, _):
+        direct = asyncio.run(latencies(url, bodies, args.repeats))
+
+    import ray
+    from ray import serve
+
+    from jaxserve.ray_serve import deployment
+    from jaxserve.server import ServerConfig
+
+    ray.init(include_dashboard=False, log_to_driver=False)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(deployment(ServerConfig(buckets=args.buckets), num_replicas=1), name="jaxserve", route_prefix="/")
+    via_ray = asyncio.run(latencies(f"http://127.0.0.1:{port}", bodies, args.repeats))
+    serve.shutdown()
+    ray.shutdown()
+
+    print(f"{'request':<20} {'direct p50 ms':>14} {'Ray p50 ms':>11} {'added ms':>9} {'ratio':>6}")
+    rows = []
+    for name in bodies:
+        d, r = direct[name]["p50_ms"], via_ray[name]["p50_ms"]
+        print(f"{name:<20} {d:14.1f} {r:11.1f} {r - d:9.1f} {r / d:6.2f}")
+        rows.append({"request": name, "direct": direct[name], "ray": via_ray[name]})
+    Path(args.out).write_text(json.dumps({"command": " ".join(sys.argv), "rows": rows}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
