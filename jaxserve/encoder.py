@@ -35,7 +35,8 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 def embed_forward(module: EncoderModule, pooling: str, num_segments: int, params, batch: dict) -> jax.Array:
     """Pure forward: a batch of packed rows -> [B, K, D] pooled float32 vectors (not normalised)."""
     hidden = module.apply(
-        {"params": params}, batch["token_ids"], batch["segment_ids"], batch["positions"], batch["type_ids"]
+        {"params": params}, batch["token_ids"], batch["segment_ids"], batch["positions"], batch["type_ids"],
+        packed=num_segments > 1,
     )  # [B, S, D]
     return pool(pooling, hidden, batch["segment_ids"], batch["positions"], num_segments)
 
@@ -44,7 +45,8 @@ def classify_forward(module: EncoderModule, head: ClassificationHead, num_segmen
     """Pure forward: packed rows -> [B, K, L] float32 logits of each sequence's first token."""
     encoder_params = {k: v for k, v in params.items() if k != "head"}
     hidden = module.apply(
-        {"params": encoder_params}, batch["token_ids"], batch["segment_ids"], batch["positions"], batch["type_ids"]
+        {"params": encoder_params}, batch["token_ids"], batch["segment_ids"], batch["positions"], batch["type_ids"],
+        packed=num_segments > 1,
     )  # [B, S, D]
     first = pool("cls", hidden, batch["segment_ids"], batch["positions"], num_segments)  # [B, K, D]
     return head.apply({"params": params["head"]}, first.astype(hidden.dtype)).astype(jnp.float32)

@@ -91,3 +91,19 @@ def test_error_mode_names_token_count_and_limit(tiny_checkpoint):
     assert enc.embed(["ok", "the " * 18], long="error").shape == (2, 32)
     with pytest.raises(InputError, match="unknown long-input mode"):
         enc.embed(["ok"], long="squash")
+
+
+def test_key_mask_equals_segment_mask_for_one_document_rows(tiny_checkpoint):
+    """The unpacked path's [B, 1, 1, S] key mask gives the packed mask's results; an all-padding row stays finite."""
+    from jaxserve.model import Encoder as EncoderModule
+
+    enc = Encoder.from_pretrained(str(tiny_checkpoint()))
+    module = EncoderModule(enc.model_config)
+    seg = np.array([[1] * 9 + [0] * 7, [0] * 16], np.int32)  # a 9-token document, then a row of padding only
+    ids = np.where(seg > 0, 5 + np.arange(16), 0).astype(np.int32)
+    pos = np.tile(np.arange(16, dtype=np.int32), (2, 1))
+    args = ({"params": enc.engine.params}, ids, seg, pos, np.zeros_like(seg))
+    unpacked = np.asarray(module.apply(*args, packed=False))
+    packed = np.asarray(module.apply(*args, packed=True))
+    assert np.isfinite(unpacked).all() and np.isfinite(packed).all()
+    np.testing.assert_allclose(unpacked[0, :9], packed[0, :9], atol=1e-5)
