@@ -1,12 +1,13 @@
 """Open-loop load on a `jaxserve serve` subprocess (loopback only, bounded in count and time).
 
-    python scripts/bench_load.py [--rate 6] [--seconds 15] [--waits 0,5,20] [--slo-ms 1000]
+    python scripts/bench_load.py [--rates 6,15,24] [--seconds 15] [--waits 0,5,20] [--slo-ms 1000]
 
-Requests arrive as a Poisson process at `--rate` per second, whatever the
-server's speed (open loop), with a mix of sizes (70% 1 document, 20% 10, 10%
-100) from scripts/corpus.py. For each `--max-wait-ms` in `--waits` a fresh
-server is started; reported: throughput (documents/s), p50/p90/p99 latency,
-goodput (requests within the SLO per second) and errors.
+Requests arrive as a Poisson process at each of `--rates` per second, whatever
+the server's speed (open loop), with a mix of sizes (70% 1 document, 20% 10,
+10% 100) from scripts/corpus.py. For each `--max-wait-ms` in `--waits` a fresh
+server is started and every rate runs against it in turn; reported:
+throughput (documents/s), p50/p90/p99 latency, goodput (requests within the
+SLO per second), errors, and a table of all points.
 """
 
 from __future__ import annotations
@@ -68,24 +69,30 @@ async def run_point(url: str, rate: float, seconds: float, slo_s: float, seed: i
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rate", type=float, default=6.0, help="requests per second (Poisson)")
-    ap.add_argument("--seconds", type=float, default=15.0)
+    ap.add_argument("--rates", default="6,15,24", help="requests per second (Poisson), comma-separated")
+    ap.add_argument("--seconds", type=float, default=15.0, help="per rate")
     ap.add_argument("--waits", default="0,5,20", help="max_wait_ms values to sweep")
     ap.add_argument("--slo-ms", type=float, default=1000.0)
     ap.add_argument("--buckets", default=str(ROOT / "buckets" / "minilm-cpu-default.json"))
     ap.add_argument("--out", default=str(ROOT / "results" / "load.json"))
     args = ap.parse_args()
+    rates = [float(r) for r in args.rates.split(",")]
     rows = []
     for wait in [float(w) for w in args.waits.split(",")]:
         with served(19000 + os.getpid() % 500, "--buckets", args.buckets, "--max-wait-ms", str(wait)) as (url, _):
-            r = asyncio.run(run_point(url, args.rate, args.seconds, args.slo_ms / 1000, 0))
-        r["max_wait_ms"] = wait
-        rows.append(r)
-        print(f"max_wait_ms {wait:>5}: {r['requests']} requests at {args.rate}/s, {r['errors']} errors, "
-              f"{r['docs_per_s']} docs/s, p50 {r['p50_ms']} ms, p90 {r['p90_ms']} ms, p99 {r['p99_ms']} ms, "
-              f"goodput {r['goodput_rps']} req/s within {args.slo_ms:.0f} ms", flush=True)
+            for rate in rates:
+                r = {"max_wait_ms": wait, "rate": rate,
+                     **asyncio.run(run_point(url, rate, args.seconds, args.slo_ms / 1000, 0))}
+                rows.append(r)
+                print(f"max_wait_ms {wait:>5}, {rate}/s: {r['requests']} requests, {r['errors']} errors, "
+                      f"{r['docs_per_s']} docs/s, p50 {r['p50_ms']} ms, p99 {r['p99_ms']} ms", flush=True)
+    print(f"\n{'rate/s':>6} {'wait ms':>7} {'requests':>8} {'errors':>6} {'docs/s':>7} {'p50 ms':>7} {'p90 ms':>7} "
+          f"{'p99 ms':>7} {'goodput':>8}")
+    for r in sorted(rows, key=lambda r: (r["rate"], r["max_wait_ms"])):
+        print(f"{r['rate']:6g} {r['max_wait_ms']:7g} {r['requests']:8d} {r['errors']:6d} {r['docs_per_s']:7.1f} "
+              f"{r['p50_ms']:7.1f} {r['p90_ms']:7.1f} {r['p99_ms']:7.1f} {r['goodput_rps']:8.2f}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"rate": args.rate, "seconds": args.seconds, "sizes": SIZES,
+    Path(args.out).write_text(json.dumps({"command": " ".join(sys.argv), "seconds": args.seconds, "sizes": SIZES,
                                           "slo_ms": args.slo_ms, "rows": rows}, indent=1) + "\n")
     print(f"wrote {args.out}")
 
