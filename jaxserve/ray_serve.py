@@ -55,8 +55,11 @@ class JaxserveReplica:
         log.info("replica %s ready at %s", self.replica, self.url)
 
     async def __call__(self, request: Request) -> Response:
+        path, prefix = request.url.path, request.scope.get("root_path", "")  # the app's route_prefix, if any
+        if prefix and path.startswith(prefix):
+            path = path[len(prefix):] or "/"
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP | {"host"}}
-        async with self.session.request(request.method, self.url + request.url.path, params=request.query_params,
+        async with self.session.request(request.method, self.url + path, params=request.query_params,
                                          headers=headers, data=await request.body()) as r:
             body = await r.read()
             out = {k: v for k, v in r.headers.items() if k.lower() not in HOP_BY_HOP}
@@ -71,8 +74,7 @@ class JaxserveReplica:
             body = await r.json()
             if r.status != 200:
                 raise ValueError(body["error"]["message"])
-        vecs = np.stack([np.frombuffer(base64.b64decode(d["embedding"]), np.float32) for d in body["data"]])
-        return vecs
+        return np.stack([np.frombuffer(base64.b64decode(d["embedding"]), np.float32) for d in body["data"]])
 
     async def check_health(self) -> None:
         async with self.session.get(self.url + "/health") as r:

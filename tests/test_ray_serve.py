@@ -26,7 +26,7 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    """(url, handle, checkpoint): 2 replicas of the tiny model behind the Ray proxy."""
+    """(url, handle, checkpoint): 2 replicas of the tiny model behind the Ray proxy, under a route prefix."""
     tmp = tmp_path_factory.mktemp("ray")
     path = tiny.write_checkpoint(tmp / "ckpt")
     TINY_TABLE.save(tmp / "t.json")
@@ -34,8 +34,8 @@ def cluster(tmp_path_factory):
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     config = ServerConfig(model=str(path), buckets=str(tmp / "t.json"), use_cache=False)
-    handle = serve.run(deployment(config, num_replicas=2, num_cpus=0.5), name="jaxserve", route_prefix="/")
-    yield f"http://127.0.0.1:{port}", handle, path
+    handle = serve.run(deployment(config, num_replicas=2, num_cpus=0.5), name="jaxserve", route_prefix="/jx")
+    yield f"http://127.0.0.1:{port}/jx", handle, path
     serve.shutdown()
     ray.shutdown()
 
