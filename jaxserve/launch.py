@@ -4,10 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import subprocess
 import sys
 
 import aiohttp
+
+
+def free_port() -> int:
+    """A loopback port the OS says is free now (for a server started just after)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @contextlib.contextmanager

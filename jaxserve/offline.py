@@ -15,6 +15,8 @@ from collections.abc import Callable, Iterable
 
 import numpy as np
 
+from jaxserve.errors import JaxserveError
+
 
 class NpySink:
     """A memory-mapped [rows, dim] float32 .npy; progress in FILE.progress (atomic rename per chunk)."""
@@ -54,8 +56,6 @@ class ParquetSink:
         try:
             import pyarrow  # noqa: F401
         except ImportError:
-            from jaxserve.errors import JaxserveError
-
             raise JaxserveError("parquet output needs pyarrow: pip install 'jaxserve[parquet]'") from None
         self.path, self.rows, self.dim, self.source = path, rows, dim, source
         self.parts = f"{path}.parts"
@@ -109,8 +109,6 @@ SINKS = {".npy": NpySink, ".parquet": ParquetSink}
 def open_sink(path: str, rows: int, dim: int, source: str):
     ext = os.path.splitext(path)[1]
     if ext not in SINKS:
-        from jaxserve.errors import JaxserveError
-
         raise JaxserveError(f"--output must end in {' or '.join(SINKS)}, not {path!r}")
     return SINKS[ext](path, rows, dim, source)
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import sys
 import time
@@ -49,7 +48,7 @@ def in_process(enc, docs):
 def http_times(docs, table_file, repeats):
     import aiohttp
 
-    from jaxserve.launch import served, wait_ready
+    from jaxserve.launch import free_port, served, wait_ready
 
     async def main(url):
         async with aiohttp.ClientSession() as s:
@@ -78,7 +77,7 @@ def http_times(docs, table_file, repeats):
                 out[name] = (statistics.median(times[1:]), predicted)
             return out
 
-    with served(18900 + os.getpid() % 90, "--buckets", str(table_file)) as (url, _):
+    with served(free_port(), "--buckets", str(table_file)) as (url, _):
         return asyncio.run(main(url))
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import sys
 import time
@@ -28,7 +27,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import corpus  # noqa: E402
 
-from jaxserve.launch import served, wait_ready  # noqa: E402
+from jaxserve.launch import free_port, served, wait_ready  # noqa: E402
 
 SIZES = [(1, 0.7), (10, 0.2), (100, 0.1)]
 MAX_REQUESTS = 2000  # hard bound on what one run sends
@@ -79,7 +78,7 @@ def main() -> None:
     rates = [float(r) for r in args.rates.split(",")]
     rows = []
     for wait in [float(w) for w in args.waits.split(",")]:
-        with served(19000 + os.getpid() % 500, "--buckets", args.buckets, "--max-wait-ms", str(wait)) as (url, _):
+        with served(free_port(), "--buckets", args.buckets, "--max-wait-ms", str(wait)) as (url, _):
             for rate in rates:
                 r = {"max_wait_ms": wait, "rate": rate,
                      **asyncio.run(run_point(url, rate, args.seconds, args.slo_ms / 1000, 0))}

@@ -124,7 +124,7 @@ def bench_http(texts: list[str], table_file: Path, per_request: int = 100, in_fl
 
     import aiohttp
 
-    from jaxserve.launch import served, wait_ready
+    from jaxserve.launch import free_port, served, wait_ready
 
     async def main(url):
         async with aiohttp.ClientSession() as s:
@@ -144,7 +144,7 @@ def bench_http(texts: list[str], table_file: Path, per_request: int = 100, in_fl
                 best = min(best, time.perf_counter() - start)
             return best
 
-    with served(18500 + os.getpid() % 400, "--buckets", str(table_file)) as (url, _):
+    with served(free_port(), "--buckets", str(table_file)) as (url, _):
         seconds = asyncio.run(main(url))
     return {"seconds": seconds, "note": f"requests of {per_request}, {in_flight} in flight, loopback"}
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import socket
 import statistics
 import sys
 import time
@@ -25,11 +24,6 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import corpus  # noqa: E402
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def latencies(url: str, bodies: dict, repeats: int) -> dict:
@@ -61,7 +55,7 @@ def main() -> int:
     docs = corpus.documents(args.docs)
     bodies = {f"{args.docs} documents": {"input": docs}, "1 short document": {"input": ["a short query"]}}
 
-    from jaxserve.launch import served
+    from jaxserve.launch import free_port, served
 
     port = free_port()
     with served(port, "--buckets", args.buckets) as (url, _):

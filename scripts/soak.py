@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import re
 import sys
@@ -31,7 +30,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import corpus  # noqa: E402
 
-from jaxserve.launch import served, wait_ready  # noqa: E402
+from jaxserve.launch import free_port, served, wait_ready  # noqa: E402
 
 MAX_REQUESTS = 100_000
 BAD_BODIES = [b"{not json", b'{"input": []}', b'{"input": 5}', b'{"input": ["ok", null]}', b'{"inputs": ["x"]}',
@@ -118,7 +117,7 @@ def main() -> None:
     ap.add_argument("--buckets", default=str(ROOT / "buckets" / "minilm-cpu-default.json"))
     ap.add_argument("--out", default=str(ROOT / "results" / "soak.json"))
     args = ap.parse_args()
-    result = run(args.model, args.buckets, args.seconds, args.clients, 19600 + os.getpid() % 300)
+    result = run(args.model, args.buckets, args.seconds, args.clients, free_port())
     print(json.dumps(result, indent=1))
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
 

@@ -2,7 +2,6 @@
 
 import asyncio
 import dataclasses
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +11,7 @@ import pytest
 import tiny
 from conftest import TINY_TABLE, SlowEngine
 from jaxserve import Encoder
-from jaxserve.launch import served
+from jaxserve.launch import free_port, served
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
 
@@ -27,7 +26,7 @@ def tiny_files(tmp_path_factory):
 
 def test_schemathesis_fuzz_finds_no_server_error(tiny_files):
     path, table = tiny_files
-    port = 17000 + os.getpid() % 900
+    port = free_port()
     with served(port, "--model", str(path), "--buckets", str(table), "--no-cache") as (url, _):
         import aiohttp
 
@@ -58,7 +57,7 @@ def test_soak_loses_nothing_and_leaks_nothing(tiny_files):
     import soak
 
     path, table = tiny_files
-    r = soak.run(str(path), str(table), seconds=15, clients=6, port=17900 + os.getpid() % 90)
+    r = soak.run(str(path), str(table), seconds=15, clients=6, port=free_port())
     print(r)
     assert r["good"] > 100 and r["bad"] > 5 and r["abandoned"] > 5
     assert r["good_wrong"] == 0 and r["bad_wrong_status"] == 0 and r["errors"] == 0

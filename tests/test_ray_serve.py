@@ -1,7 +1,6 @@
 """Ray Serve: two jaxserve replicas on a small local Ray cluster, reached through Ray's HTTP proxy on loopback."""
 
 import asyncio
-import socket
 
 import aiohttp
 import numpy as np
@@ -10,6 +9,7 @@ import pytest
 import tiny
 from conftest import TINY_TABLE
 from jaxserve import Encoder
+from jaxserve.launch import free_port
 from jaxserve.server import ServerConfig
 
 import ray
@@ -17,11 +17,6 @@ from ray import serve
 
 from jaxserve.ray_serve import AUTOSCALE_TARGET, build_app, deployment
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

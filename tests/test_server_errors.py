@@ -5,7 +5,6 @@ Every failure case is followed by a good request that must succeed.
 
 import asyncio
 import dataclasses
-import os
 import signal
 import subprocess
 import sys
@@ -159,9 +158,9 @@ def test_sigterm_finishes_accepted_requests_then_exits(tiny_path, tmp_path):
     """The real `jaxserve serve` process: SIGTERM during load loses no accepted request."""
     table = tmp_path / "table.json"
     TINY_TABLE.save(table)
-    from jaxserve.launch import wait_ready
+    from jaxserve.launch import free_port, wait_ready
 
-    port = 18000 + os.getpid() % 1000
+    port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "jaxserve.cli", "serve", "--model", str(tiny_path), "--port", str(port),
          "--buckets", str(table), "--no-cache"],
