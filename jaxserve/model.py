@@ -24,26 +24,32 @@ _ACTIVATIONS = {
 }
 
 
-def attention(q, k, v, mask):
-    """[B, S, N, H] -> [B, S, N, H]; `mask` [B, 1, S or 1, S] says which keys each query sees.
+def attention(q, k, v, bias):
+    """[B, S, N, H] -> [B, S, N, H]; `bias` [B, 1, S or 1, S] float32, 0 where a query sees a key, MASKED where not.
 
-    Written out rather than `jax.nn.dot_product_attention` (and its query
-    blocks): on XLA CPU, heads-major batched matmuls with the softmax normalised
-    after the PV product embedded 384 long documents (256 tokens, default table)
-    in 6.64 s against 7.55 s, interleaved in one process. The mask stays
-    boolean: an additive float32 bias measured 7.60 s there. Scores and softmax
-    are float32 whatever the weights' dtype.
+    Written so that XLA CPU hands all of it (both matmuls and the softmax) to
+    one YNNPACK fusion per layer. That fusion takes only full-shape operands,
+    so two choices matter:
+    - the mask is an additive float bias, not a boolean `where` (a select
+      does not fuse there and split attention into three passes over the
+      [B, N, S, S] scores);
+    - the 1/sqrt(H) scale multiplies q, not the scores (on the scores XLA
+      broadcast the scalar to a [B, N, S, S] buffer read by every layer).
+    Together: +7.7% on a whole 4 x 256 MiniLM forward (median of 60 paired
+    rounds against the `where` form, 2-core Zen 3). Scores and softmax are
+    float32 whatever the weights' dtype.
     """
-    qt, kt, vt = (x.transpose(0, 2, 1, 3) for x in (q, k, v))  # [B, N, S, H]
-    scale = 1.0 / float(q.shape[-1]) ** 0.5
-    scores = jnp.matmul(qt, kt.swapaxes(-1, -2), preferred_element_type=jnp.float32) * scale  # [B, N, S, S]
-    scores = jnp.where(mask, scores, MASKED)
+    scale = jnp.asarray(1.0 / float(q.shape[-1]) ** 0.5, q.dtype)
+    qt, kt, vt = (x.transpose(0, 2, 1, 3) for x in (q * scale, k, v))  # [B, N, S, H]
+    scores = jnp.matmul(qt, kt.swapaxes(-1, -2), preferred_element_type=jnp.float32) + bias  # [B, N, S, S]
     p = jnp.exp(scores - scores.max(-1, keepdims=True))
     out = jnp.matmul(p.astype(v.dtype), vt, preferred_element_type=jnp.float32) / p.sum(-1, keepdims=True)
     return out.astype(v.dtype).transpose(0, 2, 1, 3)
 
 
-MASKED = -1e30  # finite: a query with every key masked gets a uniform softmax, not NaN
+# Finite, and far below any real score: adding it absorbs the score (s + MASKED == MASKED
+# in float32), and a query with every key masked gets a uniform softmax, not NaN.
+MASKED = -1e30
 
 
 def make_segment_mask(segment_ids: jax.Array, packed: bool = True) -> jax.Array:
@@ -60,6 +66,11 @@ def make_segment_mask(segment_ids: jax.Array, packed: bool = True) -> jax.Array:
         eye = jnp.eye(segment_ids.shape[1], dtype=bool)[None]  # [1, S, S]
         real = (same & real) | eye
     return real[:, None]
+
+
+def attention_bias(mask: jax.Array) -> jax.Array:
+    """Boolean mask -> additive float32 bias (0 where seen, MASKED where hidden), made once per forward."""
+    return jnp.where(mask, 0.0, MASKED).astype(jnp.float32)
 
 
 class Embeddings(nn.Module):
@@ -83,13 +94,13 @@ class Block(nn.Module):
     dtype: jnp.dtype
 
     @nn.compact
-    def __call__(self, x_bsd, mask):
+    def __call__(self, x_bsd, bias):
         c = self.cfg
         dense = lambda n, name: nn.Dense(n, dtype=self.dtype, param_dtype=self.dtype, name=name)
         b, s, _ = x_bsd.shape
         qkv = dense(3 * c.hidden_size, "qkv")(x_bsd)  # [B, S, 3D]
         q, k, v = jnp.split(qkv.reshape(b, s, 3 * c.num_heads, c.head_dim), 3, axis=2)  # [B, S, N, H]
-        att = attention(q, k, v, mask)  # [B, S, N, H]
+        att = attention(q, k, v, bias)  # [B, S, N, H]
         att = dense(c.hidden_size, "attn_out")(att.reshape(b, s, c.hidden_size))
         x_bsd = _layer_norm(c, self.dtype, "attn_ln")(x_bsd + att)
         h = _ACTIVATIONS[c.hidden_act](dense(c.intermediate_size, "mlp_in")(x_bsd))  # [B, S, F]
@@ -105,9 +116,9 @@ class Encoder(nn.Module):
     @nn.compact
     def __call__(self, token_ids, segment_ids, positions, type_ids, packed: bool = True):  # each [B, S] int32
         x = Embeddings(self.cfg, self.dtype, name="embeddings")(token_ids, positions, type_ids)
-        mask = make_segment_mask(segment_ids, packed)
+        bias = attention_bias(make_segment_mask(segment_ids, packed))  # [B, 1, S or 1, S]
         for i in range(self.cfg.num_layers):
-            x = Block(self.cfg, self.dtype, name=f"layer_{i}")(x, mask)
+            x = Block(self.cfg, self.dtype, name=f"layer_{i}")(x, bias)
         return x
 
 

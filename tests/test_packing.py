@@ -107,3 +107,24 @@ def test_key_mask_equals_segment_mask_for_one_document_rows(tiny_checkpoint):
     packed = np.asarray(module.apply(*args, packed=True))
     assert np.isfinite(unpacked).all() and np.isfinite(packed).all()
     np.testing.assert_allclose(unpacked[0, :9], packed[0, :9], atol=1e-5)
+
+
+def test_attention_bias_equals_softmax_over_visible_keys():
+    """The additive-bias attention equals a float64 softmax over each query's visible keys only;
+    a query that sees no key gets the plain mean of the values (uniform softmax), not NaN."""
+    from jaxserve.model import attention, attention_bias, make_segment_mask
+
+    rng = np.random.default_rng(0)
+    b, s, n, h = 2, 12, 3, 8
+    q, k, v = (rng.standard_normal((b, s, n, h)).astype(np.float32) * 3 for _ in range(3))
+    seg = np.array([[1] * 5 + [2] * 4 + [0] * 3, [1] * 12], np.int32)
+    for packed in (True, False):
+        mask = np.asarray(make_segment_mask(seg, packed))  # [B, 1, S or 1, S]
+        got = np.asarray(attention(q, k, v, attention_bias(mask)))
+        scores = np.einsum("bqnh,bknh->bnqk", q.astype(np.float64), k) / np.sqrt(h)
+        scores = np.where(mask, scores, -np.inf)
+        p = np.exp(scores - scores.max(-1, keepdims=True))
+        want = np.einsum("bnqk,bknh->bqnh", p / p.sum(-1, keepdims=True), v)
+        np.testing.assert_allclose(got, want, atol=2e-5)
+    none_visible = np.asarray(attention(q, k, v, attention_bias(np.zeros((b, 1, 1, s), bool))))
+    np.testing.assert_allclose(none_visible, np.broadcast_to(v.mean(1, keepdims=True), v.shape), atol=1e-5)
