@@ -183,12 +183,13 @@ class ModelDims:
         Per token: the residual stream, fused QKV, the attention output (D each,
         3D for QKV) and the MLP's hidden layer before and after the activation
         (2F). Per row: the attention scores and their softmax, B*heads*S*S in
-        float32, and the boolean mask B*S*S.
+        float32, and the additive mask bias, which XLA broadcasts once per
+        forward to B*heads*S*S float32 for the layers to share.
         """
         tokens = batch * seqlen
         per_token = (2 * self.hidden + 3 * self.hidden + 2 * self.intermediate) * self.dtype_bytes
         scores = 2 * 4 * batch * self.heads * seqlen * seqlen
-        mask = batch * seqlen * seqlen
+        mask = 4 * batch * self.heads * seqlen * seqlen
         io = 4 * 4 * tokens + 4 * batch * slots * self.hidden
         return tokens * per_token + scores + mask + io
 
