@@ -189,9 +189,9 @@ class ModelDims:
         tokens = batch * seqlen
         per_token = (2 * self.hidden + 3 * self.hidden + 2 * self.intermediate) * self.dtype_bytes
         scores = 2 * 4 * batch * self.heads * seqlen * seqlen
-        mask = 4 * batch * self.heads * seqlen * seqlen
+        mask_bias = 4 * batch * self.heads * seqlen * seqlen
         io = 4 * 4 * tokens + 4 * batch * slots * self.hidden
-        return tokens * per_token + scores + mask + io
+        return tokens * per_token + scores + mask_bias + io
 
 
 def round_down(n: int, multiple: int) -> int:

@@ -25,7 +25,6 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import corpus  # noqa: E402
 
 
-
 async def latencies(url: str, bodies: dict, repeats: int) -> dict:
     from jaxserve.launch import wait_ready
 

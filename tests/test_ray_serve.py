@@ -18,7 +18,6 @@ from ray import serve
 from jaxserve.ray_serve import AUTOSCALE_TARGET, build_app, deployment
 
 
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     """(url, handle, checkpoint): 2 replicas of the tiny model behind the Ray proxy, under a route prefix."""
