@@ -1,12 +1,19 @@
 """Bucket layouts compared on a real mixed-length corpus with the bundled model (in-process).
 
     python scripts/bench_layouts.py [--requests 20] [--out results/layouts]
+    python scripts/bench_layouts.py --paired default,pow2 [--rounds 6] [--out results/layouts]
 
 For each seqlen ladder (one max shape; pow2; fine; the memory-derived
 default), padded and packed: compiles and cold warmup time, the largest
 bucket's compiled bytes, padding ratio and dispatches over the corpus,
 throughput (real tokens/s) and p50/p99 latency of a 100-document request.
 Writes layouts.csv, layouts.json and (with matplotlib) layouts.png.
+
+Each layout is timed on its own, so two close ones can swap places between
+runs on a shared machine. `--paired A,B` instead warms ladders A and B (both
+packed) and times them over the same requests in alternating pairs: the
+median per-pair ratio says which is faster here, and by how much
+(written to paired-A-B.json).
 """
 
 from __future__ import annotations
@@ -23,39 +30,75 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import corpus  # noqa: E402
+from paired import paired_rounds  # noqa: E402
 
 # (name, ladder, batch ladder): "fine" keeps one batch per seqlen to stay at 16 shapes.
 LADDERS = [("max", "max", False), ("pow2", "pow2", True), ("fine", "fine", False), ("default", "default", True)]
+
+
+def warm(name: str, layout: str):
+    """A fresh encoder of the bundled model, warmed on this ladder and layout: (encoder, table, warmup s, compiles)."""
+    from jaxserve import Encoder, compiles
+
+    ladder, batch_ladder = next((lad, bl) for n, lad, bl in LADDERS if n == name)
+    enc = Encoder.from_pretrained(None)
+    before = compiles.xla_compiles_total()
+    start = time.perf_counter()
+    table = enc.warmup(enc.derive_table(ladder=ladder, layout=layout, batch_ladder=batch_ladder))
+    return enc, table, time.perf_counter() - start, compiles.xla_compiles_total() - before
+
+
+def run_requests(enc, requests: list[list[str]]) -> tuple[list[float], list]:
+    """Each request planned and run in turn: (seconds per request, plans)."""
+    latencies, plans = [], []
+    for req in requests:
+        pieces, planned = enc.prepare(req)
+        t = time.perf_counter()
+        pieces.combine(enc.run_plan(pieces, planned), len(req))
+        latencies.append(time.perf_counter() - t)
+        plans.append(planned)
+    return latencies, plans
+
+
+def compare(a: str, b: str, requests: list[list[str]], rounds: int, out: Path) -> None:
+    """Ladders a and b (packed) over the same requests in alternating pairs."""
+    encoders = {name: warm(name, "packed")[0] for name in (a, b)}
+    for enc in encoders.values():
+        enc.embed(requests[0])
+    result = paired_rounds(lambda: run_requests(encoders[a], requests), lambda: run_requests(encoders[b], requests), rounds)
+    print(f"packed {b} runs {result['median']:.3f}x as fast as packed {a} (time {a} / time {b}; median of "
+          f"{rounds} alternating pairs over {len(requests)} requests of 100; range {result['min']:.3f}-{result['max']:.3f})")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"paired-{a}-{b}.json").write_text(json.dumps(dict(result, reference=a, candidate=b), indent=1) + "\n")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=20, help="requests of 100 documents")
     ap.add_argument("--out", default=str(ROOT / "results" / "layouts"))
+    ap.add_argument("--paired", metavar="A,B",
+                    help="only compare two ladders (packed) in alternating pairs, e.g. default,pow2")
+    ap.add_argument("--rounds", type=int, default=6, help="pairs for --paired")
     args = ap.parse_args()
-
-    from jaxserve import Encoder, compiles
 
     docs = corpus.documents(100 * args.requests, seed=2)
     requests = [docs[i : i + 100] for i in range(0, len(docs), 100)]
+    if args.paired:
+        pair = args.paired.split(",")
+        names = [n for n, _, _ in LADDERS]
+        if len(pair) != 2 or not set(pair) <= set(names):
+            ap.error(f"--paired takes two of {', '.join(names)}, comma-separated")
+        compare(*pair, requests, args.rounds, Path(args.out))
+        return
     rows = []
-    for name, ladder, batch_ladder in LADDERS:
+    for name, _, _ in LADDERS:
         for layout in ("padded", "packed"):
-            enc = Encoder.from_pretrained(None)
-            before = compiles.xla_compiles_total()
-            start = time.perf_counter()
-            table = enc.warmup(enc.derive_table(ladder=ladder, layout=layout, batch_ladder=batch_ladder))
-            warmup_s = time.perf_counter() - start
-            built = compiles.xla_compiles_total() - before
-            real = padded = dispatches = 0
-            latencies = []
+            enc, table, warmup_s, built = warm(name, layout)
             enc.embed(requests[0])
-            for req in requests:
-                pieces, planned = enc.prepare(req)
-                t = time.perf_counter()
-                pieces.combine(enc.run_plan(pieces, planned), len(req))
-                latencies.append(time.perf_counter() - t)
-                real, padded, dispatches = real + planned.real_tokens, padded + planned.padded_tokens, dispatches + planned.dispatches
+            latencies, plans = run_requests(enc, requests)
+            real = sum(p.real_tokens for p in plans)
+            padded = sum(p.padded_tokens for p in plans)
+            dispatches = sum(p.dispatches for p in plans)
             lat = sorted(latencies)
             rows.append({
                 "ladder": name, "layout": layout, "shapes": len(table.buckets), "compiles": built,

@@ -43,6 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import corpus  # noqa: E402
+from paired import paired_rounds  # noqa: E402
 
 
 CEILING_SHAPES = [(4096, 384, 1536), (4096, 1536, 384), (4096, 384, 1152), (2048, 2048, 2048)]  # model-like and square
@@ -116,21 +117,6 @@ def bench_sentence_transformers(model, texts: list[str]) -> dict:
     best = min(results, key=results.get)
     return {"seconds": results[best], "batch_size": best, "by_batch_size": results,
             "note": f"batch_size {best} (of {sorted(results)}), torch {torch.__version__}, {torch.get_num_threads()} threads"}
-
-
-def paired_rounds(reference, candidate, rounds: int) -> dict:
-    """Time `reference()` and `candidate()` back to back `rounds` times, alternating which goes
-    first: per-pair ratios reference/candidate, so drift between pairs cancels."""
-    ratios = []
-    for r in range(rounds):
-        seconds = {}
-        for name in (("ref", "cand") if r % 2 == 0 else ("cand", "ref")):
-            start = time.perf_counter()
-            (reference if name == "ref" else candidate)()
-            seconds[name] = time.perf_counter() - start
-        ratios.append(seconds["ref"] / seconds["cand"])
-    return {"rounds": rounds, "median": float(np.median(ratios)), "min": min(ratios), "max": max(ratios),
-            "ratios": ratios}
 
 
 def bench_plain_jit(enc, seqs: list[np.ndarray], batch: int = 32) -> dict:
