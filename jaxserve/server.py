@@ -12,12 +12,13 @@ import dataclasses
 import hmac
 import json
 import logging
+import os
 import time
 
 import numpy as np
 from aiohttp import web
 
-from jaxserve import api, compiles, device
+from jaxserve import api, checkpoint, compiles, device
 from jaxserve.api import ApiError, EmbedRequest, Limits
 from jaxserve.batcher import QueueFull
 from jaxserve.buckets import BucketTable
@@ -44,7 +45,7 @@ REQUEST_TIMEOUT_S = 60.0  # a model request still unanswered after this gets 503
 
 @dataclasses.dataclass(frozen=True)
 class ServerConfig:
-    model: str | None = None  # checkpoint dir or hub id; None = bundled all-MiniLM-L6-v2
+    model: str | None = None  # checkpoint dir or hub id; None = $JAXSERVE_MODEL, else bundled all-MiniLM-L6-v2
     model_name: str | None = None  # name reported in responses (default: the model argument or directory name)
     dtype: str = "float32"
     buckets: str = "auto"  # a bucket table JSON file, or auto (derived for this device)
@@ -86,7 +87,8 @@ class AppState:
 
     @property
     def model_name(self) -> str:
-        return self.config.model_name or self.config.model or "sentence-transformers/all-MiniLM-L6-v2"
+        return (self.config.model_name or self.config.model or os.environ.get(checkpoint.MODEL_ENV)
+                or "sentence-transformers/all-MiniLM-L6-v2")
 
     def require_ready(self) -> None:
         if self.service is not None and self.service.draining:

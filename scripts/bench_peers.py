@@ -64,7 +64,23 @@ def torch_matmul_ceiling() -> float | None:
         import torch
     except ImportError:
         return None
-    return _best_gflops(lambda a, b: a @ b, lambda m, k, n: (torch.ones(m, k), torch.ones(k, n)))
+    device = torch_device()
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    return _best_gflops(lambda a, b: (a @ b, sync()), lambda m, k, n: (torch.ones(m, k, device=device),
+                                                                      torch.ones(k, n, device=device)))
+
+
+def torch_device() -> str:
+    """Where sentence-transformers runs: the GPU when torch sees one (as jaxserve's JAX does), else the CPU.
+
+    On a GPU, JAX's float32 matmuls use TF32 tensor cores by default and torch's do not: torch is
+    set to TF32 too ("high"), so both compute the same arithmetic."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.set_float32_matmul_precision("high")
+        return "cuda"
+    return "cpu"
 
 
 def _best_gflops(matmul, operands, reps: int = 10) -> float:
@@ -98,14 +114,15 @@ def timed(fn, repeats: int = 2) -> float:
 
 
 def load_sentence_transformer():
-    """The bundled model in sentence-transformers on CPU torch, or None without the `bench` extra."""
+    """The model jaxserve loads (`$JAXSERVE_MODEL` or the bundled one) in sentence-transformers, or
+    None without the `bench` extra."""
     try:
         from sentence_transformers import SentenceTransformer
     except ImportError:
         return None
     from jaxserve import checkpoint
 
-    return SentenceTransformer(str(checkpoint.bundled_default()), device="cpu")
+    return SentenceTransformer(str(checkpoint.resolve(None)), device=torch_device())
 
 
 def bench_sentence_transformers(model, texts: list[str]) -> dict:
@@ -116,7 +133,8 @@ def bench_sentence_transformers(model, texts: list[str]) -> dict:
                for bs in (16, 32, 64, 128)}
     best = min(results, key=results.get)
     return {"seconds": results[best], "batch_size": best, "by_batch_size": results,
-            "note": f"batch_size {best} (of {sorted(results)}), torch {torch.__version__}, {torch.get_num_threads()} threads"}
+            "note": f"batch_size {best} (of {sorted(results)}), torch {torch.__version__}, "
+                    + (f"{torch.cuda.get_device_name()}, TF32" if model.device.type == "cuda" else f"{torch.get_num_threads()} threads")}
 
 
 def bench_plain_jit(enc, seqs: list[np.ndarray], batch: int = 32) -> dict:
@@ -196,9 +214,14 @@ def main() -> None:
         "short paragraphs": corpus.sample("paragraphs", args.n),
         "long documents": corpus.sample("docstrings", args.n, min_chars=1500),
     }
+    import jax
+
+    device = jax.devices()[0]
+    xla_device = device.platform if device.device_kind == device.platform else f"{device.platform}, {device.device_kind}"
     report = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+              "jax_device": xla_device,
               "matmul_ceiling_gflops": ceiling, "torch_matmul_ceiling_gflops": torch_ceiling, "workloads": {}}
-    print(f"float32 matmul ceiling (XLA CPU): {ceiling:.1f} GFLOP/s"
+    print(f"float32 matmul ceiling (XLA {xla_device}): {ceiling:.1f} GFLOP/s"
           + (f"; torch's: {torch_ceiling:.1f} GFLOP/s" if torch_ceiling else ""))
     for name, texts in workloads.items():
         seqs = enc.tokenizer.encode(texts)

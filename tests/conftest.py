@@ -8,6 +8,8 @@ import pytest
 
 # Never reach for the network: hub lookups must fail fast with our clear error.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Unnamed models are the bundled MiniLM here, whatever the shell exports.
+os.environ.pop("JAXSERVE_MODEL", None)
 sys.path.insert(0, str(Path(__file__).parent))
 
 import tiny  # noqa: E402

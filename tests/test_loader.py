@@ -10,6 +10,7 @@ from safetensors.numpy import load_file, save_file
 from conftest import TINY_TABLE
 from jaxserve import Encoder
 from jaxserve.errors import CheckpointError
+from jaxserve.server import AppState, ServerConfig
 
 
 def test_missing_weights(tiny_checkpoint):
@@ -120,3 +121,14 @@ def test_bad_dtype():
 def test_missing_directory(tmp_path):
     with pytest.raises(CheckpointError, match="does not exist"):
         Encoder.from_pretrained(str(tmp_path / "nope"))
+
+
+def test_unnamed_model_comes_from_jaxserve_model_env(tiny_checkpoint, monkeypatch):
+    path = tiny_checkpoint()
+    monkeypatch.setenv("JAXSERVE_MODEL", str(path))
+    enc = Encoder.from_pretrained(None, buckets=TINY_TABLE)
+    assert enc.path == path and enc.model_config.hidden_size == 32
+    assert AppState(ServerConfig(), None).model_name == str(path)  # what responses report as `model`
+    monkeypatch.setenv("JAXSERVE_MODEL", str(path / "nope"))
+    with pytest.raises(CheckpointError, match="does not exist"):
+        Encoder.from_pretrained(None)
