@@ -205,6 +205,8 @@ def main() -> None:
                     help="paired rounds of sentence-transformers against jaxserve in-process (0: none)")
     args = ap.parse_args()
 
+    import jax
+
     from jaxserve import Encoder
 
     enc = Encoder.from_pretrained(None, buckets=args.buckets)
@@ -214,8 +216,6 @@ def main() -> None:
         "short paragraphs": corpus.sample("paragraphs", args.n),
         "long documents": corpus.sample("docstrings", args.n, min_chars=1500),
     }
-    import jax
-
     device = jax.devices()[0]
     xla_device = device.platform if device.device_kind == device.platform else f"{device.platform}, {device.device_kind}"
     report = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
