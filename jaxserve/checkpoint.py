@@ -25,10 +25,15 @@ HUB_FILES = ["*.json", "*.safetensors", "*.txt", "1_Pooling/*", "*.model"]
 IGNORED_PREFIXES = ("embeddings.position_ids", "pooler.", "cls.", "lm_head.", "classifier.")
 
 
+def named(name: str | None) -> str | None:
+    """The model asked for: `name`, else `$JAXSERVE_MODEL`; None means the bundled default."""
+    return name or os.environ.get(MODEL_ENV) or None
+
+
 def resolve(name: str | None) -> Path:
     """A model name (None: `$JAXSERVE_MODEL`, else the bundled default) -> a local directory holding its files."""
-    name = name or os.environ.get(MODEL_ENV)
-    if not name:
+    name = named(name)
+    if name is None:
         return bundled_default()
     path = Path(name).expanduser()
     if path.is_dir():

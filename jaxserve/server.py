@@ -12,7 +12,6 @@ import dataclasses
 import hmac
 import json
 import logging
-import os
 import time
 
 import numpy as np
@@ -87,8 +86,7 @@ class AppState:
 
     @property
     def model_name(self) -> str:
-        return (self.config.model_name or self.config.model or os.environ.get(checkpoint.MODEL_ENV)
-                or "sentence-transformers/all-MiniLM-L6-v2")
+        return self.config.model_name or checkpoint.named(self.config.model) or "sentence-transformers/all-MiniLM-L6-v2"
 
     def require_ready(self) -> None:
         if self.service is not None and self.service.draining:
