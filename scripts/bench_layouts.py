@@ -37,7 +37,8 @@ LADDERS = [("max", "max", False), ("pow2", "pow2", True), ("fine", "fine", False
 
 
 def warm(name: str, layout: str):
-    """A fresh encoder of the bundled model, warmed on this ladder and layout: (encoder, table, warmup s, compiles)."""
+    """A fresh encoder ($JAXSERVE_MODEL or the bundled model), warmed on this ladder and layout:
+    (encoder, table, warmup s, compiles)."""
     from jaxserve import Encoder, compiles
 
     ladder, batch_ladder = next((lad, bl) for n, lad, bl in LADDERS if n == name)

@@ -23,12 +23,12 @@ HALF = "model.f16.safetensors"
 
 
 def pack(model: Path, out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    for f in model.rglob("*"):
-        if f.is_file() and f.suffix != ".safetensors" and f.stat().st_size < 2**20:
-            (out / f.relative_to(model)).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(f, out / f.relative_to(model))
-    tensors = load_file(model / "model.safetensors")
+    """Every file but the weights as is; the weights (one file or shards) as one float16 file."""
+    from jaxserve import checkpoint
+
+    shutil.copytree(model, out, dirs_exist_ok=True,
+                    ignore=shutil.ignore_patterns("*.safetensors", "model.safetensors.index.json"))
+    tensors = checkpoint.read_tensors(model)
     save_file({k: v.astype(np.float16) if v.dtype == np.float32 else v for k, v in tensors.items()}, out / HALF)
 
 
