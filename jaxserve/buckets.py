@@ -170,26 +170,41 @@ def slots_for(seqlen: int, layout: str) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class ModelDims:
-    """What the analytic estimate needs of the model (taken from ModelConfig)."""
+    """What the analytic estimate needs of the model (each family's config says, `dims()`)."""
 
     hidden: int
     intermediate: int
     heads: int
     dtype_bytes: int = 4
+    layers: int = 1
+    kv_heads: int | None = None  # grouped-query attention: fewer key/value heads (default: `heads`)
+    head_dim: int | None = None  # default hidden // heads
+    gated: bool = False  # GeGLU/SwiGLU MLP: gate and up projections live at once (3F, not 2F)
+    mask_kinds: int = 1  # distinct attention masks per forward (e.g. global and sliding window)
+    dense_max_seqlen: int = 1024  # longer seqlens run blockwise attention (scores per key block, not S x S)
+    key_block: int = 512
 
     def activation_bytes(self, batch: int, seqlen: int, slots: int = 1) -> int:
-        """Peak live activations of one encoder layer plus the inputs and outputs.
+        """Peak live activations of one layer plus the inputs and outputs.
 
-        Per token: the residual stream, fused QKV, the attention output (D each,
-        3D for QKV) and the MLP's hidden layer before and after the activation
-        (2F). Per row: the attention scores and their softmax, B*heads*S*S in
-        float32, and the additive mask bias, which XLA broadcasts once per
+        Per token: the residual stream, the fused QKV, the attention output
+        (D each, the QKV width with grouped heads) and the MLP's hidden layer
+        before and after the activation (2F; 3F when gated). Per row: the
+        attention scores and their softmax in float32, B*heads*S*S, or
+        B*heads*S*block past `dense_max_seqlen`; and for dense attention the
+        additive mask bias per mask kind, which XLA broadcasts once per
         forward to B*heads*S*S float32 for the layers to share.
         """
         tokens = batch * seqlen
-        per_token = (2 * self.hidden + 3 * self.hidden + 2 * self.intermediate) * self.dtype_bytes
-        scores = 2 * 4 * batch * self.heads * seqlen * seqlen
-        mask_bias = 4 * batch * self.heads * seqlen * seqlen
+        head_dim = self.head_dim or self.hidden // self.heads
+        kv = self.kv_heads or self.heads
+        qkv = (self.heads + 2 * kv) * head_dim
+        mlp = (3 if self.gated else 2) * self.intermediate
+        per_token = (2 * self.hidden + qkv + self.heads * head_dim + mlp) * self.dtype_bytes
+        dense = seqlen <= self.dense_max_seqlen
+        keys = seqlen if dense else min(self.key_block, seqlen)
+        scores = 2 * 4 * batch * self.heads * seqlen * keys
+        mask_bias = 4 * batch * self.heads * seqlen * seqlen * self.mask_kinds if dense else 0
         io = 4 * 4 * tokens + 4 * batch * slots * self.hidden
         return tokens * per_token + scores + mask_bias + io
 

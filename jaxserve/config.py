@@ -1,7 +1,9 @@
 """Model and embedding configuration, built once from a checkpoint's JSON files.
 
-Everything below the loader takes these frozen dataclasses; nothing reads
-`config.json` deep inside model code.
+Everything below the loader takes frozen dataclasses; nothing reads
+`config.json` deep inside model code. The architecture's config belongs to its
+family (`jaxserve.models`); this module holds what sentence-transformers and
+the task head add.
 """
 
 from __future__ import annotations
@@ -11,85 +13,9 @@ import json
 from pathlib import Path
 
 from jaxserve.errors import CheckpointError
-
-# Families whose encoder layout matches BERT's; they differ only in how
-# position ids are counted (RoBERTa/XLM-R start after the padding index).
-SUPPORTED_MODEL_TYPES = ("bert", "roberta", "xlm-roberta")
-POSITION_OFFSET_FROM_PAD = ("roberta", "xlm-roberta")
-
-ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast", "relu", "silu", "swish")
+from jaxserve.models import ArchConfig, Family, family_of
 
 POOLING_MODES = ("mean", "cls", "max", "lasttoken")
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelConfig:
-    """The encoder's architecture (what `config.json` says)."""
-
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    intermediate_size: int
-    max_position_embeddings: int
-    type_vocab_size: int
-    hidden_act: str = "gelu"
-    layer_norm_eps: float = 1e-12
-    pad_token_id: int = 0
-    # Added to every position id: 0 for BERT, pad_token_id + 1 for RoBERTa/XLM-R.
-    position_offset: int = 0
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    @property
-    def max_positions(self) -> int:
-        """Longest sequence the position table can index."""
-        return self.max_position_embeddings - self.position_offset
-
-    @classmethod
-    def from_dict(cls, raw: dict) -> "ModelConfig":
-        model_type = raw.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise CheckpointError(
-                f"unsupported model_type {model_type!r} in config.json "
-                f"(architectures={raw.get('architectures')}); supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
-        if raw.get("position_embedding_type", "absolute") != "absolute":
-            raise CheckpointError(
-                f"unsupported position_embedding_type {raw['position_embedding_type']!r}; only 'absolute'"
-            )
-        act = raw.get("hidden_act", "gelu")
-        if act not in ACTIVATIONS:
-            raise CheckpointError(f"unsupported hidden_act {act!r}; supported: {', '.join(ACTIVATIONS)}")
-        required = (
-            "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-            "intermediate_size", "max_position_embeddings",
-        )
-        missing = [k for k in required if not isinstance(raw.get(k), int)]
-        if missing:
-            raise CheckpointError(f"config.json lacks integer field(s): {', '.join(missing)}")
-        if raw["hidden_size"] % raw["num_attention_heads"]:
-            raise CheckpointError(
-                f"hidden_size {raw['hidden_size']} is not divisible by num_attention_heads {raw['num_attention_heads']}"
-            )
-        pad = int(raw.get("pad_token_id") or 0)
-        return cls(
-            model_type=model_type,
-            vocab_size=raw["vocab_size"],
-            hidden_size=raw["hidden_size"],
-            num_layers=raw["num_hidden_layers"],
-            num_heads=raw["num_attention_heads"],
-            intermediate_size=raw["intermediate_size"],
-            max_position_embeddings=raw["max_position_embeddings"],
-            type_vocab_size=int(raw.get("type_vocab_size", 2)),
-            hidden_act=act,
-            layer_norm_eps=float(raw.get("layer_norm_eps", 1e-12)),
-            pad_token_id=pad,
-            position_offset=pad + 1 if model_type in POSITION_OFFSET_FROM_PAD else 0,
-        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,7 +48,7 @@ class EmbeddingConfig:
     normalize: bool = True
 
     @classmethod
-    def from_checkpoint(cls, path: Path, model: ModelConfig) -> "EmbeddingConfig":
+    def from_checkpoint(cls, path: Path, model: ArchConfig) -> "EmbeddingConfig":
         """Read `modules.json`, the pooling config and `sentence_bert_config.json`.
 
         A plain transformers checkpoint (no `modules.json`) gets what
@@ -162,8 +88,11 @@ def pooling_mode(raw: dict) -> str:
     return chosen[0]
 
 
-def read_model_config(path: Path) -> ModelConfig:
-    return ModelConfig.from_dict(_read_config(path))
+def read_model_config(path: Path) -> tuple[Family, ArchConfig]:
+    """The checkpoint's architecture family and its frozen config."""
+    raw = _read_config(path)
+    family = family_of(raw)
+    return family, family.configure(raw)
 
 
 def read_head_config(path: Path) -> HeadConfig:

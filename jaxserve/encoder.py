@@ -18,13 +18,11 @@ import numpy as np
 
 from jaxserve import buckets, checkpoint, device
 from jaxserve.buckets import BucketTable, ModelDims
-from jaxserve.config import EmbeddingConfig, HeadConfig, ModelConfig, read_head_config, read_model_config
-from jaxserve.errors import InputError
+from jaxserve.config import EmbeddingConfig, HeadConfig, read_head_config, read_model_config
 from jaxserve.device import DEFAULT_HEADROOM
 from jaxserve.engine import Engine
-from jaxserve.model import ClassificationHead
-from jaxserve.model import Encoder as EncoderModule
-from jaxserve.model import param_shapes
+from jaxserve.errors import InputError
+from jaxserve.models import ArchConfig, Family, attention
 from jaxserve.planner import Plan, assemble, plan, scatter
 from jaxserve.pooling import pool
 from jaxserve.tokenize import Pieces, TextTokenizer
@@ -32,7 +30,7 @@ from jaxserve.tokenize import Pieces, TextTokenizer
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
-def embed_forward(module: EncoderModule, pooling: str, num_segments: int, params, batch: dict) -> jax.Array:
+def embed_forward(module, pooling: str, num_segments: int, params, batch: dict) -> jax.Array:
     """Pure forward: a batch of packed rows -> [B, K, D] pooled float32 vectors (not normalised)."""
     hidden = module.apply(
         {"params": params}, batch["token_ids"], batch["segment_ids"], batch["positions"], batch["type_ids"],
@@ -41,15 +39,15 @@ def embed_forward(module: EncoderModule, pooling: str, num_segments: int, params
     return pool(pooling, hidden, batch["segment_ids"], batch["positions"], num_segments)
 
 
-def classify_forward(module: EncoderModule, head: ClassificationHead, num_segments: int, params, batch: dict):
-    """Pure forward: packed rows -> [B, K, L] float32 logits of each sequence's first token."""
+def classify_forward(module, head, head_pooling: str, num_segments: int, params, batch: dict):
+    """Pure forward: packed rows -> [B, K, L] float32 logits of each sequence (from the head's pooled token(s))."""
     encoder_params = {k: v for k, v in params.items() if k != "head"}
     hidden = module.apply(
         {"params": encoder_params}, batch["token_ids"], batch["segment_ids"], batch["positions"], batch["type_ids"],
         packed=num_segments > 1,
     )  # [B, S, D]
-    first = pool("cls", hidden, batch["segment_ids"], batch["positions"], num_segments)  # [B, K, D]
-    return head.apply({"params": params["head"]}, first.astype(hidden.dtype)).astype(jnp.float32)
+    pooled = pool(head_pooling, hidden, batch["segment_ids"], batch["positions"], num_segments)  # [B, K, D]
+    return head.apply({"params": params["head"]}, pooled.astype(hidden.dtype)).astype(jnp.float32)
 
 
 def normalize_rows(x: np.ndarray) -> np.ndarray:
@@ -60,7 +58,8 @@ def normalize_rows(x: np.ndarray) -> np.ndarray:
 @dataclasses.dataclass
 class Encoder:
     path: Path
-    model_config: ModelConfig
+    family: Family
+    model_config: ArchConfig
     embedding_config: EmbeddingConfig
     tokenizer: TextTokenizer
     engine: Engine  # weights on device; compiled buckets
@@ -80,25 +79,27 @@ class Encoder:
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
         path = checkpoint.resolve(name)
-        cfg = read_model_config(path)
+        family, cfg = read_model_config(path)
         head = read_head_config(path)
         emb = EmbeddingConfig.from_checkpoint(path, cfg)
         tokenizer = TextTokenizer.from_dir(path, emb.max_seq_length)
         jdtype = DTYPES[dtype]
-        shapes = param_shapes(cfg, jdtype, head.num_labels)
-        params = jax.device_put(checkpoint.load_params(path, cfg, shapes, dtype=jdtype))
-        module = EncoderModule(cfg, jdtype)
-        if head.kind == "classifier":
-            head_module = ClassificationHead(cfg.hidden_size, head.num_labels, jdtype)
-            forward = lambda slots: partial(classify_forward, module, head_module, slots)
-        else:
-            forward = lambda slots: partial(embed_forward, module, emb.pooling, slots)
+        shapes = family.param_shapes(cfg, jdtype, head.num_labels)
+        params = jax.device_put(checkpoint.load_params(path, family, cfg, shapes, dtype=jdtype))
+        platform = jax.devices()[0].platform
+
+        def forward(slots: int, seqlen: int):
+            module = family.encoder(cfg, jdtype, attention=attention.choose(platform, seqlen))
+            if head.kind == "classifier":
+                head_module = family.head(cfg, head.num_labels, jdtype)
+                return partial(classify_forward, module, head_module, family.pooling_for_head(cfg), slots)
+            return partial(embed_forward, module, emb.pooling, slots)
         local = jax.devices()
         count = len(local) if devices == "all" else int(devices)
         if not 1 <= count <= len(local):
             raise ValueError(f"devices must be 'all' or 1..{len(local)}, not {devices!r}")
         engine = Engine(forward, params, local[:count])
-        enc = cls(path, cfg, emb, tokenizer, engine, dtype, head)
+        enc = cls(path, family, cfg, emb, tokenizer, engine, dtype, head)
         if buckets is not None:
             enc.warmup(buckets if isinstance(buckets, BucketTable) else BucketTable.load(buckets))
         return enc
@@ -113,8 +114,9 @@ class Encoder:
         return self.head.num_labels if self.head.kind == "classifier" else self.dim
 
     @property
-    def module(self) -> EncoderModule:
-        return EncoderModule(self.model_config, DTYPES[self.dtype])
+    def module(self):
+        """The Flax encoder (dense attention): (token_ids, segment_ids, positions, type_ids) -> [B, S, D]."""
+        return self.family.encoder(self.model_config, DTYPES[self.dtype])
 
     @property
     def params(self) -> dict:
@@ -122,8 +124,7 @@ class Encoder:
 
     @property
     def dims(self) -> ModelDims:
-        c = self.model_config
-        return ModelDims(c.hidden_size, c.intermediate_size, c.num_heads, jnp.dtype(DTYPES[self.dtype]).itemsize)
+        return self.model_config.dims(jnp.dtype(DTYPES[self.dtype]).itemsize)
 
     def derive_table(
         self, ladder: str = "default", layout: str = "packed", device_memory: int | None = None, headroom: float = DEFAULT_HEADROOM,

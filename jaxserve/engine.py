@@ -42,8 +42,9 @@ def compiled_bytes(compiled: jax.stages.Compiled) -> int:
 
 
 class Engine:
-    def __init__(self, make_forward: Callable[[int], Forward], params: dict, devices: list | None = None):
-        """`make_forward(slots)` gives the pure forward for rows of up to `slots` documents.
+    def __init__(self, make_forward: Callable[[int, int], Forward], params: dict, devices: list | None = None):
+        """`make_forward(slots, seqlen)` gives the pure forward for rows of `seqlen` tokens and up to
+        `slots` documents (the seqlen picks the attention implementation).
 
         With several `devices`: a 1-D mesh; weights replicated on each, every bucket's
         batch axis sharded across them, one compile per bucket for the whole mesh.
@@ -78,8 +79,9 @@ class Engine:
         if owner:
             start = time.perf_counter()
             try:
-                fn = jax.jit(self._make_forward(slots), in_shardings=(self._replicated, self._by_row),
-                             out_shardings=self._by_row) if self.devices > 1 else jax.jit(self._make_forward(slots))
+                forward = self._make_forward(slots, seqlen)
+                fn = jax.jit(forward, in_shardings=(self._replicated, self._by_row),
+                             out_shardings=self._by_row) if self.devices > 1 else jax.jit(forward)
                 future.set_result(fn.lower(self._params_struct, batch_struct(batch, seqlen)).compile())
             except BaseException as exc:
                 with self._lock:

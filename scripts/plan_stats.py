@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import corpus  # noqa: E402
 
 from jaxserve import checkpoint  # noqa: E402
-from jaxserve.buckets import ModelDims, derive, ladder  # noqa: E402
+from jaxserve.buckets import derive, ladder  # noqa: E402
 from jaxserve.config import EmbeddingConfig, read_model_config  # noqa: E402
 from jaxserve.planner import plan  # noqa: E402
 from jaxserve.tokenize import TextTokenizer  # noqa: E402
@@ -34,9 +34,9 @@ def main() -> None:
     ap.add_argument("--request", type=int, default=100)
     args = ap.parse_args()
     path = checkpoint.bundled_default()
-    cfg = read_model_config(path)
+    _, cfg = read_model_config(path)
     emb = EmbeddingConfig.from_checkpoint(path, cfg)
-    dims = ModelDims(cfg.hidden_size, cfg.intermediate_size, cfg.num_heads)
+    dims = cfg.dims(4)
     tok = TextTokenizer.from_dir(path, emb.max_seq_length)
     docs = corpus.documents(args.docs)
     lengths = [len(s) for s in tok.encode(docs)]

@@ -95,10 +95,8 @@ def test_error_mode_names_token_count_and_limit(tiny_checkpoint):
 
 def test_key_mask_equals_segment_mask_for_one_document_rows(tiny_checkpoint):
     """The unpacked path's [B, 1, 1, S] key mask gives the packed mask's results; an all-padding row stays finite."""
-    from jaxserve.model import Encoder as EncoderModule
-
     enc = Encoder.from_pretrained(str(tiny_checkpoint()))
-    module = EncoderModule(enc.model_config)
+    module = enc.module
     seg = np.array([[1] * 9 + [0] * 7, [0] * 16], np.int32)  # a 9-token document, then a row of padding only
     ids = np.where(seg > 0, 5 + np.arange(16), 0).astype(np.int32)
     pos = np.tile(np.arange(16, dtype=np.int32), (2, 1))
@@ -112,19 +110,21 @@ def test_key_mask_equals_segment_mask_for_one_document_rows(tiny_checkpoint):
 def test_attention_bias_equals_softmax_over_visible_keys():
     """The additive-bias attention equals a float64 softmax over each query's visible keys only;
     a query that sees no key gets the plain mean of the values (uniform softmax), not NaN."""
-    from jaxserve.model import attention, attention_bias, make_segment_mask
+    from jaxserve.models.attention import FULL, _dense, attend, attention_bias, Masks, visible
 
     rng = np.random.default_rng(0)
     b, s, n, h = 2, 12, 3, 8
     q, k, v = (rng.standard_normal((b, s, n, h)).astype(np.float32) * 3 for _ in range(3))
     seg = np.array([[1] * 5 + [2] * 4 + [0] * 3, [1] * 12], np.int32)
+    pos = np.array([list(range(5)) + list(range(4)) + [0] * 3, list(range(12))], np.int32)
     for packed in (True, False):
-        mask = np.asarray(make_segment_mask(seg, packed))  # [B, 1, S or 1, S]
-        got = np.asarray(attention(q, k, v, attention_bias(mask)))
+        mask = np.asarray(visible(seg, pos, seg, pos, FULL, packed))[:, None]  # [B, 1, S or 1, S]
+        got = np.asarray(attend(q, k, v, Masks(seg, pos, packed)))
         scores = np.einsum("bqnh,bknh->bnqk", q.astype(np.float64), k) / np.sqrt(h)
         scores = np.where(mask, scores, -np.inf)
         p = np.exp(scores - scores.max(-1, keepdims=True))
         want = np.einsum("bnqk,bknh->bqnh", p / p.sum(-1, keepdims=True), v)
         np.testing.assert_allclose(got, want, atol=2e-5)
-    none_visible = np.asarray(attention(q, k, v, attention_bias(np.zeros((b, 1, 1, s), bool))))
+    scaled = q / np.sqrt(h)
+    none_visible = np.asarray(_dense(scaled, k, v, attention_bias(np.zeros((b, 1, 1, s), bool))))
     np.testing.assert_allclose(none_visible, np.broadcast_to(v.mean(1, keepdims=True), v.shape), atol=1e-5)

@@ -1,0 +1,23 @@
+"""The architectures jaxserve runs, one module per family, listed here by config.json `model_type`."""
+
+from __future__ import annotations
+
+from jaxserve.errors import CheckpointError
+from jaxserve.models import bert
+from jaxserve.models.family import ArchConfig, Family
+
+FAMILIES: dict[str, Family] = {t: f.FAMILY for f in (bert,) for t in f.FAMILY.model_types}
+
+
+def family_of(raw: dict) -> Family:
+    """The family that reads this config.json, or a CheckpointError listing the supported model types."""
+    model_type = raw.get("model_type")
+    if model_type not in FAMILIES:
+        raise CheckpointError(
+            f"unsupported model_type {model_type!r} in config.json (architectures={raw.get('architectures')}); "
+            f"supported: {', '.join(sorted(FAMILIES))}"
+        )
+    return FAMILIES[model_type]
+
+
+__all__ = ["ArchConfig", "FAMILIES", "Family", "family_of"]

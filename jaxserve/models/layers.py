@@ -1,0 +1,120 @@
+"""Building blocks the families share: Flax layers, rotary positions, and checkpoint-name helpers.
+
+Weight helpers describe one leaf of our params tree as (the checkpoint's
+tensor names, how to turn them into the leaf); `jaxserve.checkpoint` applies
+them and checks every shape.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import linen as nn
+
+from jaxserve.errors import CheckpointError
+
+ACTIVATIONS = {
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+    "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu_fast": lambda x: jax.nn.gelu(x, approximate=True),
+    "relu": jax.nn.relu,
+    "silu": jax.nn.silu,
+    "swish": jax.nn.silu,
+}
+
+
+def check_activation(name: str, field: str = "hidden_act") -> str:
+    """`name` if it is an activation we have; else a CheckpointError naming the config field."""
+    if name not in ACTIVATIONS:
+        raise CheckpointError(f"unsupported {field} {name!r}; supported: {', '.join(ACTIVATIONS)}")
+    return name
+
+
+def require_ints(raw: dict, *keys: str) -> None:
+    missing = [k for k in keys if not isinstance(raw.get(k), int) or isinstance(raw.get(k), bool)]
+    if missing:
+        raise CheckpointError(f"config.json lacks integer field(s): {', '.join(missing)}")
+
+
+# ---- Flax layers (params in the compute dtype) ----
+
+def dense(features: int, dtype, name: str, use_bias: bool = True) -> nn.Dense:
+    return nn.Dense(features, use_bias=use_bias, dtype=dtype, param_dtype=dtype, name=name)
+
+
+def embedding(num: int, features: int, dtype, name: str) -> nn.Embed:
+    return nn.Embed(num, features, dtype=dtype, param_dtype=dtype, name=name)
+
+
+def layer_norm(eps: float, dtype, name: str, use_bias: bool = True) -> nn.LayerNorm:
+    return nn.LayerNorm(epsilon=eps, use_bias=use_bias, dtype=dtype, param_dtype=dtype, name=name)
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * scale, computed in float32. `offset=1` for Gemma's (1 + weight) convention."""
+
+    eps: float
+    dtype: jnp.dtype
+    offset: float = 0.0
+
+    @nn.compact
+    def __call__(self, x):
+        scale = self.param("scale", nn.initializers.zeros if self.offset else nn.initializers.ones,
+                           (x.shape[-1],), self.dtype)
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (y * (self.offset + scale.astype(jnp.float32))).astype(self.dtype)
+
+
+def rotary(x, positions, theta: float, rotary_dim: int | None = None):
+    """Rotary position embedding (the rotate-half form transformers uses) of x [B, S, N, H] at positions [B, S].
+
+    Positions restart per document, so packed documents each get their own rotation.
+    """
+    h = x.shape[-1]
+    d = rotary_dim or h
+    inv_freq = 1.0 / (theta ** (np.arange(0, d, 2, dtype=np.float64) / d))  # [d/2]
+    angles = positions[..., None].astype(jnp.float32) * jnp.asarray(inv_freq, jnp.float32)  # [B, S, d/2]
+    cos = jnp.cos(jnp.concatenate([angles, angles], -1))[:, :, None, :]  # [B, S, 1, d]
+    sin = jnp.sin(jnp.concatenate([angles, angles], -1))[:, :, None, :]
+    xr = x[..., :d].astype(jnp.float32)
+    half = d // 2
+    rotated = jnp.concatenate([-xr[..., half:], xr[..., :half]], -1)
+    out = (xr * cos + rotated * sin).astype(x.dtype)
+    return out if d == h else jnp.concatenate([out, x[..., d:]], -1)
+
+
+# ---- checkpoint names -> params leaves ----
+
+def linear(prefix: str, bias: bool = True) -> dict:
+    """A torch Linear [out, in] -> a Flax Dense (kernel [in, out])."""
+    out = {"kernel": ([f"{prefix}.weight"], lambda w: w.T)}
+    if bias:
+        out["bias"] = ([f"{prefix}.bias"], lambda b: b)
+    return out
+
+
+def fused_linear(prefixes: list[str], bias: bool = True) -> dict:
+    """Several torch Linears with the same input (Q, K, V) -> one Dense, outputs concatenated."""
+    out = {"kernel": ([f"{n}.weight" for n in prefixes], lambda *ws: np.concatenate([w.T for w in ws], axis=1))}
+    if bias:
+        out["bias"] = ([f"{n}.bias" for n in prefixes], lambda *bs: np.concatenate(bs))
+    return out
+
+
+def layer_norm_weights(prefix: str, bias: bool = True) -> dict:
+    out = {"scale": ([f"{prefix}.weight"], lambda w: w)}
+    if bias:
+        out["bias"] = ([f"{prefix}.bias"], lambda b: b)
+    return out
+
+
+def rms_norm_weights(prefix: str) -> dict:
+    return {"scale": ([f"{prefix}.weight"], lambda w: w)}
+
+
+def tensor(name: str) -> tuple:
+    """A leaf copied as is."""
+    return ([name], lambda w: w)

@@ -1,0 +1,298 @@
+"""The host path on a SIMULATED device: how well the real server keeps a GPU-speed device fed.
+
+    python scripts/bench_host.py [--concurrency 1,2,4,8,16,32] [--seconds 8] [--docs 100]
+                                 [--tflops 400] [--step-overhead-us 30] [--format float|base64]
+
+On this CPU a MiniLM forward takes ~0.4 s and hides the host path; on an
+H100/H200 it takes milliseconds and the host path (HTTP, JSON, tokenize,
+plan, assemble, copies, scatter, encode) is the whole cost. This script runs
+the real server (real tokenizer, planner, batcher, HTTP) in a subprocess
+whose engine is a simulated device: a step at bucket (B, S) takes
+`overhead + FLOPs(B, S) / rate` of wall time on one device clock (batches
+queue behind each other as on one GPU; launching returns at once, as JAX's
+dispatch does) and returns zeros of the right shape. Nothing else is
+simulated.
+
+Clients (closed loop, `--concurrency` of them) send requests of `--docs`
+corpus documents over loopback. Reported per level: device-busy fraction,
+documents/s, tokens/s, p50/p99, and the server's own per-phase host cost per
+request (read from its Prometheus phase histograms). Also reported: the
+floor for the same requests, the work no server can avoid: JSON decode of
+the body + tokenizing + encoding the response, timed here in one thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+H200_BF16_DENSE_TFLOPS = 989  # NVIDIA's H200 SXM datasheet, dense bfloat16
+DEFAULT_TFLOPS = 400  # achieved: ~40% of that peak, a good figure for a large-batch encoder forward
+DEFAULT_STEP_OVERHEAD_US = 30  # launch and synchronisation per dispatch
+MAX_REQUESTS = 20_000  # hard bound on what one run sends
+
+
+def forward_flops(batch: int, seqlen: int, hidden: int, intermediate: int, layers: int) -> float:
+    """Matmul FLOPs of one encoder forward at (batch, seqlen): QKV, output, MLP, and attention's two matmuls."""
+    per_token_layer = 2 * (4 * hidden * hidden + 2 * hidden * intermediate) + 4 * seqlen * hidden
+    return float(batch * seqlen * layers * per_token_layer)
+
+
+class SimDevice:
+    """One device clock shared by every step: a step starts when the device is free and takes `step_s`."""
+
+    def __init__(self):
+        self._free_at = 0.0
+        self._lock = threading.Lock()
+        self.busy_s = 0.0
+        self.steps = 0
+
+    def launch(self, step_s: float) -> float:
+        """Queue a step; returns when it will be done (perf_counter time)."""
+        with self._lock:
+            start = max(time.perf_counter(), self._free_at)
+            self._free_at = start + step_s
+            self.busy_s += step_s
+            self.steps += 1
+            return self._free_at
+
+
+class SimEngine:
+    """The engine's interface over a SimDevice: same shapes, same checks, no JAX computation."""
+
+    def __init__(self, real, table, rate_flops: float, overhead_s: float, dims):
+        self._real = real
+        self.device = SimDevice()
+        self.devices = 1
+        self.params = real.params
+        self.weights_bytes = real.weights_bytes
+        self._step_s = {b.shape: overhead_s + forward_flops(*b.shape, *dims) / rate_flops for b in table.buckets}
+        from dataclasses import replace
+
+        self.table = replace(table, buckets=tuple(replace(b, run_s=self._step_s[b.shape], compile_s=0.0)
+                                                  for b in table.buckets))
+
+    def use(self, table, progress=False):
+        return self.table
+
+    def put(self, bucket, batch):
+        if bucket.shape not in self._step_s or batch["token_ids"].shape != bucket.shape:
+            raise ValueError(f"batch {batch['token_ids'].shape} is not a bucket")
+        return bucket, {k: np.array(v) for k, v in batch.items()}  # the host side of a host-to-device copy
+
+    def execute(self, prepared):
+        bucket, _ = prepared
+        done = self.device.launch(self._step_s[bucket.shape])
+        time.sleep(max(0.0, done - time.perf_counter()))
+        return np.zeros((bucket.batch, bucket.slots, self._real_dim), np.float32)
+
+
+def gpu_table(enc):
+    """The table `jaxserve serve` would derive on an H200 (analytic memory; GPU caps, batch ladder, packed)."""
+    from jaxserve import buckets
+
+    return buckets.derive(
+        buckets.ladder("default", enc.embedding_config.max_seq_length), enc.dims, enc.engine.weights_bytes,
+        int(0.9 * 141e9), None, max_batch_tokens=262144, max_batch=256, multiple=8, layout="packed",
+        batch_ladder=True, device="simulated H200", device_memory=int(141e9),
+    )
+
+
+def serve(port: int, rate_flops: float, overhead_s: float) -> None:
+    """The server process: the real app over a SimEngine."""
+    from aiohttp import web
+
+    from jaxserve.encoder import Encoder
+    from jaxserve.server import ServerConfig, create_app
+
+    enc = Encoder.from_pretrained(None)
+    c = enc.model_config
+    table = gpu_table(enc)
+    sim = SimEngine(enc.engine, table, rate_flops, overhead_s, (c.hidden_size, c.intermediate_size, c.num_layers))
+    sim._real_dim = enc.out_dim
+    enc = _with_engine(enc, sim)
+    app = create_app(ServerConfig(use_cache=False, streams=1), enc)
+
+    async def sim_stats(request):
+        return web.json_response({"busy_s": sim.device.busy_s, "steps": sim.device.steps, "now": time.perf_counter()})
+
+    app.router.add_get("/sim", sim_stats)
+    web.run_app(app, host="127.0.0.1", port=port, print=None, handler_cancellation=True)
+
+
+def _with_engine(enc, engine):
+    import dataclasses
+
+    return dataclasses.replace(enc, engine=engine)
+
+
+# ---- the client side ----
+
+def phase_sums(metrics_text: str) -> dict[str, float]:
+    """`jaxserve_phase_seconds_sum{phase=...}` per phase."""
+    return {m.group(1): float(m.group(2))
+            for m in re.finditer(r'^jaxserve_phase_seconds_sum\{phase="([^"]+)"\} ([0-9.e+-]+)$', metrics_text, re.M)}
+
+
+async def run_level(url: str, bodies: list[bytes], concurrency: int, seconds: float) -> dict:
+    import aiohttp
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+        async def get(path):
+            async with s.get(url + path) as r:
+                return await r.text()
+
+        for body in bodies[:concurrency]:  # settle connections
+            async with s.post(url + "/v1/embeddings", data=body, headers={"Content-Type": "application/json"}) as r:
+                await r.read()
+        phases0, sim0 = phase_sums(await get("/metrics")), json.loads(await get("/sim"))
+        latencies, tokens, errors = [], 0, 0
+        sent = 0
+        t0 = time.perf_counter()
+        deadline = t0 + seconds
+
+        async def client(k: int):
+            nonlocal tokens, errors, sent
+            i = k
+            while time.perf_counter() < deadline and sent < MAX_REQUESTS:
+                sent += 1
+                body = bodies[i % len(bodies)]
+                i += concurrency
+                start = time.perf_counter()
+                async with s.post(url + "/v1/embeddings", data=body, headers={"Content-Type": "application/json"},
+                                  timeout=aiohttp.ClientTimeout(total=120)) as r:
+                    raw = await r.read()
+                if r.status != 200:
+                    errors += 1
+                    continue
+                latencies.append(time.perf_counter() - start)
+                tokens += int(re.search(rb'"prompt_tokens": ?(\d+)', raw).group(1))
+
+        await asyncio.gather(*(client(k) for k in range(concurrency)))
+        wall = time.perf_counter() - t0
+        phases1, sim1 = phase_sums(await get("/metrics")), json.loads(await get("/sim"))
+    n = len(latencies)
+    lat = sorted(latencies)
+    pct = lambda q: 1e3 * lat[min(n - 1, int(q * n))] if n else None
+    busy = (sim1["busy_s"] - sim0["busy_s"]) / (sim1["now"] - sim0["now"])
+    per_request = {k: (phases1[k] - phases0.get(k, 0.0)) / max(n, 1) for k in phases1}
+    return {"concurrency": concurrency, "requests": n, "errors": errors, "wall_s": wall,
+            "device_busy": busy, "device_steps": sim1["steps"] - sim0["steps"],
+            "docs_per_s": n * DOCS / wall, "tokens_per_s": tokens / wall,
+            "p50_ms": pct(0.5), "p99_ms": pct(0.99), "phase_ms_per_request": {k: 1e3 * v for k, v in per_request.items()}}
+
+
+def floor_ms(bodies: list[bytes], fmt: str, repeats: int = 5) -> dict:
+    """Per request, in this process, one thread: JSON decode + tokenize + encode the response (median)."""
+    import orjson
+
+    from jaxserve.checkpoint import bundled_default
+    from jaxserve.tokenize import TextTokenizer
+
+    tok = TextTokenizer.from_dir(bundled_default(), 256)
+    vectors = np.random.default_rng(0).standard_normal((DOCS, 384)).astype(np.float32)
+    decode, tokenize, encode = [], [], []
+    for _ in range(repeats):
+        for body in bodies[:20]:
+            t0 = time.perf_counter()
+            texts = orjson.loads(body)["input"]
+            t1 = time.perf_counter()
+            tok.encode(texts)
+            t2 = time.perf_counter()
+            if fmt == "float":
+                orjson.dumps({"data": [{"object": "embedding", "index": i, "embedding": v}
+                                       for i, v in enumerate(vectors)]}, option=orjson.OPT_SERIALIZE_NUMPY)
+            else:
+                import base64
+
+                orjson.dumps({"data": [{"object": "embedding", "index": i, "embedding": base64.b64encode(v.tobytes()).decode()}
+                                       for i, v in enumerate(vectors)]})
+            t3 = time.perf_counter()
+            decode.append(t1 - t0)
+            tokenize.append(t2 - t1)
+            encode.append(t3 - t2)
+    med = lambda xs: 1e3 * statistics.median(xs)
+    out = {"decode": med(decode), "tokenize": med(tokenize), "encode": med(encode)}
+    out["total"] = sum(out.values())
+    return out
+
+
+DOCS = 100
+
+
+def main() -> None:
+    global DOCS
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--concurrency", default="1,2,4,8,16,32")
+    ap.add_argument("--seconds", type=float, default=8.0, help="per concurrency level")
+    ap.add_argument("--docs", type=int, default=100, help="documents per request")
+    ap.add_argument("--tflops", type=float, default=DEFAULT_TFLOPS, help="simulated achieved device rate")
+    ap.add_argument("--step-overhead-us", type=float, default=DEFAULT_STEP_OVERHEAD_US)
+    ap.add_argument("--format", default="float", choices=["float", "base64"])
+    ap.add_argument("--label", default="", help="a name for this run in the output (e.g. the commit)")
+    ap.add_argument("--out", default=str(ROOT / "results" / "host.json"))
+    ap.add_argument("--serve", type=int, help=argparse.SUPPRESS)  # internal: run the server on this port
+    args = ap.parse_args()
+    if args.serve:
+        serve(args.serve, args.tflops * 1e12, args.step_overhead_us * 1e-6)
+        return
+    DOCS = args.docs
+    import subprocess
+
+    import aiohttp
+
+    import corpus
+    from jaxserve.launch import free_port, wait_ready
+
+    docs = corpus.documents(4000, seed=0)
+    bodies = [json.dumps({"input": docs[i * DOCS % len(docs):][:DOCS], "model": "m", "encoding_format": args.format})
+              .encode() for i in range(40)]
+    print(f"SIMULATED device: step = {args.step_overhead_us:g} us + FLOPs / {args.tflops:g} TFLOP/s "
+          f"(H200 dense bf16 peak {H200_BF16_DENSE_TFLOPS}); real server, tokenizer, planner, batcher, HTTP", flush=True)
+    floor = floor_ms(bodies, args.format)
+    print(f"floor per request of {DOCS} documents (decode + tokenize + encode, one thread): "
+          f"{floor['decode']:.2f} + {floor['tokenize']:.2f} + {floor['encode']:.2f} = {floor['total']:.2f} ms", flush=True)
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, __file__, "--serve", str(port), "--tflops", str(args.tflops),
+                             "--step-overhead-us", str(args.step_overhead_us)])
+    url = f"http://127.0.0.1:{port}"
+    rows = []
+    try:
+        async def ready():
+            async with aiohttp.ClientSession() as s:
+                await wait_ready(s, url, timeout_s=300)
+
+        asyncio.run(ready())
+        for c in [int(x) for x in args.concurrency.split(",")]:
+            r = asyncio.run(run_level(url, bodies, c, args.seconds))
+            rows.append(r)
+            phases = r["phase_ms_per_request"]
+            print(f"concurrency {c:>3}: {r['requests']} requests, {r['errors']} errors, device busy "
+                  f"{r['device_busy']:.0%}, {r['docs_per_s']:,.0f} docs/s, {r['tokens_per_s']:,.0f} tokens/s, "
+                  f"p50 {r['p50_ms']:.1f} ms, p99 {r['p99_ms']:.1f} ms; host ms/request: "
+                  + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()), flush=True)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"command": " ".join(sys.argv), "label": args.label, "simulated": True,
+                                          "tflops": args.tflops, "step_overhead_us": args.step_overhead_us,
+                                          "docs": DOCS, "format": args.format, "floor_ms": floor, "rows": rows},
+                                         indent=1) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
