@@ -458,7 +458,7 @@ async def info(request: web.Request) -> web.Response:
     if enc is not None:
         c, e = enc.model_config, enc.embedding_config
         body.update({
-            "model_type": c.model_type, "model_dtype": enc.dtype, "dimensions": enc.dim,
+            "model_type": c.model_type, "family": enc.family.name, "model_dtype": enc.dtype, "dimensions": enc.dim,
             "max_input_length": e.max_seq_length, "pooling": e.pooling, "normalize": e.normalize,
             "kind": enc.head.kind, "labels": list(enc.head.labels),
         })
