@@ -10,6 +10,7 @@ import base64
 import dataclasses
 
 import numpy as np
+import orjson
 
 from jaxserve.tokenize import LONG_MODES
 
@@ -141,17 +142,20 @@ def shape_vectors(vectors: np.ndarray, dimensions: int | None) -> np.ndarray:
     return cut / np.maximum(np.linalg.norm(cut, axis=1, keepdims=True), 1e-12)
 
 
-def openai_response(vectors: np.ndarray, model: str, prompt_tokens: int, encoding_format: str) -> dict:
+def openai_body(vectors: np.ndarray, model: str, prompt_tokens: int, encoding_format: str) -> bytes:
+    """The OpenAI embeddings response as JSON bytes (float32 vectors written at float32's shortest repr)."""
     if encoding_format == "base64":
-        encode = lambda v: base64.b64encode(np.ascontiguousarray(v, "<f4").tobytes()).decode("ascii")
+        encode = lambda v: base64.b64encode(v.tobytes()).decode("ascii")
+        vectors = np.ascontiguousarray(vectors, "<f4")
     else:
-        encode = lambda v: v.tolist()
-    return {
+        encode = lambda v: v  # orjson writes numpy rows itself
+        vectors = np.ascontiguousarray(vectors, np.float32)
+    return orjson.dumps({
         "object": "list",
         "data": [{"object": "embedding", "index": i, "embedding": encode(v)} for i, v in enumerate(vectors)],
         "model": model,
         "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
-    }
+    }, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
 @dataclasses.dataclass(frozen=True)

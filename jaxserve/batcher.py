@@ -1,18 +1,22 @@
-"""The batching queue: a small state machine between the request handlers and the device worker.
+"""The batching queue: the one place batches are formed, a small state machine with no JAX, asyncio or HTTP.
 
-Requests arrive as rows (one or several packed sequences each) already routed
-to the smallest seqlen that holds them. Rows wait per seqlen. A dispatch
-leaves when
+Jobs (one request's rows, packed by the planner) arrive with each row routed
+to the smallest seqlen that holds it. Rows wait per seqlen, as runs (a job's
+consecutive rows of one seqlen, split when a batch takes part of one). A
+dispatch leaves when
 
-- a seqlen has rows for its largest batch ("full"),
-- or its oldest row has waited `max_wait_s` ("window"),
-- or the device is idle with work queued ("idle": never idle the device
-  waiting for a window).
+- the oldest row of some seqlen has waited `max_wait_s` ("window"); the
+  oldest such row goes first, so no row waits behind a seqlen that is always
+  full for longer than the rows queued ahead of it take to run;
+- else a seqlen has rows for its largest batch ("full");
+- else the device is about to idle with work queued ("idle": never idle the
+  device waiting for a window).
 
-The oldest row goes first among candidates. A dispatch takes the cheapest
-batch size from the seqlen's batch ladder for the rows it has, and its spare
-rows are filled with waiting rows of smaller seqlens (they fit, and spare rows
-are computed anyway). No JAX, no asyncio, no HTTP: the caller passes `now`.
+A dispatch takes the cheapest batch size from the seqlen's batch ladder for
+the rows it has (looked up, computed once per table), and its spare rows are
+filled with waiting rows of smaller seqlens (they fit, and spare rows are
+computed anyway). Ties go to the larger seqlen, whose spare rows can absorb
+smaller ones. The caller passes `now`.
 """
 
 from __future__ import annotations
@@ -20,28 +24,48 @@ from __future__ import annotations
 import collections
 import dataclasses
 
+import numpy as np
+
 from jaxserve.buckets import Bucket, BucketTable
-from jaxserve.planner import cheapest_cover, cost_model
+from jaxserve.planner import cheapest_covers, cost_model
 
 
 @dataclasses.dataclass(frozen=True)
-class QueuedRow:
-    request: int  # the request it belongs to
-    pieces: tuple[int, ...]  # the request's sequence indices in this row, in slot order
-    tokens: int
-    seqlen: int  # the smallest seqlen that holds it
+class Run:
+    """Consecutive rows of one job at one seqlen, waiting together."""
+
+    job: int
+    rows: np.ndarray  # the job's row indices
+    docs: np.ndarray  # sequences in each of those rows
     enqueued: float
+
+    def split(self, k: int) -> tuple["Run", "Run"]:
+        return (Run(self.job, self.rows[:k], self.docs[:k], self.enqueued),
+                Run(self.job, self.rows[k:], self.docs[k:], self.enqueued))
 
 
 @dataclasses.dataclass(frozen=True)
 class Dispatch:
     bucket: Bucket
-    rows: tuple[QueuedRow, ...]
-    reason: str  # full, window or idle
+    parts: tuple[tuple[int, np.ndarray], ...]  # (job, its row indices) in batch-row order
+    reason: str  # window, full or idle
+    oldest: float  # when its oldest row was queued
+
+    @property
+    def rows(self) -> int:
+        return sum(len(r) for _, r in self.parts)
+
+    @property
+    def jobs(self) -> list[int]:
+        return list(dict.fromkeys(job for job, _ in self.parts))
 
 
 class QueueFull(Exception):
     """More sequences would wait than the queue allows; try again later."""
+
+
+class TooLarge(Exception):
+    """A job with more sequences than the whole queue holds: retrying cannot help."""
 
 
 class Batcher:
@@ -49,37 +73,46 @@ class Batcher:
         self.table = table
         self.max_wait_s = max_wait_s
         self.max_queued = max_queued  # sequences (documents, or chunks of one) waiting
-        self._queues: dict[int, collections.deque[QueuedRow]] = {s: collections.deque() for s in table.seqlens}
-        self._cost = cost_model(table)
+        self._queues: dict[int, collections.deque[Run]] = {s: collections.deque() for s in table.seqlens}
+        self._rows = dict.fromkeys(table.seqlens, 0)  # rows waiting per seqlen
+        self._largest = {s: table.at(s)[-1].batch for s in table.seqlens}
+        cost = cost_model(table)
+        # per seqlen, for 0..largest rows waiting: the batch size to dispatch
+        self.covers = {s: cheapest_covers(table.at(s), cost, self._largest[s]) for s in table.seqlens}
         self.queued = 0
 
     @property
     def queued_rows(self) -> int:
-        return sum(len(q) for q in self._queues.values())
+        return sum(self._rows.values())
 
-    def submit(self, request: int, rows: list[tuple[tuple[int, ...], int]], now: float) -> None:
-        """Queue one request's rows, each (sequence indices, tokens); all or nothing."""
-        n = sum(len(pieces) for pieces, _ in rows)
+    def submit(self, job: int, seqlens: np.ndarray, docs: np.ndarray, now: float) -> None:
+        """Queue one job's rows (their seqlens and sequences per row), all or nothing."""
+        n = int(docs.sum())
+        if n > self.max_queued:
+            raise TooLarge(f"the request has {n} sequences; the queue holds at most {self.max_queued}")
         if self.queued + n > self.max_queued:
             raise QueueFull(f"{self.queued} sequences are waiting; {n} more would pass the limit of {self.max_queued}")
-        for pieces, tokens in rows:
-            seqlen = self.table.pick(tokens, docs=len(pieces)).seqlen
-            self._queues[seqlen].append(QueuedRow(request, tuple(pieces), tokens, seqlen, now))
+        for s in np.unique(seqlens).tolist():
+            rows = np.flatnonzero(seqlens == s)
+            self._queues[s].append(Run(job, rows, docs[rows], now))
+            self._rows[s] += len(rows)
         self.queued += n
 
-    def cancel(self, request: int) -> int:
-        """Drop a request's waiting rows (its client went away); returns how many sequences were dropped."""
+    def cancel(self, job: int) -> int:
+        """Drop a job's waiting rows (its client went away); returns how many sequences were dropped."""
         dropped = 0
-        for seqlen, q in self._queues.items():
-            keep = [r for r in q if r.request != request]
-            dropped += sum(len(r.pieces) for r in q if r.request == request)
-            self._queues[seqlen] = collections.deque(keep)
+        for s, q in self._queues.items():
+            if any(r.job == job for r in q):
+                gone = [r for r in q if r.job == job]
+                self._queues[s] = collections.deque(r for r in q if r.job != job)
+                self._rows[s] -= sum(len(r.rows) for r in gone)
+                dropped += sum(int(r.docs.sum()) for r in gone)
         self.queued -= dropped
         return dropped
 
     def backlog(self) -> list[tuple[int, int]]:
         """(seqlen, rows) waiting, per seqlen."""
-        return [(s, len(q)) for s, q in self._queues.items() if q]
+        return [(s, n) for s, n in self._rows.items() if n]
 
     def next_deadline(self) -> float | None:
         """When the oldest waiting row's window closes (None with nothing queued)."""
@@ -87,35 +120,43 @@ class Batcher:
         return min(oldest) + self.max_wait_s if oldest else None
 
     def next_dispatch(self, now: float, device_idle: bool) -> Dispatch | None:
-        waiting = [s for s, q in self._queues.items() if q]
-        if not waiting:
+        heads = [(q[0].enqueued, s) for s, q in self._queues.items() if q]
+        if not heads:
             return None
-        oldest = lambda s: self._queues[s][0].enqueued
-        full = [s for s in waiting if len(self._queues[s]) >= self.table.at(s)[-1].batch]
-        expired = [s for s in waiting if now - oldest(s) >= self.max_wait_s]
-        if full:
-            seqlen, reason = min(full, key=oldest), "full"
-        elif expired:
-            seqlen, reason = min(expired, key=oldest), "window"
+        first = lambda hs: min(hs, key=lambda h: (h[0], -h[1]))  # oldest; ties: larger seqlen
+        expired = [h for h in heads if now - h[0] >= self.max_wait_s]
+        full = [h for h in heads if self._rows[h[1]] >= self._largest[h[1]]]
+        if expired:
+            (oldest, seqlen), reason = first(expired), "window"
+        elif full:
+            (oldest, seqlen), reason = first(full), "full"
         elif device_idle:
-            seqlen, reason = min(waiting, key=oldest), "idle"
+            (oldest, seqlen), reason = first(heads), "idle"
         else:
             return None
-        q = self._queues[seqlen]
-        options = self.table.at(seqlen)
-        bucket = cheapest_cover(min(len(q), options[-1].batch), options, self._cost)[0]
-        rows = [q.popleft() for _ in range(min(bucket.batch, len(q)))]
-        rows += self._fill_spare(bucket, bucket.batch - len(rows))
-        self.queued -= sum(len(r.pieces) for r in rows)
-        return Dispatch(bucket, tuple(rows), reason)
-
-    def _fill_spare(self, bucket: Bucket, spare: int) -> list[QueuedRow]:
-        """Oldest rows of smaller seqlens that fit the bucket's rows and slots."""
-        taken: list[QueuedRow] = []
-        while spare > 0:
-            fits = [s for s, q in self._queues.items() if q and s < bucket.seqlen and len(q[0].pieces) <= bucket.slots]
-            if not fits:
+        bucket = self.covers[seqlen][min(self._rows[seqlen], self._largest[seqlen])]
+        parts = self._take(seqlen, bucket.batch, bucket.slots)
+        spare = bucket.batch - sum(len(r.rows) for r in parts)
+        for s in sorted((s for s in self._queues if s < seqlen and self._queues[s]),
+                        key=lambda s: (self._queues[s][0].enqueued, -s)):
+            if spare == 0:
                 break
-            taken.append(self._queues[min(fits, key=lambda s: self._queues[s][0].enqueued)].popleft())
-            spare -= 1
+            taken = self._take(s, spare, bucket.slots)
+            spare -= sum(len(r.rows) for r in taken)
+            parts += taken
+        self.queued -= sum(int(r.docs.sum()) for r in parts)
+        return Dispatch(bucket, tuple((r.job, r.rows) for r in parts), reason, oldest)
+
+    def _take(self, seqlen: int, most: int, slots: int) -> list[Run]:
+        """Up to `most` rows from the head of one seqlen's queue, whole runs first, the last one split."""
+        q = self._queues[seqlen]
+        taken = []
+        while q and most > 0 and q[0].docs.max() <= slots:
+            run = q.popleft()
+            if len(run.rows) > most:
+                run, rest = run.split(most)
+                q.appendleft(rest)
+            taken.append(run)
+            most -= len(run.rows)
+            self._rows[seqlen] -= len(run.rows)
         return taken

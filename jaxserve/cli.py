@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 
@@ -92,7 +91,7 @@ def cmd_serve(args) -> int:
         max_client_batch=args.max_client_batch, max_input_chars=args.max_input_chars,
         max_body_bytes=args.max_body_bytes, long=args.long, api_key=args.api_key or os.environ.get("JAXSERVE_API_KEY"),
         cache_dir=args.cache_dir, use_cache=not args.no_cache, max_concurrent=args.max_concurrent_requests,
-        request_timeout_s=args.request_timeout_s, devices=args.devices,
+        request_timeout_s=args.request_timeout_s, devices=args.devices, max_inflight_bytes=args.max_inflight_bytes,
     )
     serve(config, args.host, args.port)
     return 0
@@ -140,7 +139,7 @@ def cmd_embed(args) -> int:
 
 
 def cmd_explain(args) -> int:
-    """Plan a file of documents and print the latency math; with --run, also run it and measure."""
+    """The batches of a file of documents and the latency math; with --run, also run it and measure."""
     import time
 
     from jaxserve import Encoder
@@ -149,20 +148,15 @@ def cmd_explain(args) -> int:
     enc = Encoder.from_pretrained(args.model, dtype=args.dtype)
     table = enc.warmup(table_for(enc, args), progress=True)
     docs = read_documents(args.file)
-    pieces, planned = enc.prepare(docs, long=args.long)
-    timings = LiveTimings(table)
+    pieces, rows = enc.prepare(docs, long=args.long)
     measured = None
     if args.run:
-        enc.run_plan(pieces, planned)  # once to settle caches; the second run is the measurement
-        device_s = 0.0
+        enc.run(pieces, rows)  # once to settle caches; the second run is the measurement
         start = time.perf_counter()
-        for batch in planned.batches:
-            t = time.perf_counter()
-            enc.run_plan(pieces, dataclasses.replace(planned, batches=(batch,)))
-            device_s += time.perf_counter() - t
-        measured = {"device_s": device_s, "total_s": time.perf_counter() - start}
+        enc.run(pieces, rows)
+        measured = {"run_s": time.perf_counter() - start}
     print(f"{len(docs)} documents from {args.file}; model {enc.path}; device {table.device}")
-    print(format_report(explain(planned, table, timings, pieces.doc), measured))
+    print(format_report(explain(rows, table, LiveTimings(table), pieces.doc), measured))
     return 0
 
 
@@ -221,6 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-body-bytes", type=int, default=server.MAX_BODY_BYTES, help="request body size (413 past it)")
     serve.add_argument("--max-concurrent-requests", type=int, default=server.MAX_CONCURRENT_REQUESTS,
                        help="model requests handled at once (429 past it)")
+    serve.add_argument("--max-inflight-bytes", type=int, default=server.MAX_INFLIGHT_BODY_BYTES,
+                       help="bytes of request bodies handled at once (429 past it)")
     serve.add_argument("--request-timeout-s", type=float, default=server.REQUEST_TIMEOUT_S,
                        help="per request; 503 past it, and its waiting rows are dropped")
     serve.add_argument("--long", default="truncate", choices=["truncate", "chunk", "error"],
@@ -254,7 +250,8 @@ def _table_args(p: argparse.ArgumentParser) -> None:
 
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="checkpoint directory or hub id (default: $JAXSERVE_MODEL, else the bundled all-MiniLM-L6-v2)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="weights and activations (auto: float32 on CPU, bfloat16 on GPU/TPU)")
 
 
 def main(argv: list[str] | None = None) -> int:

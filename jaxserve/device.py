@@ -24,7 +24,6 @@ class DeviceInfo:
     memory_bytes: int  # per device
     batch_multiple: int  # batch sizes are rounded down to this
     max_batch_tokens: int  # default token budget per dispatch
-    streams: int  # batches worth executing at once
 
 
 def describe(memory_override: int | None = None) -> DeviceInfo:
@@ -34,11 +33,8 @@ def describe(memory_override: int | None = None) -> DeviceInfo:
     if platform == "cpu":
         # On CPU, big dispatches gain nothing over medium ones once both cores are
         # busy, and cost latency: cap the tokens per dispatch.
-        # Two batches at once keep both cores busy through XLA's single-threaded fusions.
-        return DeviceInfo(platform, "cpu", len(jax.devices()), memory, batch_multiple=1, max_batch_tokens=4096,
-                          streams=2)
-    return DeviceInfo(platform, dev.device_kind, len(jax.devices()), memory, batch_multiple=8, max_batch_tokens=262144,
-                      streams=1)
+        return DeviceInfo(platform, "cpu", len(jax.devices()), memory, batch_multiple=1, max_batch_tokens=4096)
+    return DeviceInfo(platform, dev.device_kind, len(jax.devices()), memory, batch_multiple=8, max_batch_tokens=262144)
 
 
 def _memory_limit(dev) -> int:

@@ -6,9 +6,7 @@
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
-import functools
 from functools import partial
 from pathlib import Path
 
@@ -23,11 +21,22 @@ from jaxserve.device import DEFAULT_HEADROOM
 from jaxserve.engine import Engine
 from jaxserve.errors import InputError
 from jaxserve.models import ArchConfig, Family, attention
-from jaxserve.planner import Plan, assemble, plan, scatter
+from jaxserve.jobs import Job
+from jaxserve.planner import Rows, pack
 from jaxserve.pooling import pool
+from jaxserve.service import run_jobs
 from jaxserve.tokenize import Pieces, TextTokenizer
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def resolve_dtype(dtype: str) -> str:
+    """`auto`: float32 on a CPU (no faster bf16 matmul there), bfloat16 on GPUs and TPUs."""
+    if dtype == "auto":
+        return "float32" if jax.devices()[0].platform == "cpu" else "bfloat16"
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be auto or one of {', '.join(DTYPES)}, not {dtype!r}")
+    return dtype
 
 
 def embed_forward(module, pooling: str, num_segments: int, params, batch: dict) -> jax.Array:
@@ -65,19 +74,21 @@ class Encoder:
     engine: Engine  # weights on device; compiled buckets
     dtype: str
     head: HeadConfig = HeadConfig()  # embedding, or a classifier's labels
+    last_dispatches: list = dataclasses.field(default_factory=list, repr=False)  # the batches the last `run` ran
 
     @classmethod
     def from_pretrained(
-        cls, name: str | None = None, dtype: str = "float32", buckets: BucketTable | str | Path | None = None,
+        cls, name: str | None = None, dtype: str = "auto", buckets: BucketTable | str | Path | None = None,
         devices: int | str = 1,
     ) -> "Encoder":
         """Load a checkpoint. With `buckets` (a table or its JSON file) the engine is warmed at once;
         otherwise on first use, with the table derived for this device.
 
+        `dtype`: of weights and activations (pooled outputs are float32 whatever it is);
+        `auto` is float32 on a CPU, bfloat16 on accelerators.
         `devices`: how many local devices share each batch (an int, or "all"): data parallel,
         weights replicated, batch axis sharded."""
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
+        dtype = resolve_dtype(dtype)
         path = checkpoint.resolve(name)
         family, cfg = read_model_config(path)
         head = read_head_config(path)
@@ -164,34 +175,21 @@ class Encoder:
             self.warmup()
         return self.engine.table
 
-    def prepare(self, texts: list[str], long: str = "truncate") -> tuple[Pieces, Plan]:
-        """Tokenize and plan (no device work): the pieces to run and the plan to run them by."""
-        pieces = self.tokenizer.pieces(self.tokenizer.encode_bodies(list(texts)), long)
-        return pieces, plan([len(s) for s in pieces.seqs], self.table)
+    def prepare(self, texts: list[str], long: str = "truncate") -> tuple[Pieces, Rows]:
+        """Tokenize and pack (no device work): the sequences to run and their rows."""
+        pieces = self.tokenizer.documents(list(texts), long)
+        return pieces, pack(pieces.lengths, self.table)
 
-    def run_plan(self, pieces: Pieces, planned: Plan) -> np.ndarray:
-        """Run every batch of the plan -> [P, D] pooled piece vectors (not normalised).
+    def run(self, pieces: Pieces, rows: Rows | None = None) -> np.ndarray:
+        """Run sequences through the device -> [P, out_dim] (pooled, not normalised), in input order.
 
-        Runs `streams` batches at once (2 on a CPU, see `device.describe`); each
-        writes its own rows of the output.
+        The batches are formed by the same batcher as the server's, drained at
+        once; `last_dispatches` keeps the batches that ran (what `explain` reports).
         """
-        out = np.zeros((len(pieces.seqs), self.out_dim), np.float32)
-
-        def run(batch):
-            scatter(batch, self.engine.run(batch.bucket, assemble(batch, pieces.seqs, pieces.types)), out)
-
-        if self._pool is None or len(planned.batches) < 2:
-            for batch in planned.batches:
-                run(batch)
-        else:
-            list(self._pool.map(run, planned.batches))
-        return out
-
-    @functools.cached_property
-    def _pool(self) -> concurrent.futures.ThreadPoolExecutor | None:
-        """Threads that run batches at once (made once; None where one stream suits the device)."""
-        streams = device.describe().streams
-        return concurrent.futures.ThreadPoolExecutor(streams, thread_name_prefix="jaxserve-run") if streams > 1 else None
+        rows = rows if rows is not None else pack(pieces.lengths, self.table)
+        job = Job(rows, pieces.ids, pieces.offsets, pieces.types, self.out_dim)
+        self.last_dispatches = run_jobs(self.engine, self.table, [job])
+        return job.out
 
     def embed(self, texts: list[str], normalize: bool | None = None, long: str = "truncate") -> np.ndarray:
         """Texts -> [N, dim] float32 embeddings in input order.
@@ -202,15 +200,14 @@ class Encoder:
         """
         self._require("embedding")
         normalize = self.embedding_config.normalize if normalize is None else normalize
-        pieces, planned = self.prepare(texts, long)
-        out = pieces.combine(self.run_plan(pieces, planned), len(texts))
+        pieces, rows = self.prepare(texts, long)
+        out = pieces.combine(self.run(pieces, rows), len(texts))
         return normalize_rows(out) if normalize else out
 
     def classify(self, inputs: list, truncate: bool = True) -> np.ndarray:
-        """Texts, or (text, text) pairs -> [N, num_labels] logits (a classifier checkpoint)."""
+        """Texts, or (text, text) pairs, mixed -> [N, num_labels] logits (a classifier checkpoint)."""
         self._require("classifier")
-        pieces = self.prepare_pairs(inputs, truncate)
-        return self.run_plan(pieces, plan([len(s) for s in pieces.seqs], self.table))
+        return self.run(self.prepare_pairs(inputs, truncate))
 
     def rerank(self, query: str, texts: list[str], truncate: bool = True) -> np.ndarray:
         """Cross-encoder relevance logits [N] of (query, text) pairs, in input order."""
@@ -218,8 +215,6 @@ class Encoder:
 
     def prepare_pairs(self, inputs: list, truncate: bool) -> Pieces:
         """Texts (one sequence each) or pairs ([CLS] a [SEP] b [SEP]) as model sequences."""
-        if all(isinstance(x, str) for x in inputs):
-            return self.tokenizer.pieces(self.tokenizer.encode_bodies(list(inputs)), "truncate" if truncate else "error")
         return self.tokenizer.pairs(inputs, truncate)
 
     def _require(self, kind: str) -> None:

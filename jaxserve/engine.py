@@ -1,7 +1,10 @@
 """The engine: one ahead-of-time compiled executable per bucket, weights on device once.
 
 Nothing compiles once the table is warm: a batch at a shape outside the table
-raises instead of compiling.
+raises instead of compiling. A dispatch is three steps, so that callers can
+overlap them: `put` (one host-to-device copy of the batch's [4, B, S] inputs),
+`launch` (enqueue on the device; returns at once, as JAX dispatch is
+asynchronous) and `fetch` (wait for the result and copy it to the host).
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import os
 import statistics
 import threading
 import time
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -21,18 +24,33 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxserve import compiles  # noqa: F401  (installs the compile counter)
 from jaxserve.buckets import Bucket, BucketTable
-from jaxserve.planner import INPUT_NAMES
+from jaxserve.jobs import INPUT_NAMES
+
 TIMED_RUNS = 1  # timed runs per bucket at warmup, after one burn-in (live timings refine it later)
 
-Forward = Callable[[dict, dict], jax.Array]  # (params, batch of [B, S] int32 arrays) -> [B, K, D]
+Forward = Callable[[dict, dict], jax.Array]  # (params, {name: [B, S] int32}) -> [B, K, D]
 
 
 class ShapeError(ValueError):
     """A batch whose shape is not one of the table's buckets."""
 
 
-def batch_struct(batch: int, seqlen: int) -> dict:
-    return {k: jax.ShapeDtypeStruct((batch, seqlen), jnp.int32) for k in INPUT_NAMES}
+def batch_struct(batch: int, seqlen: int) -> jax.ShapeDtypeStruct:
+    """A batch's inputs: token ids, segment ids, positions and type ids stacked as [4, B, S] int32."""
+    return jax.ShapeDtypeStruct((len(INPUT_NAMES), batch, seqlen), jnp.int32)
+
+
+def unstacked(forward: Forward):
+    """The forward over one stacked [4, B, S] input array (one transfer per batch)."""
+    return lambda params, stacked: forward(params, dict(zip(INPUT_NAMES, stacked)))
+
+
+class Prepared(NamedTuple):
+    """A batch on its way: the bucket, its executable and its inputs already on the device."""
+
+    bucket: Bucket
+    exe: jax.stages.Compiled
+    inputs: jax.Array
 
 
 def compiled_bytes(compiled: jax.stages.Compiled) -> int:
@@ -54,7 +72,8 @@ class Engine:
         self.devices = len(devices)
         mesh = Mesh(np.array(devices), ("data",))
         self._replicated = NamedSharding(mesh, PartitionSpec())
-        self._by_row = NamedSharding(mesh, PartitionSpec("data"))
+        self._by_row = NamedSharding(mesh, PartitionSpec("data"))  # outputs [B, ...]
+        self._inputs_by_row = NamedSharding(mesh, PartitionSpec(None, "data"))  # inputs [4, B, S]
         self.params = jax.device_put(params, self._replicated) if self.devices > 1 else params
         self._params_struct = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
         self._compiled: dict[tuple[int, int, int], concurrent.futures.Future] = {}
@@ -79,8 +98,8 @@ class Engine:
         if owner:
             start = time.perf_counter()
             try:
-                forward = self._make_forward(slots, seqlen)
-                fn = jax.jit(forward, in_shardings=(self._replicated, self._by_row),
+                forward = unstacked(self._make_forward(slots, seqlen))
+                fn = jax.jit(forward, in_shardings=(self._replicated, self._inputs_by_row),
                              out_shardings=self._by_row) if self.devices > 1 else jax.jit(forward)
                 future.set_result(fn.lower(self._params_struct, batch_struct(batch, seqlen)).compile())
             except BaseException as exc:
@@ -114,7 +133,7 @@ class Engine:
         for bucket in tqdm(table.buckets, desc="run", unit="bucket", disable=not progress):
             exe = self.compile(bucket.batch, bucket.seqlen, bucket.slots)
             key = (bucket.batch, bucket.seqlen, bucket.slots)
-            inputs = self._place(_dummy_batch(bucket))
+            inputs = self._place(dummy_batch(bucket))
             times = []
             for _ in range(TIMED_RUNS + 1):
                 start = time.perf_counter()
@@ -126,38 +145,39 @@ class Engine:
         self._table_keys = frozenset(keep)
         return self.table
 
-    def put(self, bucket: Bucket, batch: dict[str, np.ndarray]) -> tuple[jax.stages.Compiled, dict]:
-        """Check the shape and start the host-to-device copy (the host part of a dispatch)."""
+    def put(self, bucket: Bucket, inputs: np.ndarray) -> Prepared:
+        """Check the shape and copy the [4, B, S] inputs to the device (the host part of a dispatch)."""
         key = (bucket.batch, bucket.seqlen, bucket.slots)
         future = self._compiled.get(key) if key in self._table_keys else None
-        shape = batch["token_ids"].shape
-        if future is None or shape != bucket.shape:
-            raise ShapeError(f"batch {shape} (slots {bucket.slots}) is not a warmed bucket of this engine")
-        return future.result(), self._place(batch)
+        if future is None or inputs.shape[1:] != bucket.shape:
+            raise ShapeError(f"batch {inputs.shape[1:]} (slots {bucket.slots}) is not a warmed bucket of this engine")
+        return Prepared(bucket, future.result(), self._place(inputs))
 
-    def _place(self, batch: dict[str, np.ndarray]) -> dict:
-        """Host arrays -> device, already split by rows across the mesh (no resharding op to compile)."""
-        return jax.device_put(batch, self._by_row if self.devices > 1 else None)
+    def _place(self, inputs: np.ndarray) -> jax.Array:
+        """Host array -> device, already split by rows across the mesh (no resharding op to compile)."""
+        return jax.device_put(inputs, self._inputs_by_row if self.devices > 1 else None)
 
-    def execute(self, prepared: tuple[jax.stages.Compiled, dict]) -> np.ndarray:
-        """Run a prepared batch -> host array [B, K, D] (blocks until the device is done)."""
-        exe, inputs = prepared
-        return np.asarray(exe(self.params, inputs))
+    def launch(self, prepared: Prepared) -> jax.Array:
+        """Enqueue the batch on the device; returns at once with the [B, K, D] result to come."""
+        return prepared.exe(self.params, prepared.inputs)
 
-    def run(self, bucket: Bucket, batch: dict[str, np.ndarray]) -> np.ndarray:
-        """One dispatch at `bucket`'s shape -> host array [B, K, D]."""
-        return self.execute(self.put(bucket, batch))
+    @staticmethod
+    def fetch(result: jax.Array) -> np.ndarray:
+        """Wait for a launched batch and copy its result to the host."""
+        return np.asarray(result)
+
+    def run(self, bucket: Bucket, inputs: np.ndarray) -> np.ndarray:
+        """One dispatch at `bucket`'s shape, start to end -> host array [B, K, D]."""
+        return self.fetch(self.launch(self.put(bucket, inputs)))
 
 
-def _dummy_batch(bucket: Bucket) -> dict[str, np.ndarray]:
-    """A full batch of one-document rows, for timing."""
-    shape = bucket.shape
-    return {
-        "token_ids": np.ones(shape, np.int32),
-        "segment_ids": np.ones(shape, np.int32),
-        "positions": np.broadcast_to(np.arange(bucket.seqlen, dtype=np.int32), shape).copy(),
-        "type_ids": np.zeros(shape, np.int32),
-    }
+def dummy_batch(bucket: Bucket) -> np.ndarray:
+    """[4, B, S]: a full batch of one-document rows, for timing."""
+    out = np.zeros((len(INPUT_NAMES), *bucket.shape), np.int32)
+    out[0] = 1  # token ids
+    out[1] = 1  # segment ids
+    out[2] = np.arange(bucket.seqlen, dtype=np.int32)  # positions
+    return out
 
 
 def _with(obj, **changes):

@@ -1,8 +1,10 @@
-"""The latency math of a request: plan, padding, memory, and predicted vs measured time.
+"""The latency math of a request: its rows, the batches they make, padding, memory, predicted vs measured time.
 
-Predictions come from per-bucket run times: measured at warmup, then refreshed
-from live device timings (`LiveTimings`). Pure Python: nothing here runs the
-model or compiles.
+The batches are the batcher's own (`simulate` drains a private batcher with
+the request alone); a request that ran reports the batches that actually
+carried its rows beside this. Predictions come from per-bucket run times:
+measured at warmup, then refreshed from live device timings (`LiveTimings`).
+Pure Python and numpy: nothing here runs the model or compiles.
 """
 
 from __future__ import annotations
@@ -10,8 +12,12 @@ from __future__ import annotations
 import math
 import threading
 
+import numpy as np
+
+from jaxserve.batcher import Batcher, Dispatch
 from jaxserve.buckets import Bucket, BucketTable
-from jaxserve.planner import Plan, plan
+from jaxserve.jobs import ragged_arange
+from jaxserve.planner import Rows, route
 
 EWMA_WEIGHT = 0.2  # weight of each new device timing in the running estimate
 
@@ -37,38 +43,72 @@ class LiveTimings:
         return self._n.get(bucket.shape, 0)
 
 
-def predict(p: Plan, timings: LiveTimings) -> float | None:
-    times = [timings.seconds(b.bucket) for b in p.batches]
-    return None if any(t is None for t in times) else float(sum(times))
+def simulate(rows: Rows, table: BucketTable) -> list[Dispatch]:
+    """The dispatches the batcher forms for these rows alone, on an idle device (runs nothing)."""
+    batcher = Batcher(table, math.inf, max(1, int(rows.docs.sum())))
+    batcher.submit(0, rows.seqlen, rows.docs, 0.0)
+    out = []
+    while (d := batcher.next_dispatch(0.0, device_idle=True)) is not None:
+        out.append(d)
+    return out
 
 
-def explain(p: Plan, table: BucketTable, timings: LiveTimings, doc_of=None, backlog: list | None = None,
+def explain(rows: Rows, table: BucketTable, timings: LiveTimings, doc_of=None, backlog: list | None = None,
             batches_in_flight: int = 0, max_wait_s: float = 0.0) -> dict:
-    """The plan with memory and predicted times per batch, and the alternatives it is compared with.
+    """The request's rows as the batcher would run them alone, with memory and predicted times per
+    batch, and the alternatives it is compared with.
 
+    `doc_of` maps each sequence to its document (chunked documents have several);
     `backlog`: (seqlen, rows) waiting in front of this request, for the queueing term.
     """
-    summary = p.summary(doc_of)
-    for entry, batch in zip(summary["batches"], p.batches):
-        b = batch.bucket
-        entry["predicted_s"] = timings.seconds(b)
-        entry["memory"] = {"compiled_bytes": b.compiled_bytes, "budget_bytes": table.budget_bytes,
-                           "device_bytes": table.device_memory,
-                           "share_of_budget": b.compiled_bytes / table.budget_bytes if table.budget_bytes else None}
-    summary["predicted_s"] = predict(p, timings)
-    sequential = [plan([n], table) for n in p.lengths]
-    summary["predicted_sequential_s"] = _sum_or_none(predict(s, timings) for s in sequential)
-    summary["sequential_dispatches"] = sum(s.dispatches for s in sequential)
-    summary["one_max_batch"] = one_max_batch(len(p.lengths), table, timings)
+    doc_of = np.arange(len(rows.lengths)) if doc_of is None else np.asarray(doc_of)
+    row_tokens = rows.tokens
+    batches = []
+    for d in simulate(rows, table):
+        r = np.concatenate([rows_of_part for _, rows_of_part in d.parts])
+        b = d.bucket
+        members = rows.members[ragged_arange(rows.starts[r], rows.docs[r])]
+        batches.append({
+            "bucket": {"batch": b.batch, "seqlen": b.seqlen, "slots": b.slots},
+            "rows_used": len(r),
+            "documents": np.unique(doc_of[members]).tolist(),
+            "real_tokens": int(row_tokens[r].sum()),
+            "padded_tokens": b.tokens,
+            "predicted_s": timings.seconds(b),
+            "memory": {"compiled_bytes": b.compiled_bytes, "budget_bytes": table.budget_bytes,
+                       "device_bytes": table.device_memory,
+                       "share_of_budget": b.compiled_bytes / table.budget_bytes if table.budget_bytes else None},
+        })
+    padded = sum(b["padded_tokens"] for b in batches)
+    alone = sequential(rows.lengths, table, timings)
     ahead = [(table.at(s)[-1], math.ceil(n / table.at(s)[-1].batch)) for s, n in (backlog or [])]
-    summary["queueing"] = {
-        "rows_ahead": sum(n for _, n in (backlog or [])),
-        "batches_in_flight": batches_in_flight,
-        "predicted_wait_ahead_s": _sum_or_none(
-            None if timings.seconds(b) is None else k * timings.seconds(b) for b, k in ahead),
-        "window_worst_case_s": max_wait_s,
+    return {
+        "layout": rows.layout,
+        "pack_seqlen": rows.width,
+        "batches": batches,
+        "real_tokens": rows.real_tokens,
+        "padded_tokens": padded,
+        "padding_ratio": 1 - rows.real_tokens / padded if padded else 0.0,
+        "dispatches": len(batches),
+        "predicted_s": _sum_or_none(b["predicted_s"] for b in batches),
+        "predicted_sequential_s": alone,
+        "sequential_dispatches": len(rows.lengths),
+        "one_max_batch": one_max_batch(len(rows.lengths), table, timings),
+        "queueing": {
+            "rows_ahead": sum(n for _, n in (backlog or [])),
+            "batches_in_flight": batches_in_flight,
+            "predicted_wait_ahead_s": _sum_or_none(
+                None if timings.seconds(b) is None else k * timings.seconds(b) for b, k in ahead),
+            "window_worst_case_s": max_wait_s,
+        },
     }
-    return summary
+
+
+def sequential(lengths: np.ndarray, table: BucketTable, timings: LiveTimings) -> float | None:
+    """Predicted time of one dispatch per sequence, each at the cheapest bucket of its seqlen that holds one row."""
+    seqlens = route(np.asarray(lengths), np.ones(len(lengths), np.int64), table)
+    covers = Batcher(table, math.inf, 1).covers
+    return _sum_or_none(timings.seconds(covers[s][1]) for s in seqlens.tolist())
 
 
 def one_max_batch(n: int, table: BucketTable, timings: LiveTimings) -> dict:
@@ -118,6 +158,7 @@ def format_report(e: dict, measured: dict | None = None) -> str:
     ]
     if measured:
         lines.append("measured: " + ", ".join(f"{k} {ms(v)}" for k, v in measured.items()))
-        if e["predicted_s"] and measured.get("device_s"):
-            lines.append(f"device time vs prediction: {measured['device_s'] / e['predicted_s'] - 1:+.1%}")
+        took = measured.get("run_s") or measured.get("service_s")
+        if e["predicted_s"] and took:
+            lines.append(f"measured vs prediction: {took / e['predicted_s'] - 1:+.1%}")
     return "\n".join(lines)

@@ -1,8 +1,10 @@
-"""Prometheus metrics of one server (own registry, so several apps can live in one process)."""
+"""Prometheus metrics of one server (own registry, so several apps can live in one process).
+
+Everything is a counter, gauge or histogram updated in O(1) per dispatch or
+request; rates (tokens per second, ...) are PromQL's job: `rate(jaxserve_tokens_total[1m])`.
+"""
 
 from __future__ import annotations
-
-import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily
@@ -31,9 +33,10 @@ class ServerMetrics(Metrics):
         self.errors = Counter("jaxserve_errors", "Error responses by kind", ["type"], registry=r)
         self.request_duration = Histogram("jaxserve_request_duration_seconds", "Request duration", ["route"],
                                           buckets=LATENCY_BUCKETS, registry=r)
-        self.phase = Histogram("jaxserve_phase_seconds", "Time per request phase", ["phase"],
-                               buckets=LATENCY_BUCKETS, registry=r)
-        self.queue_wait = Histogram("jaxserve_queue_wait_seconds", "Time a row waited for its batch",
+        self.phases = Histogram("jaxserve_phase_seconds", "Host and device time per phase: per request (parse, "
+                                "tokenize, plan, queue, encode) or per batch (assemble, copy, device, scatter)",
+                                ["phase"], buckets=LATENCY_BUCKETS, registry=r)
+        self.batch_wait = Histogram("jaxserve_batch_wait_seconds", "How long a batch's oldest row waited for it",
                                     buckets=LATENCY_BUCKETS, registry=r)
         self.depth = Gauge("jaxserve_queue_depth", "Sequences waiting for the device", registry=r)
         self.batch_fill = Histogram("jaxserve_batch_fill_ratio", "Rows used / rows of the bucket", ["bucket"],
@@ -43,27 +46,27 @@ class ServerMetrics(Metrics):
         self.batches = Counter("jaxserve_batches", "Dispatches by bucket and reason", ["bucket", "reason"], registry=r)
         self.device_seconds = Counter("jaxserve_device_seconds", "Device busy time", registry=r)
         self.tokens = Counter("jaxserve_tokens", "Real (unpadded) tokens run through the model", registry=r)
-        self.tokens_per_second = Gauge("jaxserve_tokens_per_second", "Real tokens per second over the last minute",
-                                       registry=r)
         self.inputs = Counter("jaxserve_inputs", "Documents embedded", registry=r)
+        self.sequence_outcomes = Counter("jaxserve_sequences", "Model sequences by outcome: submitted, dispatched "
+                                         "(to the device, for a waiting request) or dropped (its client left first)",
+                                         ["outcome"], registry=r)
         r.register(_Compiles())
-        self._recent: list[tuple[float, int]] = []
 
-    def dispatched(self, d: Dispatch, real_tokens: int, waits: list[float]) -> None:
+    def dispatched(self, d: Dispatch, real_tokens: int, oldest_wait_s: float) -> None:
         label = f"{d.bucket.batch}x{d.bucket.seqlen}"
         self.batches.labels(label, d.reason).inc()
-        self.batch_fill.labels(label).observe(len(d.rows) / d.bucket.batch)
+        self.batch_fill.labels(label).observe(d.rows / d.bucket.batch)
         self.padding.labels(label).observe(1 - real_tokens / d.bucket.tokens)
-        for w in waits:
-            self.queue_wait.observe(w)
+        self.batch_wait.observe(oldest_wait_s)
         self.tokens.inc(real_tokens)
-        now = time.monotonic()
-        self._recent = [(t, n) for t, n in self._recent if now - t < 60] + [(now, real_tokens)]
-        span = max(now - self._recent[0][0], 1.0)
-        self.tokens_per_second.set(sum(n for _, n in self._recent) / span)
 
-    def device_time(self, d: Dispatch, seconds: float) -> None:
-        self.device_seconds.inc(seconds)
+    def sequences(self, outcome: str, n: int) -> None:
+        self.sequence_outcomes.labels(outcome).inc(n)
+
+    def phase(self, name: str, seconds: float) -> None:
+        self.phases.labels(name).observe(seconds)
+        if name == "device":
+            self.device_seconds.inc(seconds)
 
     def queue_depth(self, sequences: int) -> None:
         self.depth.set(sequences)

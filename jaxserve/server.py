@@ -1,7 +1,10 @@
-"""The HTTP service: aiohttp routes over the encoder, the batcher and one device worker.
+"""The HTTP service: aiohttp routes over the encoder and the device pipeline.
 
-Data flows one way: HTTP -> validate (api.py) -> tokenize + plan (a thread)
--> batcher -> device worker (service.py) -> scatter -> response.
+Data flows one way: HTTP -> decode + validate (api.py) -> tokenize + pack
+into a job (a thread) -> batcher -> device pipeline (service.py, its own
+threads) -> scatter -> combine + encode the response (a thread). The event
+loop itself only moves bytes and awaits: nothing on it grows with the request
+(large bodies are decoded in a thread too).
 """
 
 from __future__ import annotations
@@ -10,23 +13,24 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import hmac
-import json
 import logging
 import time
 
 import numpy as np
+import orjson
 from aiohttp import web
 
 from jaxserve import api, checkpoint, compiles, device
 from jaxserve.api import ApiError, EmbedRequest, Limits
-from jaxserve.batcher import QueueFull
+from jaxserve.batcher import QueueFull, TooLarge
 from jaxserve.buckets import BucketTable
 from jaxserve.encoder import Encoder, normalize_rows
 from jaxserve.errors import InputError, TooLongError
 from jaxserve.explain import explain
+from jaxserve.jobs import Job
 from jaxserve.metrics import ServerMetrics
-from jaxserve.planner import plan
-from jaxserve.service import DeviceError, Draining, EmbeddingService
+from jaxserve.planner import pack
+from jaxserve.service import MAX_INFLIGHT, DeviceError, Draining, EmbeddingService
 
 log = logging.getLogger("jaxserve.server")
 
@@ -39,14 +43,18 @@ MAX_WAIT_MS = 5.0  # batch window: how long a partial batch may wait for company
 DRAIN_TIMEOUT_S = 30.0  # SIGTERM: how long accepted work may take to finish
 RETRY_AFTER_S = 1  # told to clients on 429/503
 MAX_CONCURRENT_REQUESTS = 512  # model requests being handled at once; past it, 429 (bounds tokenizer and queue work)
+MAX_INFLIGHT_BODY_BYTES = 256 * 2**20  # bytes of request bodies being handled at once; past it, 429 (bounds memory
+# before the queue: 16 full-size bodies, or thousands of ordinary ones)
 REQUEST_TIMEOUT_S = 60.0  # a model request still unanswered after this gets 503 and its waiting rows are dropped
+OFFLOAD_BODY_BYTES = 64 * 2**10  # bodies larger than this are decoded on a thread, not on the event loop
+OFFLOAD_FLOATS = 16_384  # responses with more floats than this are encoded on a thread
 
 
 @dataclasses.dataclass(frozen=True)
 class ServerConfig:
     model: str | None = None  # checkpoint dir or hub id; None = $JAXSERVE_MODEL, else bundled all-MiniLM-L6-v2
     model_name: str | None = None  # name reported in responses (default: the model argument or directory name)
-    dtype: str = "float32"
+    dtype: str = "auto"  # float32 on CPU, bfloat16 on accelerators
     buckets: str = "auto"  # a bucket table JSON file, or auto (derived for this device)
     ladder: str = "default"
     layout: str = "packed"
@@ -58,10 +66,11 @@ class ServerConfig:
     long: str = "truncate"  # default for inputs over the model's limit
     api_key: str | None = None
     max_concurrent: int = MAX_CONCURRENT_REQUESTS
+    max_inflight_bytes: int = MAX_INFLIGHT_BODY_BYTES
     request_timeout_s: float = REQUEST_TIMEOUT_S
     cache_dir: str | None = None  # persistent compilation cache; None = default location
     use_cache: bool = True
-    streams: int | None = None  # batches executing at once (default: the device's, 2 on CPU)
+    max_inflight: int = MAX_INFLIGHT  # batches on the device at once
     devices: int | str = 1  # local devices sharing each batch (data parallel), or "all"
 
     def __post_init__(self):
@@ -80,9 +89,13 @@ class AppState:
         self.table: BucketTable | None = None
         self.ready = False
         self.failed: str | None = None
+        # Work that grows with the request, off the event loop: decoding, tokenizing, packing, explaining ...
         self.tokenizer_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="jaxserve-tokenize")
+        # ... and combining, normalising and encoding responses (its own threads: never behind tokenizing).
+        self.respond_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="jaxserve-respond")
         self.limits = Limits(config.max_client_batch, config.max_input_chars)
         self.active = 0  # model requests being handled
+        self.active_bytes = 0  # bytes of their bodies
 
     @property
     def model_name(self) -> str:
@@ -95,6 +108,8 @@ class AppState:
         if not self.ready:
             raise ApiError(503, self.failed or "the model is warming up", "unavailable",
                            {"Retry-After": str(RETRY_AFTER_S)})
+        if (why := self.service.healthy) is not None:
+            raise ApiError(503, f"this replica is unhealthy: {why}", "unavailable", {"Retry-After": str(RETRY_AFTER_S)})
 
 
 STATE = web.AppKey("state", AppState)
@@ -131,9 +146,8 @@ async def lifecycle(app: web.Application):
             state.failed = f"warmup failed: {type(exc).__name__}: {exc}"
             log.error(state.failed)
             return
-        enc = state.encoder
-        state.service = EmbeddingService(enc.engine, state.table, enc.out_dim, cfg.max_wait_ms / 1000, cfg.max_queue,
-                                         state.metrics, streams=cfg.streams or device.describe().streams)
+        state.service = EmbeddingService(state.encoder.engine, state.table, cfg.max_wait_ms / 1000, cfg.max_queue,
+                                         state.metrics, max_inflight=cfg.max_inflight)
         await state.service.start()
         state.ready = True
         log.info("ready: %d buckets, %d XLA compiles so far", len(state.table.buckets), compiles.xla_compiles_total())
@@ -144,6 +158,7 @@ async def lifecycle(app: web.Application):
     if state.service is not None:
         await state.service.stop()
     state.tokenizer_pool.shutdown(wait=False)
+    state.respond_pool.shutdown(wait=False)
 
 
 async def on_shutdown(app: web.Application) -> None:
@@ -162,16 +177,25 @@ async def errors_middleware(request: web.Request, handler):
     route = request.match_info.route.resource.canonical if request.match_info.route.resource else "unmatched"
     start = time.perf_counter()
     model_route = request.method == "POST"
+    cfg = state.config
+    # A body without Content-Length may be as large as any body.
+    size = (request.content_length if request.content_length is not None else cfg.max_body_bytes) if model_route else 0
     try:
-        _authorize(request, state.config.api_key)
-        if model_route and state.active >= state.config.max_concurrent:
+        _authorize(request, cfg.api_key)
+        if model_route and state.active >= cfg.max_concurrent:
             raise ApiError(429, f"{state.active} requests are being handled; the limit is "
-                                f"{state.config.max_concurrent}", "rate_limit_error", {"Retry-After": str(RETRY_AFTER_S)})
+                                f"{cfg.max_concurrent}", "rate_limit_error", {"Retry-After": str(RETRY_AFTER_S)})
+        if model_route and state.active_bytes + size > cfg.max_inflight_bytes and state.active_bytes:
+            raise ApiError(429, f"{state.active_bytes} bytes of requests are being handled; {size} more would pass "
+                                f"the limit of {cfg.max_inflight_bytes}", "rate_limit_error",
+                           {"Retry-After": str(RETRY_AFTER_S)})
         state.active += model_route
+        state.active_bytes += size
         try:
             response = await handler(request)
         finally:
             state.active -= model_route
+            state.active_bytes -= size
     except ApiError as err:
         response = _error(err)
     except web.HTTPException as exc:
@@ -201,66 +225,94 @@ def _authorize(request: web.Request, api_key: str | None) -> None:
 
 
 def _error(err: ApiError) -> web.Response:
-    response = web.json_response(err.body(), status=err.status, headers=err.headers)
+    response = _json(err.body(), status=err.status, headers=err.headers)
     response.error_type = err.type
     return response
 
 
+def _json(body, status: int = 200, headers=None) -> web.Response:
+    return web.Response(body=orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY), status=status, headers=headers,
+                        content_type="application/json")
+
+
 async def _json_body(request: web.Request):
+    """The decoded body (a large one decoded on a thread); 400 for anything that is not strict UTF-8 JSON."""
+    state = request.app[STATE]
+    start = time.perf_counter()
     raw = await request.read()  # raises 413 past client_max_size
     try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        if len(raw) > OFFLOAD_BODY_BYTES:
+            body = await asyncio.get_running_loop().run_in_executor(state.tokenizer_pool, orjson.loads, raw)
+        else:
+            body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
         raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+    state.metrics.phase("parse", time.perf_counter() - start)
+    return body
+
+
+async def _off_loop(state: AppState, fn, big: bool):
+    """fn() on a respond thread when `big`, else here (a thread hop costs more than small work)."""
+    if big:
+        return await asyncio.get_running_loop().run_in_executor(state.respond_pool, fn)
+    return fn()
 
 
 # ---- the embedding path ----
 
 @dataclasses.dataclass
-class Embedded:
-    vectors: np.ndarray  # [N, D] in input order
-    tokens: int  # run through the model
+class Ran:
+    """One request's sequences after the device: per-sequence outputs, and where the time went."""
+
+    pieces: object  # tokenize.Pieces
+    out: np.ndarray  # [P, out_dim] per sequence
     phases: dict  # seconds per phase
-    explain: dict | None  # the plan with its predicted times, when asked (measured ones are in `phases`)
+    dispatched: list  # (bucket shape, rows of this request, reason) of the batches that carried it
+    explain: dict | None  # the request's own plan with its predictions, when asked (taken before it queued)
 
 
-async def plan_request(state: AppState, make_pieces, too_long_status: int = 400):
-    """Tokenize (`make_pieces()`) and plan on a thread, no device work: (pieces, plan)."""
+async def run_request(state: AppState, make_pieces, too_long_status: int = 400, want_explain: bool = False) -> Ran:
+    """Tokenize (`make_pieces()`) and pack into a job on a thread, then through the batcher and the device."""
+    enc = state.encoder
+    service = state.service
 
-    def work():
+    def prepare():
+        t0 = time.perf_counter()
         pieces = make_pieces()
-        return pieces, plan([len(s) for s in pieces.seqs], state.encoder.table)
+        t1 = time.perf_counter()
+        rows = pack(pieces.lengths, state.table)
+        job = Job(rows, pieces.ids, pieces.offsets, pieces.types, enc.out_dim)
+        t2 = time.perf_counter()
+        explained = explain(rows, state.table, service.timings, pieces.doc, service.batcher.backlog(),
+                            service.batches_in_flight, state.config.max_wait_ms / 1000) if want_explain else None
+        return pieces, job, explained, {"tokenize_s": t1 - t0, "plan_s": t2 - t1}
 
     try:
-        return await asyncio.get_running_loop().run_in_executor(state.tokenizer_pool, work)
+        pieces, job, explained, phases = await asyncio.get_running_loop().run_in_executor(state.tokenizer_pool, prepare)
     except TooLongError as err:
         raise ApiError(too_long_status, str(err), "request_too_large" if too_long_status == 413 else
                        "invalid_request_error") from None
     except InputError as err:
         raise ApiError(400, str(err)) from None
-
-
-def explain_plan(state: AppState, pieces, planned) -> dict:
-    service = state.service
-    return explain(planned, state.table, service.timings, pieces.doc, service.batcher.backlog(),
-                   service.batches_in_flight, state.config.max_wait_ms / 1000)
-
-
-async def run_planned(state: AppState, pieces, planned):
-    """Through the batcher and the device: [P, out_dim] per sequence, and the request's timing."""
-    rows = [(row, sum(planned.lengths[i] for i in row)) for b in planned.batches for row in b.rows]
     timeout = state.config.request_timeout_s
     try:
-        return await asyncio.wait_for(state.service.run(pieces.seqs, rows, pieces.types), timeout)
+        out, timing = await asyncio.wait_for(service.run(job), timeout)
     except asyncio.TimeoutError:
         raise ApiError(503, f"the request did not finish within {timeout:g} s; its waiting rows were dropped",
                        "timeout", {"Retry-After": str(RETRY_AFTER_S)}) from None
+    except TooLarge as err:
+        raise ApiError(413, f"{err} (--max-queue); send fewer or shorter inputs", "request_too_large") from None
     except QueueFull as err:
         raise ApiError(429, f"queue full: {err}", "rate_limit_error", {"Retry-After": str(RETRY_AFTER_S)}) from None
     except Draining as err:
         raise ApiError(503, str(err), "unavailable", {"Retry-After": str(RETRY_AFTER_S)}) from None
     except DeviceError as err:
         raise ApiError(500, str(err), "server_error") from None
+    phases.update(queue_s=timing.queue_s, service_s=timing.total_s)
+    for name in ("tokenize", "plan", "queue"):
+        state.metrics.phase(name, phases[name + "_s"])
+    state.metrics.inputs.inc(int(pieces.doc[-1]) + 1 if len(pieces.doc) else 0)
+    return Ran(pieces, out, phases, timing.batches, explained)
 
 
 def require_kind(state: AppState, kind: str, route: str) -> None:
@@ -270,63 +322,59 @@ def require_kind(state: AppState, kind: str, route: str) -> None:
         raise ApiError(400, f"{route} needs {what[kind]}; this server serves {what[head.kind]} ({state.model_name})")
 
 
-async def embed(state: AppState, req: EmbedRequest, too_long_status: int = 400, explain: bool = False) -> Embedded:
-    """Validated request -> vectors in input order, tokens used, per-phase times, and, with
-    `explain`, the plan with its predictions (taken before the request queues)."""
-    t0 = time.perf_counter()
-    pieces, planned = await plan_request(state, lambda: _embedding_pieces(state.encoder, req), too_long_status)
-    t1 = time.perf_counter()
-    explained = explain_plan(state, pieces, planned) if explain else None
-    out, timing = await run_planned(state, pieces, planned)
-    vectors = pieces.combine(out, req.count)
-    if req.normalize:
-        vectors = normalize_rows(vectors)
-    tokens = int(pieces.token_counts(req.count).sum())
-    phases = {"tokenize_s": t1 - t0, "queue_s": timing.queue_s, "host_prepare_s": timing.host_prepare_s,
-              "device_s": timing.device_s, "service_s": timing.total_s, "dispatches_s": timing.batches}
-    for name in ("tokenize", "queue", "host_prepare", "device"):
-        state.metrics.phase.labels(name).observe(phases[name + "_s"])
-    state.metrics.inputs.inc(req.count)
-    return Embedded(vectors, tokens, phases, explained)
-
-
-def _embedding_pieces(enc: Encoder, req: EmbedRequest):
+def embedding_pieces(enc: Encoder, req: EmbedRequest):
+    """The request's documents as model sequences (runs on a tokenizer thread)."""
     tok = enc.tokenizer
     if req.token_ids is not None:
         vocab = enc.model_config.vocab_size
         for i, ids in enumerate(req.token_ids):
             if ids.max() >= vocab:
                 raise InputError(f"input {i} has token id {int(ids.max())}, outside the vocabulary of {vocab}")
-        bodies = req.token_ids
-    else:
-        bodies = tok.encode_bodies(req.texts)
-    return tok.pieces(bodies, req.long)
+        return tok.pieces(req.token_ids, req.long)
+    return tok.documents(req.texts, req.long)
+
+
+def vectors_of(ran: Ran, req: EmbedRequest) -> np.ndarray:
+    """Per-sequence outputs -> per-document vectors, normalised and cut to `dimensions` as asked."""
+    vectors = ran.pieces.combine(ran.out, req.count)
+    if req.normalize:
+        vectors = normalize_rows(vectors)
+    return api.shape_vectors(vectors, req.dimensions)
+
+
+async def respond(state: AppState, encode, floats: int) -> tuple[bytes, float]:
+    """Encode a response body (on a thread when it is big); returns it with the seconds it took."""
+    def timed():
+        start = time.perf_counter()
+        body = encode()
+        return body, time.perf_counter() - start
+
+    body, seconds = await _off_loop(state, timed, big=floats > OFFLOAD_FLOATS)
+    state.metrics.phase("encode", seconds)
+    return body, seconds
 
 
 # ---- routes ----
 
 async def openai_embeddings(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    state.require_ready()
     start = time.perf_counter()
+    state.require_ready()
     require_kind(state, "embedding", "/v1/embeddings")
     req = api.parse_openai_embeddings(await _json_body(request), state.limits, state.encoder.dim, state.config.long)
     wants_explain = _wants_explain(request)
-    result = await embed(state, req, explain=wants_explain)
-    t_respond = time.perf_counter()
-    body = api.openai_response(api.shape_vectors(result.vectors, req.dimensions), state.model_name, result.tokens,
-                               req.encoding_format)
-    text = json.dumps(body)
-    respond_s = time.perf_counter() - t_respond
-    state.metrics.phase.labels("respond").observe(respond_s)
+    ran = await run_request(state, lambda: embedding_pieces(state.encoder, req), want_explain=wants_explain)
+    tokens = int(ran.pieces.lengths.sum())
+    body, encode_s = await respond(
+        state, lambda: api.openai_body(vectors_of(ran, req), state.model_name, tokens, req.encoding_format),
+        ran.out.size if req.encoding_format == "float" else 0)
     if wants_explain:
-        measured = {k: v for k, v in result.phases.items() if k != "dispatches_s"}
-        measured.update(respond_s=respond_s, total_s=time.perf_counter() - start)
-        explained = dict(result.explain, measured=measured, dispatched=[
-            {"bucket": list(shape), "rows_of_this_request": n, "reason": reason}
-            for shape, n, reason in result.phases["dispatches_s"]])
-        text = text[:-1] + ', "explain": ' + json.dumps(explained) + "}"
-    return web.Response(text=text, content_type="application/json")
+        measured = dict(ran.phases, encode_s=encode_s, total_s=time.perf_counter() - start)
+        explained = dict(ran.explain, measured=measured, dispatched=[
+            {"bucket": list(shape), "rows_of_this_request": n, "reason": reason, "device_s": device_s}
+            for shape, n, reason, device_s in ran.dispatched])
+        body = body[:-1] + b', "explain": ' + orjson.dumps(explained) + b"}"
+    return web.Response(body=body, content_type="application/json")
 
 
 def _wants_explain(request: web.Request) -> bool:
@@ -335,15 +383,26 @@ def _wants_explain(request: web.Request) -> bool:
 
 
 async def openai_plan(request: web.Request) -> web.Response:
-    """The plan of a /v1/embeddings body and its predicted times, without running the model."""
+    """The batches of a /v1/embeddings body and their predicted times, without running the model."""
     state = request.app[STATE]
     state.require_ready()
     require_kind(state, "embedding", "/v1/plan")
     req = api.parse_openai_embeddings(await _json_body(request), state.limits, state.encoder.dim, state.config.long)
-    pieces, planned = await plan_request(state, lambda: _embedding_pieces(state.encoder, req))
-    body = explain_plan(state, pieces, planned)
-    body.update(documents=req.count, sequences=len(pieces.seqs), usage={"prompt_tokens": planned.real_tokens})
-    return web.json_response(body)
+    service = state.service
+
+    def plan_only():
+        pieces = embedding_pieces(state.encoder, req)
+        rows = pack(pieces.lengths, state.table)
+        body = explain(rows, state.table, service.timings, pieces.doc, service.batcher.backlog(),
+                       service.batches_in_flight, state.config.max_wait_ms / 1000)
+        body.update(documents=req.count, sequences=pieces.count, usage={"prompt_tokens": rows.real_tokens})
+        return orjson.dumps(body)
+
+    try:
+        body = await asyncio.get_running_loop().run_in_executor(state.tokenizer_pool, plan_only)
+    except InputError as err:
+        raise ApiError(400, str(err)) from None
+    return web.Response(body=body, content_type="application/json")
 
 
 async def tei_embed(request: web.Request) -> web.Response:
@@ -351,20 +410,16 @@ async def tei_embed(request: web.Request) -> web.Response:
     state.require_ready()
     require_kind(state, "embedding", "/embed")
     req = api.parse_tei_embed(await _json_body(request), state.limits, state.config.long)
-    result = await embed(state, req, too_long_status=413)  # TEI answers 413 for over-length inputs
-    start = time.perf_counter()
-    response = web.json_response(result.vectors.tolist())
-    state.metrics.phase.labels("respond").observe(time.perf_counter() - start)
-    return response
+    ran = await run_request(state, lambda: embedding_pieces(state.encoder, req), too_long_status=413)
+    body, _ = await respond(state, lambda: orjson.dumps(vectors_of(ran, req), option=orjson.OPT_SERIALIZE_NUMPY),
+                            ran.out.size)
+    return web.Response(body=body, content_type="application/json")
 
 
 async def classify_inputs(state: AppState, inputs: list, truncate: bool) -> tuple[np.ndarray, int]:
     """Texts or pairs -> [N, num_labels] logits in input order, and the tokens run."""
-    enc = state.encoder
-    pieces, planned = await plan_request(state, lambda: enc.prepare_pairs(inputs, truncate), too_long_status=413)
-    out, _ = await run_planned(state, pieces, planned)
-    state.metrics.inputs.inc(len(inputs))
-    return out, planned.real_tokens
+    ran = await run_request(state, lambda: state.encoder.prepare_pairs(inputs, truncate), too_long_status=413)
+    return ran.out, int(ran.pieces.lengths.sum())
 
 
 async def tei_predict(request: web.Request) -> web.Response:
@@ -379,7 +434,7 @@ async def tei_predict(request: web.Request) -> web.Response:
     for row in api.scores(logits, req.raw_scores):
         ranked = sorted(zip(labels, row.tolist()), key=lambda t: -t[1])[: req.top_k]
         results.append([{"label": label, "score": score} for label, score in ranked])
-    return web.json_response(results[0] if req.single else results)
+    return _json(results[0] if req.single else results)
 
 
 async def tei_rerank(request: web.Request) -> web.Response:
@@ -394,7 +449,7 @@ async def tei_rerank(request: web.Request) -> web.Response:
                             f"{state.encoder.head.num_labels} labels (use /predict)")
     logits, _ = await classify_inputs(state, [(query, t) for t in texts], truncate)
     ranked = sorted(enumerate(api.scores(logits, raw)[:, 0].tolist()), key=lambda t: -t[1])
-    return web.json_response([{"index": i, "score": s, **({"text": texts[i]} if return_text else {})}
+    return _json([{"index": i, "score": s, **({"text": texts[i]} if return_text else {})}
                               for i, s in ranked])
 
 
@@ -407,7 +462,7 @@ async def classify(request: web.Request) -> web.Response:
     logits, tokens = await classify_inputs(state, texts, state.config.long != "error")
     labels = state.encoder.head.labels
     probs = api.scores(logits, raw=False)
-    return web.json_response({
+    return _json({
         "id": f"classify-{time.time_ns():x}", "object": "list", "created": int(time.time()), "model": state.model_name,
         "data": [{"index": i, "label": labels[int(p.argmax())], "probs": p.tolist(), "num_classes": len(labels)}
                  for i, p in enumerate(probs)],
@@ -420,26 +475,31 @@ async def tei_tokenize(request: web.Request) -> web.Response:
     state.require_ready()
     texts, add_special = api.parse_tokenize(await _json_body(request), state.limits)
     tok = state.encoder.tokenizer.tokenizer
-    encodings = await asyncio.get_running_loop().run_in_executor(
-        state.tokenizer_pool, lambda: tok.encode_batch(texts, add_special_tokens=add_special))
-    out = [
-        [
-            {"id": tid, "text": token if special else text[a:b], "special": bool(special),
-             "start": None if special else a, "stop": None if special else b}
-            for tid, token, (a, b), special in zip(e.ids, e.tokens, e.offsets, e.special_tokens_mask)
-        ]
-        for text, e in zip(texts, encodings)
-    ]
-    return web.json_response(out)
+
+    def tokens() -> bytes:  # per token Python objects: on a tokenizer thread
+        return orjson.dumps([
+            [
+                {"id": tid, "text": token if special else text[a:b], "special": bool(special),
+                 "start": None if special else a, "stop": None if special else b}
+                for tid, token, (a, b), special in zip(e.ids, e.tokens, e.offsets, e.special_tokens_mask)
+            ]
+            for text, e in zip(texts, tok.encode_batch(texts, add_special_tokens=add_special))
+        ])
+
+    body = await asyncio.get_running_loop().run_in_executor(state.tokenizer_pool, tokens)
+    return web.Response(body=body, content_type="application/json")
 
 
 async def health(request: web.Request) -> web.Response:
+    """200 when serving; 503 while warming or draining, or when the device pipeline is broken (restart me)."""
     state = request.app[STATE]
     if state.service is not None and state.service.draining:
-        return web.json_response({"status": "draining"}, status=503)
+        return _json({"status": "draining"}, status=503)
     if not state.ready:
-        return web.json_response({"status": state.failed or "warming"}, status=503)
-    return web.json_response({"status": "ok"})
+        return _json({"status": state.failed or "warming"}, status=503)
+    if (why := state.service.healthy) is not None:
+        return _json({"status": "unhealthy", "reason": why}, status=503)
+    return _json({"status": "ok"})
 
 
 async def info(request: web.Request) -> web.Response:
@@ -451,7 +511,8 @@ async def info(request: web.Request) -> web.Response:
         "version": _version(),
         "limits": {
             "max_client_batch_size": cfg.max_client_batch, "max_input_chars": cfg.max_input_chars,
-            "max_body_bytes": cfg.max_body_bytes, "max_queue": cfg.max_queue, "max_wait_ms": cfg.max_wait_ms,
+            "max_body_bytes": cfg.max_body_bytes, "max_inflight_bytes": cfg.max_inflight_bytes,
+            "max_queue": cfg.max_queue, "max_wait_ms": cfg.max_wait_ms,
             "default_long": cfg.long, "auth": cfg.api_key is not None,
         },
     }
@@ -469,7 +530,7 @@ async def info(request: web.Request) -> web.Response:
                           "count": len(jax.devices()), "memory_bytes": state.table.device_memory}
         body["buckets"] = state.table.to_json()
         body["xla_compiles_total"] = compiles.xla_compiles_total()
-    return web.json_response(body)
+    return _json(body)
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -482,7 +543,7 @@ async def metrics(request: web.Request) -> web.Response:
 async def openapi_json(request: web.Request) -> web.Response:
     from jaxserve.openapi import spec
 
-    return web.json_response(spec(_version()))
+    return _json(spec(_version()))
 
 
 def _version() -> str:

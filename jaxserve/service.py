@@ -1,20 +1,33 @@
-"""The device worker: one owner of the device, fed by the batcher, one batch prepared ahead.
+"""The device pipeline: the batcher's dispatches assembled, copied, launched and scattered, the device never idle.
 
-Two asyncio tasks share the event loop with the HTTP handlers (so the batcher
-needs no lock): the scheduler asks the batcher for the next dispatch and
-prepares it on a host thread (assembling the arrays, starting the copy to the
-device) while the device thread runs the current one; the device task runs
-prepared batches one at a time and scatters each row's vectors back to its
-request. A request's future resolves once all its sequences are done.
+Three threads, one stage each, with bounded hand-offs between them
+(JetStream's shape), so the event loop only submits jobs and awaits them:
+
+- prepare: asks the batcher for the next dispatch, assembles its [4, B, S]
+  inputs from the jobs' flat rows and copies them to the device (one
+  transfer); at most one prepared batch waits for the device;
+- device: launches prepared batches, at most `max_inflight` on the device at
+  once. JAX dispatch is asynchronous, so batch i+1 is queued on the device
+  before anyone waits for batch i;
+- respond: waits for each launched batch in order, copies its output to the
+  host, scatters it into its jobs, and hands finished jobs to the event loop
+  (`call_soon_threadsafe`).
+
+The batcher and the jobs are shared with the event loop (submit, cancel)
+under one lock, held only for bookkeeping. `run_jobs` runs the same steps in
+the caller's thread for the Python API. See `jaxserve.jobs` for the glossary.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
+import collections
 import dataclasses
 import itertools
 import logging
+import math
+import queue
+import threading
 import time
 
 import numpy as np
@@ -23,13 +36,16 @@ from jaxserve.batcher import Batcher, Dispatch
 from jaxserve.buckets import BucketTable
 from jaxserve.engine import Engine
 from jaxserve.explain import LiveTimings
-from jaxserve.planner import PlannedBatch, assemble
+from jaxserve.jobs import Job, assemble, scatter
 
 log = logging.getLogger("jaxserve.service")
 
+MAX_INFLIGHT = 2  # batches on the device at once: one running, the next already queued behind it
+MAX_CONSECUTIVE_FAILURES = 3  # device steps failing in a row before the service calls itself unhealthy
+
 
 class Draining(Exception):
-    """The service is shutting down and takes no new work."""
+    """The service is shutting down (or broken) and takes no new work."""
 
 
 class DeviceError(Exception):
@@ -38,14 +54,12 @@ class DeviceError(Exception):
 
 @dataclasses.dataclass
 class RequestTiming:
-    """Where one request's time went (seconds)."""
+    """Where one request's time went (seconds, monotonic clock)."""
 
     submitted: float
     first_dispatch: float | None = None
     done: float | None = None
-    host_prepare_s: float = 0.0  # assembling + copying its batches
-    device_s: float = 0.0  # device time of the batches its rows ran in (they may overlap: streams > 1)
-    batches: list = dataclasses.field(default_factory=list)  # (bucket shape, rows of this request, reason)
+    batches: list = dataclasses.field(default_factory=list)  # (bucket shape, rows of this request, reason, device s)
 
     @property
     def queue_s(self) -> float:
@@ -56,60 +70,64 @@ class RequestTiming:
         return (self.done or self.submitted) - self.submitted
 
 
-@dataclasses.dataclass
-class _Pending:
-    future: asyncio.Future
-    seqs: list[np.ndarray]
-    types: list[np.ndarray] | None  # token type ids (sentence pairs), or None for zeros
-    out: np.ndarray  # [P, D] filled as rows finish
-    remaining: int
-    timing: RequestTiming
-
-
 class Metrics:
-    """What the service reports; the server's Prometheus metrics implement it, tests may pass None."""
+    """What the service reports, O(1) per dispatch; the server's Prometheus metrics implement it."""
 
-    def dispatched(self, d: Dispatch, real_tokens: int, waits: list[float]) -> None: ...
+    def dispatched(self, d: Dispatch, real_tokens: int, oldest_wait_s: float) -> None: ...
 
-    def device_time(self, d: Dispatch, seconds: float) -> None: ...
+    def phase(self, name: str, seconds: float) -> None: ...
+
+    def sequences(self, outcome: str, n: int) -> None:
+        """Every sequence submitted is, in the end, dispatched (with its job still waiting for it) or dropped
+        (its client left while it waited): submitted = dispatched + dropped + waiting."""
 
     def queue_depth(self, sequences: int) -> None: ...
 
 
+@dataclasses.dataclass
+class _Entry:
+    job: Job
+    future: asyncio.Future
+    timing: RequestTiming
+
+
 class EmbeddingService:
-    def __init__(self, engine: Engine, table: BucketTable, dim: int, max_wait_s: float, max_queued: int,
-                 metrics: Metrics | None = None, streams: int = 1):
-        """`streams`: batches executing at once. 1 on an accelerator; 2 on a CPU, where one XLA
-        executable leaves cores idle in its single-threaded fusions (measured: +10-25% tokens/s)."""
+    def __init__(self, engine: Engine, table: BucketTable, max_wait_s: float, max_queued: int,
+                 metrics: Metrics | None = None, max_inflight: int = MAX_INFLIGHT,
+                 max_failures: int = MAX_CONSECUTIVE_FAILURES):
         self.engine = engine
         self.batcher = Batcher(table, max_wait_s, max_queued)
         self.timings = LiveTimings(table)  # refreshed from every device step
-        self.dim = dim
         self.metrics = metrics or Metrics()
-        self._pending: dict[int, _Pending] = {}
+        self.max_inflight = max_inflight
+        self.max_failures = max_failures
+        self._lock = threading.Condition()
+        self._entries: dict[int, _Entry] = {}  # jobs submitted and not yet answered (guarded by _lock)
         self._ids = itertools.count()
-        self._host = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxserve-host")
-        self._device = concurrent.futures.ThreadPoolExecutor(streams, thread_name_prefix="jaxserve-device")
-        self._streams = streams
-        self._tasks: list[asyncio.Task] = []
+        self._pipeline = 0  # batches being prepared, prepared, or on the device (guarded by _lock)
+        self._ready: queue.Queue = queue.Queue(maxsize=1)
+        self._launched: queue.Queue = queue.Queue()  # bounded by _on_device
+        self._on_device = threading.Semaphore(max_inflight)
+        self._threads: list[threading.Thread] = []
+        self._stopping = False
         self._draining = False
-        self._running = 0  # batches executing now
+        self.failures = 0  # device steps failed in a row
+        self.broken: str | None = None  # why a pipeline thread died
         self.device_batches = 0
 
     # ---- lifecycle ----
 
     async def start(self) -> None:
-        self._wake = asyncio.Event()
-        self._slot_free = asyncio.Event()
-        self._slot_free.set()
-        self._ready: asyncio.Queue = asyncio.Queue(maxsize=1)  # prefetch depth 1
+        self._loop = asyncio.get_running_loop()
         self._idle = asyncio.Event()
         self._idle.set()
-        self._tasks = [asyncio.create_task(self._schedule(), name="jaxserve-scheduler"),
-                       asyncio.create_task(self._run_device(), name="jaxserve-device")]
+        self._threads = [threading.Thread(target=self._guard, args=(f,), name=f"jaxserve-{f.__name__[1:]}", daemon=True)
+                         for f in (self._prepare_loop, self._device_loop, self._respond_loop)]
+        for t in self._threads:
+            t.start()
 
     async def drain(self, timeout: float) -> bool:
-        """Take no new work; wait for every accepted request to finish. True if all did."""
+        """Take no new work; wait for every accepted request (batches in flight included). True if all finished."""
         self._draining = True
         try:
             await asyncio.wait_for(self._idle.wait(), timeout)
@@ -118,171 +136,231 @@ class EmbeddingService:
             return False
 
     async def stop(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        for p in self._pending.values():
-            if not p.future.done():
-                p.future.set_exception(Draining("the server stopped before this request finished"))
-        self._host.shutdown(wait=False)
-        self._device.shutdown(wait=True)
+        """Stop the threads (each passes the stop on to the next stage) without blocking the event loop;
+        fail what is still waiting."""
+        with self._lock:
+            self._stopping = True
+            self._lock.notify_all()
+        loop = asyncio.get_running_loop()
+        for t in self._threads:
+            await loop.run_in_executor(None, t.join, 5.0)
+        for entry in list(self._entries.values()):
+            if not entry.future.done():
+                entry.future.set_exception(Draining("the server stopped before this request finished"))
+        self._entries.clear()
 
     @property
     def draining(self) -> bool:
         return self._draining
 
     @property
+    def healthy(self) -> str | None:
+        """None when serving; else why not (a dead pipeline thread, or a device failing every step)."""
+        if self.broken:
+            return self.broken
+        if self._threads and not all(t.is_alive() for t in self._threads):
+            return "a device pipeline thread stopped"
+        if self.failures >= self.max_failures:
+            return f"the last {self.failures} device steps failed"
+        return None
+
+    @property
     def in_flight(self) -> int:
-        return len(self._pending)
+        return len(self._entries)
 
     @property
     def batches_in_flight(self) -> int:
         """Batches on the device or prepared for it."""
-        return self._running + self._ready.qsize()
+        return self._pipeline
 
-    # ---- requests ----
+    # ---- requests (event loop) ----
 
-    async def run(self, seqs: list[np.ndarray], rows: list[tuple[tuple[int, ...], int]],
-                  types: list[np.ndarray] | None = None) -> tuple[np.ndarray, RequestTiming]:
-        """Run one request's sequences, packed into `rows` ((sequence indices, tokens) each) -> [P, D].
+    async def run(self, job: Job) -> tuple[np.ndarray, RequestTiming]:
+        """Run one request's job -> ([P, D] per sequence, timing). Raises QueueFull, TooLarge, Draining, DeviceError.
 
-        Raises QueueFull (queue limit), Draining (shutting down) or DeviceError.
-        """
+        If the caller is cancelled (client gone, timeout), the job's waiting rows are dropped."""
         now = time.monotonic()
         timing = RequestTiming(submitted=now)
-        if self._draining:
+        if self._draining or self._stopping:
             raise Draining("the server is draining and takes no new requests")
-        if not seqs:
+        if job.remaining == 0:
             timing.done = now
-            return np.zeros((0, self.dim), np.float32), timing
-        rid = next(self._ids)
-        self.batcher.submit(rid, rows, now)
-        future = asyncio.get_running_loop().create_future()
-        self._pending[rid] = _Pending(future, seqs, types, np.zeros((len(seqs), self.dim), np.float32), len(seqs),
-                                      timing)
+            return job.out, timing
+        future = self._loop.create_future()
+        with self._lock:
+            jid = next(self._ids)
+            self.batcher.submit(jid, job.rows.seqlen, job.rows.docs, now)
+            self._entries[jid] = _Entry(job, future, timing)
+            self._lock.notify()
+        self.metrics.sequences("submitted", job.remaining)
         self._idle.clear()
         self.metrics.queue_depth(self.batcher.queued)
-        self._wake.set()
         try:
-            out = await future
+            await future
         finally:
-            if not future.done():  # the client went away: its waiting rows are dropped
-                self.batcher.cancel(rid)
-                self.metrics.queue_depth(self.batcher.queued)
-            self._forget(rid)
-        return out, timing
+            if jid in self._entries:  # not answered: the caller went away
+                self.cancel(jid)
+        return job.out, timing
 
-    def _forget(self, rid: int) -> None:
-        self._pending.pop(rid, None)
-        if not self._pending:
+    def cancel(self, jid: int) -> None:
+        """Drop a job: its waiting rows never reach the device; rows already prepared run as padding."""
+        with self._lock:
+            dropped = self.batcher.cancel(jid)
+            self._entries.pop(jid, None)
+        self.metrics.sequences("dropped", dropped)
+        self.metrics.queue_depth(self.batcher.queued)
+        self._check_idle()
+
+    def _answer(self, jid: int, exc: Exception | None = None) -> None:
+        """On the loop: resolve a finished (or failed) job's future."""
+        with self._lock:
+            entry = self._entries.pop(jid, None)
+        if entry is not None and not entry.future.done():
+            entry.timing.done = time.monotonic()
+            if exc is None:
+                entry.future.set_result(None)
+            else:
+                entry.future.set_exception(exc)
+        self._check_idle()
+
+    def _check_idle(self) -> None:
+        if not self._entries:
             self._idle.set()
 
-    # ---- the two tasks ----
+    # ---- the three threads ----
 
-    async def _schedule(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            await self._slot_free.wait()
-            self._wake.clear()
-            d = self.batcher.next_dispatch(time.monotonic(), device_idle=self._running < self._streams)
-            if d is None:
-                deadline = self.batcher.next_deadline()
-                timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-                try:
-                    await asyncio.wait_for(self._wake.wait(), timeout)
-                except asyncio.TimeoutError:
-                    pass
-                continue
-            self.metrics.queue_depth(self.batcher.queued)
-            now = time.monotonic()
-            flat, flat_types, planned = self._flatten(d)
-            waits = [now - r.enqueued for r in d.rows]
-            self.metrics.dispatched(d, sum(r.tokens for r in d.rows), waits)
-            for rid in {r.request for r in d.rows}:
-                if (p := self._pending.get(rid)) and p.timing.first_dispatch is None:
-                    p.timing.first_dispatch = now
-            start = time.perf_counter()
-            try:
-                prepared = await loop.run_in_executor(self._host, self._prepare, planned, flat, flat_types)
-            except Exception as exc:
-                log.exception("preparing a batch failed")
-                self._fail(d, exc)
-                continue
-            self._slot_free.clear()
-            self._ready.put_nowait((d, prepared, time.perf_counter() - start))
-
-    def _flatten(self, d: Dispatch):
-        """The dispatch's sequences (and token types) as lists, its rows as indices into them (cancelled: empty)."""
-        flat, types, rows = [], [], []
-        for r in d.rows:
-            p = self._pending.get(r.request)
-            idx = []
-            for i in r.pieces if p else ():
-                idx.append(len(flat))
-                flat.append(p.seqs[i])
-                types.append(p.types[i] if p.types is not None else np.zeros(len(p.seqs[i]), np.int32))
-            rows.append(tuple(idx))
-        return flat, types, PlannedBatch(d.bucket, tuple(rows))
-
-    def _prepare(self, planned: PlannedBatch, flat: list[np.ndarray], types: list[np.ndarray]):
-        return self.engine.put(planned.bucket, assemble(planned, flat, types))
-
-    async def _run_device(self) -> None:
-        free = asyncio.Semaphore(self._streams)
-        running: set[asyncio.Task] = set()
-        while True:
-            await free.acquire()
-            d, prepared, prepare_s = await self._ready.get()
-            self._slot_free.set()
-            self._running += 1
-            task = asyncio.create_task(self._execute(d, prepared, prepare_s))
-            running.add(task)
-            task.add_done_callback(lambda t: (running.discard(t), free.release()))
-
-    async def _execute(self, d: Dispatch, prepared, prepare_s: float) -> None:
-        sharing = self._running  # batches on the device now, this one included
-        start = time.perf_counter()
+    def _guard(self, loop_fn) -> None:
+        """A pipeline thread that dies makes the service unhealthy and fails what is waiting."""
         try:
-            out = await asyncio.get_running_loop().run_in_executor(self._device, self.engine.execute, prepared)
-        except Exception as exc:
-            log.error("device step failed for a batch at %s: %s", d.bucket.shape, exc)
-            self._fail(d, exc)
-            return
-        finally:
-            self._running -= 1
-            self._wake.set()
-        device_s = time.perf_counter() - start
-        self.device_batches += 1
-        # Batches sharing the device each take longer but overlap: their share of the
-        # wall time is what a plan's prediction adds up.
-        self.timings.observe(d.bucket, device_s / sharing)
-        self.metrics.device_time(d, device_s)
-        self._scatter(d, out, prepare_s, device_s)
+            loop_fn()
+        except BaseException as exc:  # noqa: BLE001 - recorded, reported by /health
+            self.broken = f"the {loop_fn.__name__[1:]} thread died: {type(exc).__name__}: {exc}"
+            log.exception(self.broken)
+            with self._lock:
+                jids = list(self._entries)
+            for jid in jids:
+                self._loop.call_soon_threadsafe(self._answer, jid, Draining(self.broken))
 
-    def _scatter(self, d: Dispatch, out: np.ndarray, prepare_s: float, device_s: float) -> None:
-        now = time.monotonic()
-        touched: dict[int, int] = {}
-        for r, row in enumerate(d.rows):
-            p = self._pending.get(row.request)
-            if p is None or p.future.done():
+    def _next(self) -> tuple[Dispatch, dict[int, Job]] | None:
+        """Block until the batcher gives a dispatch the pipeline has room for (None: stopping)."""
+        with self._lock:
+            while not self._stopping:
+                now = time.monotonic()
+                if self._pipeline <= self.max_inflight:  # room on the device, or for one batch ready behind it
+                    d = self.batcher.next_dispatch(now, device_idle=self._pipeline < self.max_inflight)
+                    if d is not None:
+                        self._pipeline += 1
+                        jobs, sequences = {}, 0
+                        for jid, rows in d.parts:
+                            if (entry := self._entries.get(jid)) is not None:
+                                jobs[jid] = entry.job
+                                sequences += int(entry.job.rows.docs[rows].sum())
+                                if entry.timing.first_dispatch is None:
+                                    entry.timing.first_dispatch = now
+                        self.metrics.sequences("dispatched", sequences)
+                        return d, jobs
+                    deadline = self.batcher.next_deadline()
+                    timeout = None if deadline is None else max(0.0, deadline - now)
+                else:
+                    timeout = None
+                self._lock.wait(timeout)
+        return None
+
+    def _prepare_loop(self) -> None:
+        while (nxt := self._next()) is not None:
+            d, jobs = nxt
+            self.metrics.queue_depth(self.batcher.queued)
+            start = time.perf_counter()
+            inputs, real_tokens = assemble(d.bucket, d.parts, jobs)
+            assembled = time.perf_counter()
+            try:
+                prepared = self.engine.put(d.bucket, inputs)
+            except Exception as exc:
+                self._fail(d, jobs, exc)
                 continue
-            for slot, i in enumerate(row.pieces):
-                p.out[i] = out[r, slot]
-            p.remaining -= len(row.pieces)
-            touched[row.request] = touched.get(row.request, 0) + 1
-        for rid, n_rows in touched.items():
-            p = self._pending[rid]
-            p.timing.host_prepare_s += prepare_s
-            p.timing.device_s += device_s
-            p.timing.batches.append((d.bucket.shape, n_rows, d.reason))
-            if p.remaining == 0:
-                p.timing.done = now
-                p.future.set_result(p.out)
+            copied = time.perf_counter()
+            self.metrics.phase("assemble", assembled - start)
+            self.metrics.phase("copy", copied - assembled)
+            self.metrics.dispatched(d, real_tokens, time.monotonic() - d.oldest)
+            self._ready.put((d, jobs, prepared))
+        self._ready.put(None)
 
-    def _fail(self, d: Dispatch, exc: Exception) -> None:
+    def _device_loop(self) -> None:
+        while (item := self._ready.get()) is not None:
+            d, jobs, prepared = item
+            self._on_device.acquire()
+            launched = time.perf_counter()
+            try:
+                result, error = self.engine.launch(prepared), None
+            except Exception as exc:
+                result, error = None, exc
+            self._launched.put((d, jobs, result, error, launched))
+        self._launched.put(None)
+
+    def _respond_loop(self) -> None:
+        previous_done = 0.0
+        while (item := self._launched.get()) is not None:
+            d, jobs, result, error, launched = item
+            try:
+                if error is not None:
+                    raise error
+                out = self.engine.fetch(result)  # waits for the device, then copies to the host
+            except Exception as exc:
+                self._on_device.release()
+                self._fail(d, jobs, exc)
+                continue
+            self._on_device.release()
+            done = time.perf_counter()
+            device_s = done - max(launched, previous_done)  # batches run one after another
+            previous_done = done
+            with self._lock:
+                self._pipeline -= 1
+                self._lock.notify()
+            self.failures = 0
+            self.device_batches += 1
+            self.timings.observe(d.bucket, device_s)
+            self.metrics.phase("device", device_s)
+            finished = scatter(d.parts, out, jobs)
+            self.metrics.phase("scatter", time.perf_counter() - done)
+            for jid, rows in d.parts:
+                if (entry := self._entries.get(jid)) is not None:
+                    entry.timing.batches.append((d.bucket.shape, len(rows), d.reason, device_s))
+            for jid in finished:
+                self._loop.call_soon_threadsafe(self._answer, jid)
+
+    def _fail(self, d: Dispatch, jobs: dict[int, Job], exc: Exception) -> None:
         """Fail exactly the requests with rows in this batch; everyone else carries on."""
-        for rid in {r.request for r in d.rows}:
-            p = self._pending.get(rid)
-            if p and not p.future.done():
-                self.batcher.cancel(rid)
-                p.future.set_exception(DeviceError(f"the batch at {d.bucket.shape} failed: {type(exc).__name__}: {exc}"))
+        log.error("device step failed for a batch at %s: %s: %s", d.bucket.shape, type(exc).__name__, exc)
+        self.failures += 1
+        with self._lock:
+            self._pipeline -= 1
+            for jid in jobs:
+                self.batcher.cancel(jid)
+            self._lock.notify()
+        error = DeviceError(f"the batch at {d.bucket.shape} failed: {type(exc).__name__}: {exc}")
+        for jid in jobs:
+            self._loop.call_soon_threadsafe(self._answer, jid, error)
+
+
+def run_jobs(engine: Engine, table: BucketTable, jobs: list[Job], max_inflight: int = MAX_INFLIGHT) -> list[Dispatch]:
+    """Run jobs to completion in this thread, through a batcher of their own; returns the dispatches that ran.
+
+    The same steps as the server's pipeline: batch i+1 is assembled and
+    launched before batch i is waited on."""
+    batcher = Batcher(table, math.inf, max(1, sum(int(j.rows.docs.sum()) for j in jobs)))
+    by_id = dict(enumerate(jobs))
+    for jid, job in by_id.items():
+        batcher.submit(jid, job.rows.seqlen, job.rows.docs, 0.0)
+    inflight: collections.deque = collections.deque()
+    ran = []
+    while True:
+        d = batcher.next_dispatch(0.0, device_idle=True) if len(inflight) < max_inflight else None
+        if d is not None:
+            inputs, _ = assemble(d.bucket, d.parts, by_id)
+            inflight.append((d, engine.launch(engine.put(d.bucket, inputs))))
+            ran.append(d)
+        elif inflight:
+            done, result = inflight.popleft()
+            scatter(done.parts, engine.fetch(result), by_id)
+        else:
+            return ran

@@ -1,14 +1,17 @@
-"""Text -> token ids, with the checkpoint's own special tokens and truncation.
+"""Text -> token ids, with the checkpoint's own special tokens and truncation, laid out flat.
 
-Documents are encoded without special tokens first, so a long document can be
-either truncated or split into windows; each window is then wrapped in the
-model's template ([CLS] ... [SEP] for BERT, <s> ... </s> for RoBERTa).
+The common case (truncate) is one call of the tokenizer with its own
+truncation and template. For `chunk` and `error`, documents are encoded
+without special tokens first, so a long one can be split into windows or
+refused; each window is then wrapped in the model's template ([CLS] ... [SEP]
+for BERT, <s> ... </s> for RoBERTa, ... <|endoftext|> for decoders).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from pathlib import Path
 
 import numpy as np
@@ -22,23 +25,58 @@ DEFAULT_CHUNK_OVERLAP = 32  # tokens shared by neighbouring windows in `chunk` m
 
 @dataclasses.dataclass(frozen=True)
 class Pieces:
-    """Model sequences cut from documents: one per document, or several windows of a long one."""
+    """Model sequences cut from documents, flat: one per document, or several windows of a long one."""
 
-    seqs: list[np.ndarray]  # each a model sequence, special tokens included
+    ids: np.ndarray  # [T] int32: every sequence's token ids back to back, special tokens included
+    offsets: np.ndarray  # [P + 1] where each sequence starts in `ids`
     doc: np.ndarray  # [P] int: the document each piece belongs to
     weight: np.ndarray  # [P] float: body tokens in the piece, for the token-weighted mean
-    types: list[np.ndarray] | None = None  # token type ids per piece (sentence pairs); None: all zeros
+    types: np.ndarray | None = None  # [T] token type ids (sentence pairs); None: all zeros
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    @property
+    def count(self) -> int:
+        return len(self.offsets) - 1
+
+    @property
+    def seqs(self) -> list[np.ndarray]:
+        """Each sequence's ids (views), for references and tests."""
+        return [self.ids[a:b] for a, b in zip(self.offsets[:-1], self.offsets[1:])]
+
+    @property
+    def type_seqs(self) -> list[np.ndarray] | None:
+        """Each sequence's token type ids (views), or None when all are zeros."""
+        if self.types is None:
+            return None
+        return [self.types[a:b] for a, b in zip(self.offsets[:-1], self.offsets[1:])]
 
     def token_counts(self, num_docs: int) -> np.ndarray:
         """Tokens run through the model per document."""
-        return np.bincount(self.doc, weights=[len(s) for s in self.seqs], minlength=num_docs).astype(np.int64)
+        return np.bincount(self.doc, weights=self.lengths, minlength=num_docs).astype(np.int64)
 
     def combine(self, vectors: np.ndarray, num_docs: int) -> np.ndarray:
         """[P, D] piece vectors -> [N, D] document vectors (token-weighted mean of a document's pieces)."""
+        if self.count == num_docs:  # one piece per document, in order
+            return vectors
         out = np.zeros((num_docs, vectors.shape[1]), np.float64)
         np.add.at(out, self.doc, vectors * self.weight[:, None])
         total = np.bincount(self.doc, weights=self.weight, minlength=num_docs)
         return (out / np.maximum(total, 1e-12)[:, None]).astype(np.float32)
+
+
+def flat_ids(encodings, with_types: bool = False):
+    """Encodings -> (ids [T] int32, offsets [P + 1], types [T] or None) without per-token Python objects."""
+    lengths = np.fromiter((len(e.ids) for e in encodings), np.int64, len(encodings))
+    offsets = np.zeros(len(encodings) + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    total = int(offsets[-1])
+    ids = np.fromiter(itertools.chain.from_iterable(e.ids for e in encodings), np.int32, total)
+    types = (np.fromiter(itertools.chain.from_iterable(e.type_ids for e in encodings), np.int32, total)
+             if with_types else None)
+    return ids, offsets, types
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +107,13 @@ class TextTokenizer:
         """Most document tokens that fit in one sequence beside the special tokens."""
         return self.max_length - self.num_special
 
+    @functools.cached_property
+    def _truncating(self) -> Tokenizer:
+        """A copy that truncates to the model's length itself (the shared one must not: documents are windowed)."""
+        tok = Tokenizer.from_str(self.tokenizer.to_str())
+        tok.enable_truncation(self.max_length, strategy="longest_first")
+        return tok
+
     def encode_bodies(self, texts: list[str]) -> list[np.ndarray]:
         """Token ids of each text, without special tokens and untruncated."""
         return [np.asarray(e.ids, dtype=np.int32) for e in self.tokenizer.encode_batch(texts, add_special_tokens=False)]
@@ -80,36 +125,36 @@ class TextTokenizer:
 
     def encode(self, texts: list[str]) -> list[np.ndarray]:
         """Each text as one truncated model sequence (what sentence-transformers feeds its model)."""
-        return [self.wrap(b) for b in self.encode_bodies(texts)]
+        return self.documents(texts).seqs
 
-    def pairs(self, pairs: list[tuple[str, str]], truncate: bool = True) -> Pieces:
-        """Sentence pairs as one sequence each ([CLS] a [SEP] b [SEP], token types 0 then 1).
+    def documents(self, texts: list[str], long: str = "truncate", overlap: int = DEFAULT_CHUNK_OVERLAP) -> Pieces:
+        """Texts -> model sequences: a long one truncated (one tokenizer call), split into windows, or refused."""
+        if long not in LONG_MODES:
+            raise InputError(f"unknown long-input mode {long!r}; choose from {', '.join(LONG_MODES)}")
+        if long == "truncate":
+            ids, offsets, _ = flat_ids(self._truncating.encode_batch_fast(texts))
+            n = len(texts)
+            return Pieces(ids, offsets, np.arange(n), np.maximum(np.diff(offsets) - self.num_special, 1).astype(float))
+        return self.pieces(self.encode_bodies(texts), long, overlap)
+
+    def pairs(self, inputs: list, truncate: bool = True) -> Pieces:
+        """Texts (one sequence each) and (text, text) pairs ([CLS] a [SEP] b [SEP], token types 0 then 1), mixed.
 
         Truncation is the tokenizer's `longest_first`, as transformers and
         sentence-transformers' CrossEncoder do: the longer side loses tokens first.
         """
-        pairs = [tuple(p) for p in pairs]
+        items = [x if isinstance(x, str) else tuple(x) for x in inputs]
         if not truncate:
-            for i, e in enumerate(self.tokenizer.encode_batch(pairs)):
+            for i, e in enumerate(self.tokenizer.encode_batch(items)):
                 if len(e.ids) > self.max_length:
                     raise TooLongError(f"input {i} has {len(e.ids)} tokens, over the model's limit of "
                                        f"{self.max_length} (allow truncation)")
-        seqs, types = [], []
-        for e in self._pair_tokenizer.encode_batch(pairs):
-            seqs.append(np.asarray(e.ids, np.int32))
-            types.append(np.asarray(e.type_ids, np.int32))
-        n = len(seqs)
-        return Pieces(seqs, np.arange(n), np.ones(n), types)
-
-    @functools.cached_property
-    def _pair_tokenizer(self) -> Tokenizer:
-        """A copy of the tokenizer that truncates (the shared one must not: documents are windowed)."""
-        tok = Tokenizer.from_str(self.tokenizer.to_str())
-        tok.enable_truncation(self.max_length, strategy="longest_first")
-        return tok
+        ids, offsets, types = flat_ids(self._truncating.encode_batch(items), with_types=True)
+        n = len(items)
+        return Pieces(ids, offsets, np.arange(n), np.ones(n), types)
 
     def pieces(self, bodies: list[np.ndarray], long: str = "truncate", overlap: int = DEFAULT_CHUNK_OVERLAP) -> Pieces:
-        """Documents -> model sequences, a long document truncated, split into windows, or refused."""
+        """Document bodies (no special tokens) -> model sequences, a long one truncated, windowed or refused."""
         if long not in LONG_MODES:
             raise InputError(f"unknown long-input mode {long!r}; choose from {', '.join(LONG_MODES)}")
         seqs, doc, weight = [], [], []
@@ -131,7 +176,16 @@ class TextTokenizer:
                 seqs.append(self.wrap(window))
                 doc.append(i)
                 weight.append(max(len(window), 1))
-        return Pieces(seqs, np.asarray(doc, np.int64), np.asarray(weight, np.float64))
+        return from_sequences(seqs, np.asarray(doc, np.int64), np.asarray(weight, np.float64))
+
+
+def from_sequences(seqs: list[np.ndarray], doc: np.ndarray, weight: np.ndarray,
+                   types: list[np.ndarray] | None = None) -> Pieces:
+    """Pieces from a list of sequences (tests, pre-tokenized inputs)."""
+    offsets = np.concatenate([[0], np.cumsum([len(s) for s in seqs])]).astype(np.int64)
+    ids = np.concatenate(seqs).astype(np.int32) if seqs else np.zeros(0, np.int32)
+    flat_types = np.concatenate(types).astype(np.int32) if types is not None and seqs else None
+    return Pieces(ids, offsets, np.asarray(doc, np.int64), np.asarray(weight, np.float64), flat_types)
 
 
 def _special_template(tok: Tokenizer) -> tuple[tuple[int, ...], tuple[int, ...]]:

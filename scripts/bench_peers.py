@@ -143,8 +143,6 @@ def bench_plain_jit(enc, seqs: list[np.ndarray], batch: int = 32) -> dict:
 
     from jaxserve import compiles
     from jaxserve.encoder import embed_forward
-    from jaxserve.planner import PlannedBatch, assemble
-    from jaxserve.buckets import Bucket
 
     fn = jax.jit(lambda params, b: embed_forward(enc.module, enc.embedding_config.pooling, 1, params, b))
     order = np.argsort([len(s) for s in seqs])
@@ -153,8 +151,13 @@ def bench_plain_jit(enc, seqs: list[np.ndarray], batch: int = 32) -> dict:
         for start in range(0, len(order), batch):
             idx = order[start : start + batch]
             longest = max(len(seqs[i]) for i in idx)
-            planned = PlannedBatch(Bucket(len(idx), longest), tuple((int(i),) for i in idx))
-            np.asarray(fn(enc.params, jax.device_put(assemble(planned, seqs))))
+            ids = np.zeros((len(idx), longest), np.int32)
+            for r, i in enumerate(idx):
+                ids[r, : len(seqs[i])] = seqs[i]
+            real = (np.arange(longest) < np.array([len(seqs[i]) for i in idx])[:, None]).astype(np.int32)
+            b = {"token_ids": ids, "segment_ids": real, "type_ids": np.zeros_like(ids),
+                 "positions": np.broadcast_to(np.arange(longest, dtype=np.int32), ids.shape).copy()}
+            np.asarray(fn(enc.params, jax.device_put(b)))
 
     before = compiles.xla_compiles_total()
     start = time.perf_counter()

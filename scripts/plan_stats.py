@@ -24,7 +24,8 @@ import corpus  # noqa: E402
 from jaxserve import checkpoint  # noqa: E402
 from jaxserve.buckets import derive, ladder  # noqa: E402
 from jaxserve.config import EmbeddingConfig, read_model_config  # noqa: E402
-from jaxserve.planner import plan  # noqa: E402
+from jaxserve.explain import simulate  # noqa: E402
+from jaxserve.planner import pack  # noqa: E402
 from jaxserve.tokenize import TextTokenizer  # noqa: E402
 
 
@@ -51,10 +52,33 @@ def main() -> None:
                        max_batch_tokens=4096, layout=layout, batch_ladder=batch_ladder)
         real = padded = dispatches = 0
         for start in range(0, len(lengths), args.request):
-            p = plan(lengths[start : start + args.request], table)
-            real, padded, dispatches = real + p.real_tokens, padded + p.padded_tokens, dispatches + p.dispatches
+            ran = simulate(pack(lengths[start : start + args.request], table), table)
+            real += sum(lengths[start : start + args.request])
+            padded, dispatches = padded + sum(d.bucket.tokens for d in ran), dispatches + len(ran)
         print(f"{name:>8} {'ladder' if batch_ladder else 'max':>8} {layout:>7} {len(table.buckets):>6} "
               f"{1 - real / padded:>8.1%} {dispatches:>10} {padded:>10} {real:>9}")
+    time_packing(tok, docs, table)
+
+
+def time_packing(tok, docs: list[str], table) -> None:
+    """Host cost of one 1024-document request after tokenizing: pack into rows, lay out as a job (median of 20)."""
+    import statistics
+    import time
+
+    from jaxserve.jobs import Job
+
+    pieces = tok.documents((docs * 2)[:1024])
+    pack_s, job_s = [], []
+    for _ in range(20):
+        t0 = time.perf_counter()
+        rows = pack(pieces.lengths, table)
+        t1 = time.perf_counter()
+        Job(rows, pieces.ids, pieces.offsets, None, 384)
+        t2 = time.perf_counter()
+        pack_s.append(t1 - t0)
+        job_s.append(t2 - t1)
+    print(f"1024 documents ({pieces.lengths.sum()} tokens) on the last table: pack {1e3 * statistics.median(pack_s):.2f} ms, "
+          f"job layout {1e3 * statistics.median(job_s):.2f} ms ({rows.count} rows)")
 
 
 if __name__ == "__main__":

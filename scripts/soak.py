@@ -6,8 +6,10 @@ Each client loops until the deadline: 80% good requests (1-40 documents from
 a fixed pool; every vector is checked, in order, against the same model run
 in this process), 10% bad requests (must get a 4xx JSON error), 10% requests
 abandoned mid-flight (disconnects). Afterwards: the server's RSS growth, its
-compile counter (must not move) and queue depth (must be 0). Bounded: at most
-`--seconds` and 100,000 requests.
+compile counter (must not move), queue depth (must be 0), and the sequence
+ledger from /metrics: every sequence submitted was dispatched for a waiting
+request or dropped because its client left (abandoned rows never reach the
+device). Bounded: at most `--seconds` and 100,000 requests.
 """
 
 from __future__ import annotations
@@ -96,7 +98,9 @@ async def soak(url: str, pid: int, seconds: float, clients: int, docs: list[str]
     return dict(stats, requests=sent, seconds=seconds, rss_start_mib=round(rss0 / 2**20, 1),
                 rss_growth_mib=round((proc.memory_info().rss - rss0) / 2**20, 1),
                 compiles_during=metric(text, "jaxserve_xla_compiles_total") - compiles0,
-                queue_depth_after=metric(text, "jaxserve_queue_depth"), healthy_after=healthy)
+                queue_depth_after=metric(text, "jaxserve_queue_depth"), healthy_after=healthy,
+                **{f"sequences_{k}": metric(text, f'jaxserve_sequences_total\\{{outcome="{k}"\\}}')
+                   for k in ("submitted", "dispatched", "dropped")})
 
 
 def run(model: str | None, buckets: str, seconds: float, clients: int, port: int) -> dict:

@@ -84,20 +84,26 @@ class SlowEngine:
     def __init__(self, engine, delay=0.0, fail_when=None):
         self._engine = engine
         self.delay = delay
-        self.fail_when = fail_when  # predicate on the prepared batch's token ids
+        self.fail_when = fail_when  # predicate on the batch's token ids [B, S]
         self.steps = 0
         self.seen: list[np.ndarray] = []  # token ids of every batch that reached the device
 
     def __getattr__(self, name):
         return getattr(self._engine, name)
 
-    def execute(self, prepared):
+    def put(self, bucket, inputs):
+        self.seen.append(np.array(inputs[0]))
+        return self._engine.put(bucket, inputs)
+
+    def launch(self, prepared):
+        return (prepared, self._engine.launch(prepared))
+
+    def fetch(self, launched):
         import time
 
+        prepared, result = launched
         self.steps += 1
-        ids = np.asarray(prepared[1]["token_ids"])
-        self.seen.append(ids)
         time.sleep(self.delay)
-        if self.fail_when is not None and self.fail_when(ids):
+        if self.fail_when is not None and self.fail_when(np.asarray(prepared.inputs[0])):
             raise RuntimeError("injected device fault")
-        return self._engine.execute(prepared)
+        return self._engine.fetch(result)

@@ -1,116 +1,164 @@
 """The batching state machine, driven by hand with explicit clocks (no JAX, no asyncio, no HTTP)."""
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxserve.batcher import Batcher, QueueFull
+from jaxserve.batcher import Batcher, QueueFull, TooLarge
 from jaxserve.buckets import fixed
 
 TABLE = fixed([(1, 16), (4, 16), (1, 64), (4, 64)], layout="packed")  # 16: 2 slots, 64: 8 slots
 
 
-def rows(*tokens):
-    """One single-sequence row per token count, pieces numbered from 0."""
-    return [((i,), t) for i, t in enumerate(tokens)]
+def submit(b, job, seqlens, now, docs=None):
+    """Rows of one job: the seqlen of each row, and sequences per row (default 1)."""
+    seqlens = np.asarray(seqlens)
+    b.submit(job, seqlens, np.ones(len(seqlens), np.int64) if docs is None else np.asarray(docs), now)
+
+
+def rows_of(d):
+    return [(job, int(r)) for job, rows in d.parts for r in rows]
 
 
 def test_full_bucket_leaves_even_when_device_busy():
     b = Batcher(TABLE, max_wait_s=1.0, max_queued=100)
-    b.submit(1, rows(10, 10, 10), now=0.0)
+    submit(b, 1, [16, 16, 16], now=0.0)
     assert b.next_dispatch(now=0.0, device_idle=False) is None  # 3 of 4 rows: waits for the window
-    b.submit(2, rows(12), now=0.1)
+    submit(b, 2, [16], now=0.1)
     d = b.next_dispatch(now=0.1, device_idle=False)
     assert d.reason == "full" and d.bucket.shape == (4, 16)
-    assert [(r.request, r.pieces) for r in d.rows] == [(1, (0,)), (1, (1,)), (1, (2,)), (2, (0,))]
+    assert rows_of(d) == [(1, 0), (1, 1), (1, 2), (2, 0)]
     assert b.queued == 0 and b.next_dispatch(now=5.0, device_idle=True) is None
 
 
 def test_window_expiry_sends_a_partial_batch():
     b = Batcher(TABLE, max_wait_s=0.005, max_queued=100)
-    b.submit(1, rows(10), now=0.0)
+    submit(b, 1, [16], now=0.0)
     assert b.next_deadline() == pytest.approx(0.005)
     assert b.next_dispatch(now=0.004, device_idle=False) is None
     d = b.next_dispatch(now=0.005, device_idle=False)
-    assert d.reason == "window" and d.bucket.shape == (1, 16)
+    assert d.reason == "window" and d.bucket.shape == (1, 16) and d.oldest == 0.0
 
 
 def test_idle_device_never_waits_for_the_window():
     b = Batcher(TABLE, max_wait_s=10.0, max_queued=100)
-    b.submit(1, rows(10, 11), now=0.0)
+    submit(b, 1, [16, 16], now=0.0)
     d = b.next_dispatch(now=0.0, device_idle=True)
-    assert d.reason == "idle" and len(d.rows) == 2 and d.bucket.seqlen == 16
+    assert d.reason == "idle" and d.rows == 2 and d.bucket.seqlen == 16
 
 
 def test_oldest_first_across_seqlens():
     b = Batcher(TABLE, max_wait_s=10.0, max_queued=100)
-    b.submit(1, rows(50), now=0.0)
-    b.submit(2, rows(10), now=1.0)
+    submit(b, 1, [64], now=0.0)
+    submit(b, 2, [16], now=1.0)
     first = b.next_dispatch(now=1.0, device_idle=True)
-    assert first.bucket.shape == (1, 64) and [r.request for r in first.rows] == [1]
-    assert [r.request for r in b.next_dispatch(now=1.0, device_idle=True).rows] == [2]
+    assert first.bucket.shape == (1, 64) and first.jobs == [1]
+    assert b.next_dispatch(now=1.0, device_idle=True).jobs == [2]
 
 
 def test_spare_rows_are_filled_from_smaller_seqlens():
     b = Batcher(fixed([(4, 16), (4, 64)], layout="packed"), max_wait_s=0.0, max_queued=100)
-    b.submit(1, rows(50), now=0.0)
-    b.submit(2, rows(10, 10), now=0.1)
+    submit(b, 1, [64], now=0.0)
+    submit(b, 2, [16, 16], now=0.1)
     d = b.next_dispatch(now=0.2, device_idle=True)
-    assert d.bucket.shape == (4, 64) and [r.request for r in d.rows] == [1, 2, 2]
+    assert d.bucket.shape == (4, 64) and rows_of(d) == [(1, 0), (2, 0), (2, 1)]
     assert b.queued == 0
+
+
+def test_a_row_of_another_seqlen_waits_a_bounded_time_under_sustained_load():
+    """A seqlen that is always full must not starve an expired row of another seqlen."""
+    b = Batcher(TABLE, max_wait_s=0.005, max_queued=10_000)
+    submit(b, 0, [64], now=0.0)
+    now, job = 0.0, 1
+    for step in range(20):
+        submit(b, job, [16] * 8, now=now)  # a full batch at seqlen 16 arrives every step
+        job += 1
+        d = b.next_dispatch(now, device_idle=False)
+        if d is not None and 0 in d.jobs:
+            break
+        now += 0.002  # a dispatch's worth of device time
+    assert 0 in d.jobs and d.reason == "window"
+    assert now <= 0.005 + 0.002  # served at the first decision after its window closed
 
 
 def test_cheapest_batch_size_for_the_rows_at_hand():
     b = Batcher(TABLE, max_wait_s=0.0, max_queued=100)
-    b.submit(1, rows(10), now=0.0)
+    submit(b, 1, [16], now=0.0)
     assert b.next_dispatch(now=0.0, device_idle=True).bucket.shape == (1, 16)
 
 
 def test_queue_limit_rejects_whole_request_and_recovers():
     b = Batcher(TABLE, max_wait_s=0.0, max_queued=3)
-    b.submit(1, rows(10, 10), now=0.0)
+    submit(b, 1, [16, 16], now=0.0)
     with pytest.raises(QueueFull, match="limit of 3"):
-        b.submit(2, rows(10, 10), now=0.0)
+        submit(b, 2, [16, 16], now=0.0)
     assert b.queued == 2  # nothing of the rejected request was queued
     b.next_dispatch(now=0.0, device_idle=True)
-    b.submit(2, rows(10, 10), now=0.1)
+    submit(b, 2, [16, 16], now=0.1)
     assert b.queued == 2
 
 
-def test_cancel_drops_only_that_requests_rows():
+def test_a_job_larger_than_the_whole_queue_is_too_large_not_full():
+    b = Batcher(TABLE, max_wait_s=0.0, max_queued=3)
+    with pytest.raises(TooLarge, match="at most 3"):
+        submit(b, 1, [16, 64], now=0.0, docs=[2, 2])
+    assert b.queued == 0
+
+
+def test_cancel_drops_only_that_jobs_rows():
     b = Batcher(TABLE, max_wait_s=1.0, max_queued=100)
-    b.submit(1, rows(10, 50), now=0.0)
-    b.submit(2, rows(10), now=0.0)
-    assert b.cancel(1) == 2 and b.queued == 1
+    submit(b, 1, [16, 64], now=0.0)
+    submit(b, 2, [16], now=0.0)
+    assert b.cancel(1) == 2 and b.queued == 1 and b.queued_rows == 1
     d = b.next_dispatch(now=0.0, device_idle=True)
-    assert [r.request for r in d.rows] == [2]
+    assert d.jobs == [2]
+    assert b.next_dispatch(now=0.0, device_idle=True) is None
 
 
-def test_packed_rows_keep_their_pieces():
+def test_packed_rows_count_their_sequences():
     b = Batcher(TABLE, max_wait_s=0.0, max_queued=100)
-    b.submit(7, [((0, 1, 2), 40), ((3,), 9)], now=0.0)
-    assert b.queued == 4
+    submit(b, 7, [64, 16], now=0.0, docs=[3, 1])
+    assert b.queued == 4 and b.queued_rows == 2
     sent = [b.next_dispatch(now=0.0, device_idle=True) for _ in range(2)]
-    assert sorted((d.bucket.seqlen, r.pieces) for d in sent for r in d.rows) == [(16, (3,)), (64, (0, 1, 2))]
+    assert b.queued == 0
+    assert [(d.bucket.seqlen, r) for d in sent for _, r in rows_of(d)] == [(64, 0), (16, 1)]  # larger first on ties
+
+
+def test_a_run_larger_than_the_batch_is_split():
+    b = Batcher(TABLE, max_wait_s=0.0, max_queued=100)
+    submit(b, 1, [16] * 6, now=0.0)
+    first = b.next_dispatch(now=0.0, device_idle=True)
+    second = b.next_dispatch(now=0.0, device_idle=True)
+    assert rows_of(first) == [(1, i) for i in range(4)]
+    assert rows_of(second) == [(1, 4), (1, 5)]
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.lists(st.lists(st.integers(2, 64), min_size=1, max_size=12), min_size=1, max_size=12),
-       st.floats(0.0, 0.05), st.lists(st.booleans(), min_size=1, max_size=8))
-def test_every_row_dispatched_once_and_in_fitting_buckets(requests, wait, idles):
+@given(st.lists(st.lists(st.sampled_from([16, 64]), min_size=1, max_size=12), min_size=1, max_size=12),
+       st.floats(0.0, 0.05), st.lists(st.booleans(), min_size=1, max_size=8), st.sets(st.integers(0, 11)))
+def test_every_row_dispatched_once_unless_cancelled(jobs, wait, idles, cancelled):
     b = Batcher(TABLE, max_wait_s=wait, max_queued=10_000)
     now, sent = 0.0, []
-    for rid, toks in enumerate(requests):
-        b.submit(rid, rows(*toks), now=now)
+    for job, seqlens in enumerate(jobs):
+        submit(b, job, seqlens, now=now)
         now += 0.01
-        d = b.next_dispatch(now, device_idle=idles[rid % len(idles)])
+        if job - 1 in cancelled:
+            b.cancel(job - 1)
+        d = b.next_dispatch(now, device_idle=idles[job % len(idles)])
         if d:
             sent.append(d)
     while (d := b.next_dispatch(now, device_idle=True)) is not None:
         sent.append(d)
-    got = sorted((r.request, r.pieces) for d in sent for r in d.rows)
-    assert got == sorted((rid, (i,)) for rid, toks in enumerate(requests) for i in range(len(toks)))
+    got = sorted(rows_of_d for d in sent for rows_of_d in rows_of(d))
+    assert len(got) == len(set(got))  # at most once
+    dropped = {j for j in cancelled if j + 1 < len(jobs)}  # cancelled after its submit
+    for job, seqlens in enumerate(jobs):
+        mine = [r for j, r in got if j == job]
+        if job not in dropped:
+            assert mine == list(range(len(seqlens)))
     for d in sent:
-        assert d.bucket in TABLE.buckets and 1 <= len(d.rows) <= d.bucket.batch
-        assert all(r.tokens <= d.bucket.seqlen and len(r.pieces) <= d.bucket.slots for r in d.rows)
-    assert b.queued == 0
+        assert d.bucket in TABLE.buckets and 1 <= d.rows <= d.bucket.batch
+        for job, rows in d.parts:
+            assert all(jobs[job][r] <= d.bucket.seqlen for r in rows)
+    assert b.queued == 0 and b.queued_rows == 0

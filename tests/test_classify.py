@@ -18,7 +18,7 @@ def reference(path, inputs, enc):
     cfg = json.loads((path / "config.json").read_text())
     tensors = tiny.random_tensors(cfg)
     pieces = enc.prepare_pairs(inputs, truncate=True)
-    types = pieces.types or [None] * len(pieces.seqs)
+    types = pieces.type_seqs or [None] * len(pieces.seqs)
     return np.stack([tiny.reference_logits(tensors, cfg, ids, t) for ids, t in zip(pieces.seqs, types)])
 
 
@@ -38,7 +38,7 @@ def test_pairs_use_token_types_and_match_reference(tmp_path, model_type):
     enc = Encoder.from_pretrained(str(path), buckets=TINY_TABLE)
     pieces = enc.prepare_pairs(PAIRS, truncate=True)
     if model_type == "bert":  # [CLS] q [SEP] d [SEP], types 0 then 1
-        ids, types = pieces.seqs[0], pieces.types[0]
+        ids, types = pieces.seqs[0], pieces.type_seqs[0]
         sep = ids.tolist().index(3)
         assert ids[0] == 2 and ids[-1] == 3 and types[: sep + 1].max() == 0 and types[sep + 1 :].min() == 1
     got = enc.classify(PAIRS)

@@ -6,7 +6,8 @@ import pytest
 from jaxserve import Encoder, compiles
 from jaxserve.buckets import fixed
 from jaxserve.engine import ShapeError
-from jaxserve.planner import PlannedBatch, assemble
+from jaxserve.jobs import Job, assemble
+from jaxserve.planner import pack
 
 
 @pytest.fixture
@@ -38,12 +39,13 @@ def test_no_compile_after_warmup_for_every_length_and_batch_size(warm):
 def test_shape_outside_table_raises(warm):
     enc, table = warm
     odd = fixed([(3, 16)]).buckets[0]
-    seqs = enc.tokenizer.encode(["the model"])
+    pieces = enc.tokenizer.documents(["the model"])
+    jobs = {0: Job(pack(pieces.lengths, table), pieces.ids, pieces.offsets, None, enc.out_dim)}
     with pytest.raises(ShapeError, match=r"not a warmed bucket"):
-        enc.engine.run(odd, assemble(PlannedBatch(odd, ((0,),)), seqs))
+        enc.engine.run(odd, assemble(odd, ((0, np.array([0])),), jobs)[0])
     before = compiles.xla_compiles_total()
     bucket = table.buckets[0]
-    wrong = assemble(PlannedBatch(table.buckets[1], ((0,),)), seqs)  # arrays of another bucket's shape
+    wrong = assemble(table.buckets[1], ((0, np.array([0])),), jobs)[0]  # arrays of another bucket's shape
     with pytest.raises(ShapeError):
         enc.engine.run(bucket, wrong)
     assert compiles.xla_compiles_total() == before

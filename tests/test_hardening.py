@@ -62,6 +62,8 @@ def test_soak_loses_nothing_and_leaks_nothing(tiny_files):
     assert r["good"] > 100 and r["bad"] > 5 and r["abandoned"] > 5
     assert r["good_wrong"] == 0 and r["bad_wrong_status"] == 0 and r["errors"] == 0
     assert r["compiles_during"] == 0 and r["queue_depth_after"] == 0 and r["healthy_after"]
+    # the ledger: what abandoned requests left waiting was dropped, not run as padding
+    assert r["sequences_submitted"] == r["sequences_dispatched"] + r["sequences_dropped"] > 0
     assert r["rss_growth_mib"] < 64
 
 
@@ -79,19 +81,4 @@ async def test_concurrency_limit_gives_429(make_server, tiny_enc):
     assert over.status == 429 and "limit is 2" in (await over.json())["error"]["message"]
     assert [(await t).status for t in first] == [200, 200]
     assert (await client.get("/health")).status == 200  # GETs are not counted
-    assert (await client.post("/v1/embeddings", json={"input": ["the model"]})).status == 200
-
-
-async def test_request_timeout_gives_503_and_drops_its_rows(make_server, tiny_enc):
-    from jaxserve.server import STATE
-
-    slow = dataclasses.replace(tiny_enc, engine=SlowEngine(tiny_enc.engine, delay=0.6))
-    client = await make_server(slow, request_timeout_s=0.3, streams=1, max_wait_ms=0)
-    busy = asyncio.create_task(client.post("/v1/embeddings", json={"input": ["the model"] * 3}))
-    await asyncio.sleep(0.05)
-    late = await client.post("/v1/embeddings", json={"input": ["a batch"]})
-    assert late.status == 503 and (await late.json())["error"]["type"] == "timeout"
-    assert client.app[STATE].service.batcher.queued == 0
-    await busy
-    slow.engine.delay = 0.0
     assert (await client.post("/v1/embeddings", json={"input": ["the model"]})).status == 200

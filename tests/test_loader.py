@@ -114,7 +114,7 @@ def test_hub_id_offline_gives_clear_error(monkeypatch):
 
 
 def test_bad_dtype():
-    with pytest.raises(ValueError, match="dtype must be one of"):
+    with pytest.raises(ValueError, match="dtype must be auto or one of"):
         Encoder.from_pretrained(None, dtype="int8")
 
 

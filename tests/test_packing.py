@@ -7,8 +7,7 @@ from conftest import cosine_rows
 from jaxserve import Encoder
 from jaxserve.buckets import fixed
 from jaxserve.errors import InputError
-from jaxserve.planner import plan
-from jaxserve.tokenize import Pieces
+from jaxserve.tokenize import from_sequences
 
 SMALL = [(4, 64), (4, 128), (2, 256)]
 
@@ -27,9 +26,8 @@ def sentences(texts):
 def test_packed_equals_padded_and_reference_minilm(minilm_packed, minilm_reference):
     texts, want = minilm_reference
     short = sentences(texts)
-    _, packed_plan = minilm_packed.prepare(short)
-    assert packed_plan.layout == "packed"
-    assert max(len(r) for b in packed_plan.batches for r in b.rows) > 1  # rows really are shared
+    _, packed_rows = minilm_packed.prepare(short)
+    assert packed_rows.layout == "packed" and packed_rows.docs.max() > 1  # rows really are shared
     packed = minilm_packed.embed(short)
     padded_enc = Encoder.from_pretrained(None)
     padded_enc.warmup(fixed(SMALL))
@@ -47,7 +45,7 @@ def test_packed_equals_padded_every_pooling(tiny_checkpoint, pooling):
     padded.warmup(fixed([(2, 32), (2, 64)]))
     packed = Encoder.from_pretrained(path)
     packed.warmup(fixed([(2, 32), (2, 64)], layout="packed"))
-    assert packed.prepare(texts)[1].layout == "packed"
+    assert packed.prepare(texts)[1].docs.max() > 1
     np.testing.assert_allclose(packed.embed(texts), padded.embed(texts), atol=2e-5)
 
 
@@ -63,9 +61,9 @@ def test_chunk_mode_is_token_weighted_mean_of_windows(tiny_checkpoint):
     assert len(pieces.seqs) == len(starts)
     for seq, s in zip(pieces.seqs, starts):
         np.testing.assert_array_equal(seq[1:-1], body[s : s + 18])
-    one_per_window = Pieces([enc.tokenizer.wrap(body[s : s + 18]) for s in starts], np.arange(len(starts)),
-                            np.ones(len(starts)))
-    windows = enc.run_plan(one_per_window, plan([len(x) for x in one_per_window.seqs], enc.table))
+    one_per_window = from_sequences([enc.tokenizer.wrap(body[s : s + 18]) for s in starts], np.arange(len(starts)),
+                                    np.ones(len(starts)))
+    windows = enc.run(one_per_window)
     want = windows.mean(0)  # every window has 18 tokens: equal weights
     got = enc.embed([text], long="chunk", normalize=False)[0]
     np.testing.assert_allclose(got, want, atol=1e-5)

@@ -72,10 +72,10 @@ def test_deployment_handle_embeds_without_http(cluster):
 
 def test_build_app_reads_serve_run_arguments():
     app = build_app({"model": "/m", "num_replicas": "3", "num_gpus": "1", "max_wait_ms": "2.5", "devices": "all",
-                     "streams": "1", "use_cache": "false"})
+                     "max_inflight": "1", "use_cache": "false"})
     d = app._bound_deployment
     assert (d.num_replicas, d.ray_actor_options["num_gpus"], d.max_ongoing_requests) == (3, 1.0, 256)
-    assert d.init_args == (ServerConfig(model="/m", max_wait_ms=2.5, devices="all", streams=1, use_cache=False),)
+    assert d.init_args == (ServerConfig(model="/m", max_wait_ms=2.5, devices="all", max_inflight=1, use_cache=False),)
     auto = build_app({"num_replicas": "auto", "max_replicas": "4"})._bound_deployment._deployment_config
     assert (auto.autoscaling_config.max_replicas, auto.autoscaling_config.target_ongoing_requests) == (4, AUTOSCALE_TARGET)
     with pytest.raises(ValueError, match="unknown jaxserve options \\['modle'\\]"):

@@ -1,0 +1,98 @@
+"""A request's work as the batches see it, and the two copies between jobs and batches. Pure numpy.
+
+Glossary (one meaning each, everywhere):
+- document: one input of a request (a text, or a pair for classifiers);
+- sequence: one model input cut from a document (the document, or one
+  window of a long one), special tokens included;
+- row: one or more sequences side by side in one row of a batch, each in its
+  own slot (segment ids 1..K, positions restarting per sequence);
+- job: one request's sequences packed into rows (`planner.pack`), laid out
+  flat here so that batches are filled without per-sequence Python;
+- batch (a dispatch): rows of one or more jobs at one bucket shape.
+
+`assemble` copies a dispatch's rows out of their jobs into one [4, B, S]
+int32 array (token ids, segment ids, positions, type ids: one host-to-device
+transfer); `scatter` copies the [B, K, D] output back into each job's
+per-sequence output, in input order.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jaxserve.buckets import Bucket
+from jaxserve.planner import Rows
+
+INPUT_NAMES = ("token_ids", "segment_ids", "positions", "type_ids")  # the rows of a batch's [4, B, S] array
+
+
+def ragged_arange(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """concatenate([arange(s, s + c) for s, c in zip(starts, counts)]), without a Python loop."""
+    counts = np.asarray(counts, np.int64)
+    total = int(counts.sum())
+    if total == 0:
+        return np.zeros(0, np.int64)
+    ends = np.cumsum(counts)
+    return np.repeat(np.asarray(starts, np.int64) - (ends - counts), counts) + np.arange(total)
+
+
+class Job:
+    """One request's sequences packed into rows, flat; its output fills in as its rows finish.
+
+    `ids` [T] holds every sequence's token ids back to back (`offsets` [P + 1]),
+    `types` the token type ids alike (sentence pairs) or None for zeros.
+    """
+
+    def __init__(self, rows: Rows, ids: np.ndarray, offsets: np.ndarray, types: np.ndarray | None, out_dim: int):
+        self.rows = rows
+        lengths = np.diff(offsets)
+        order = rows.members  # sequences in row order
+        src = ragged_arange(offsets[order], lengths[order])  # each token's place in `ids`, row after row
+        self.flat = np.empty((4, len(src)), np.int32)  # [4, T] in row order
+        self.flat[0] = ids[src]
+        docs = rows.docs
+        slot = np.arange(len(order)) - np.repeat(rows.starts[:-1], docs)  # each sequence's slot in its row
+        self.flat[1] = np.repeat(slot + 1, lengths[order])
+        self.flat[2] = np.arange(len(src)) - np.repeat(np.cumsum(lengths[order]) - lengths[order], lengths[order])
+        self.flat[3] = 0 if types is None else types[src]
+        self.row_start = np.concatenate([[0], np.cumsum(rows.tokens)])  # [R + 1] each row's tokens in `flat`
+        self.out = np.zeros((len(lengths), out_dim), np.float32)  # [P, D] per sequence, input order
+        self.remaining = len(lengths)  # sequences not yet done
+
+
+def assemble(bucket: Bucket, parts, jobs: dict[int, Job]) -> tuple[np.ndarray, int]:
+    """([4, B, S] int32, real tokens): each part's rows (job, row indices) in consecutive batch rows; the rest zeros.
+
+    Rows of jobs no longer in `jobs` (cancelled) stay padding."""
+    b, s = bucket.shape
+    out = np.zeros((4, b * s), np.int32)
+    first = real = 0
+    for job_id, rows in parts:
+        job = jobs.get(job_id)
+        if job is not None:
+            counts = job.row_start[rows + 1] - job.row_start[rows]
+            src = ragged_arange(job.row_start[rows], counts)
+            dst = ragged_arange((first + np.arange(len(rows))) * s, counts)
+            out[:, dst] = job.flat[:, src]
+            real += len(src)
+        first += len(rows)
+    return out.reshape(4, b, s), real
+
+
+def scatter(parts, pooled: np.ndarray, jobs: dict[int, Job]) -> list[int]:
+    """Copy [B, K, D] outputs to each job's sequences; returns the jobs now complete (in order, once each)."""
+    done = []
+    first = 0
+    for job_id, rows in parts:
+        job = jobs.get(job_id)
+        if job is not None:
+            r = job.rows
+            counts = r.starts[rows + 1] - r.starts[rows]
+            seq = r.members[ragged_arange(r.starts[rows], counts)]
+            slot = ragged_arange(np.zeros(len(rows), np.int64), counts)
+            job.out[seq] = pooled[np.repeat(first + np.arange(len(rows)), counts), slot]
+            job.remaining -= len(seq)
+            if job.remaining == 0:
+                done.append(job_id)
+        first += len(rows)
+    return done

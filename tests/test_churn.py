@@ -1,0 +1,187 @@
+"""Correctness when clients leave, time out or overload, when the device fails, and at shutdown (real server, loopback).
+
+Each test here failed on the service before the device pipeline was rewritten
+(commit edcd6b3): there a cancelled request's rows stayed queued and ran as
+padding, a full seqlen starved an expired one, an unfittable request got 429,
+/health said 200 with a dead device task, body bytes were not admitted, and
+stopping the service blocked the event loop on the device.
+"""
+
+import asyncio
+import dataclasses
+import time
+
+import aiohttp
+import numpy as np
+import pytest
+
+import tiny
+from conftest import TINY_TABLE, SlowEngine
+from jaxserve import Encoder
+from jaxserve.server import STATE
+
+GOOD = {"input": ["the model", "a query"]}
+
+
+@pytest.fixture(scope="module")
+def tiny_enc(tmp_path_factory):
+    path = tiny.write_checkpoint(tmp_path_factory.mktemp("churn") / "ckpt", max_seq_length=32)
+    return Encoder.from_pretrained(str(path), buckets=TINY_TABLE)
+
+
+def slow(enc, **kw):
+    return dataclasses.replace(enc, engine=SlowEngine(enc.engine, **kw))
+
+
+def no_padding_only_batches(engine: SlowEngine) -> bool:
+    """Every batch that reached the device carried tokens (a dropped request's rows never run as padding)."""
+    return all((ids != 0).any() for ids in engine.seen)
+
+
+async def test_disconnected_client_has_none_of_its_rows_dispatched(make_server, tiny_enc):
+    watched = slow(tiny_enc, delay=1.0)
+    client = await make_server(watched, max_wait_ms=0, max_inflight=1)
+    service = client.app[STATE].service
+    busy = [asyncio.create_task(client.post("/v1/embeddings", json={"input": ["the model " * 2] * 4}))]
+    await asyncio.sleep(0.1)  # on the device for 1 s
+    busy.append(asyncio.create_task(client.post("/v1/embeddings", json={"input": ["the model"] * 4})))
+    await asyncio.sleep(0.1)  # prepared behind it
+    async with aiohttp.ClientSession() as other:
+        doomed = asyncio.create_task(other.post(client.make_url("/v1/embeddings"), json={"input": ["a query"] * 4}))
+        await asyncio.sleep(0.1)
+        assert service.batcher.queued == 4 and service.batcher.queued_rows == 1  # 4 short documents, one row
+        doomed.cancel()
+    await asyncio.sleep(0.1)
+    assert service.batcher.queued == 0  # dropped at once, while the device is still busy
+    assert [(await t).status for t in busy] == [200, 200]
+    await asyncio.sleep(0.3)
+    assert watched.engine.steps == 2 and no_padding_only_batches(watched.engine)
+    query = tiny_enc.tokenizer.encode_bodies(["query"])[0][0]
+    assert not any((ids == query).any() for ids in watched.engine.seen)
+    assert (await client.post("/v1/embeddings", json=GOOD)).status == 200
+
+
+async def test_timed_out_request_has_none_of_its_rows_dispatched(make_server, tiny_enc):
+    watched = slow(tiny_enc, delay=1.0)
+    client = await make_server(watched, request_timeout_s=0.3, max_inflight=1, max_wait_ms=0)
+    service = client.app[STATE].service
+    busy = [asyncio.create_task(client.post("/v1/embeddings", json={"input": ["the model"] * 3})) for _ in range(2)]
+    await asyncio.sleep(0.05)  # one on the device for 1 s, one prepared behind it: both time out, but run
+    started = time.monotonic()
+    late = await client.post("/v1/embeddings", json={"input": ["a batch"]})
+    assert late.status == 503 and (await late.json())["error"]["type"] == "timeout"
+    assert service.batcher.queued == 0 and time.monotonic() - started < 0.9  # before the device freed up
+    assert [(await t).status for t in busy] == [503, 503]
+    await asyncio.sleep(2.2)
+    assert watched.engine.steps == 2 and no_padding_only_batches(watched.engine)
+    batch = tiny_enc.tokenizer.encode_bodies(["batch"])[0][0]
+    assert not any((ids == batch).any() for ids in watched.engine.seen)
+    watched.engine.delay = 0.0
+    assert (await client.post("/v1/embeddings", json=GOOD)).status == 200
+
+
+async def test_a_request_that_can_never_fit_the_queue_gets_413(make_server, tiny_enc):
+    client = await make_server(tiny_enc, max_queue=8, max_client_batch=8)
+    long = {"input": ["the model " * 40] * 2, "long": "chunk"}  # 2 documents, 6 windows each: 12 > 8
+    resp = await client.post("/v1/embeddings", json=long)
+    assert resp.status == 413
+    err = (await resp.json())["error"]
+    assert err["type"] == "request_too_large" and "at most 8" in err["message"] and "--max-queue" in err["message"]
+    assert "Retry-After" not in resp.headers
+    assert (await client.post("/v1/embeddings", json=GOOD)).status == 200
+
+
+async def test_admission_by_bytes_of_bodies_in_flight(make_server, tiny_enc):
+    client = await make_server(slow(tiny_enc, delay=0.5), max_inflight_bytes=3000)
+    body = {"input": ["the model " * 20] * 8}  # ~1.7 kB
+    first = asyncio.create_task(client.post("/v1/embeddings", json=body))
+    await asyncio.sleep(0.2)
+    over = await client.post("/v1/embeddings", json=body)
+    assert over.status == 429 and over.headers["Retry-After"] == "1"
+    assert "bytes" in (await over.json())["error"]["message"]
+    assert (await first).status == 200
+    assert (await client.post("/v1/embeddings", json=body)).status == 200  # admitted again once it left
+
+
+async def test_health_turns_503_when_the_device_keeps_failing(make_server, tiny_enc):
+    broken = slow(tiny_enc, fail_when=lambda ids: True)
+    client = await make_server(broken, max_wait_ms=0)
+    for _ in range(3):
+        assert (await client.post("/v1/embeddings", json=GOOD)).status == 500
+    health = await client.get("/health")
+    assert health.status == 503 and "device steps failed" in (await health.json())["reason"]
+    refused = await client.post("/v1/embeddings", json=GOOD)
+    assert refused.status == 503 and "unhealthy" in (await refused.json())["error"]["message"]
+
+
+class Fatal(BaseException):
+    """Not an Exception: nothing inside the pipeline may swallow it."""
+
+
+async def test_health_turns_503_when_a_pipeline_thread_dies(make_server, tiny_enc):
+    class Dying(SlowEngine):
+        def put(self, bucket, inputs):
+            raise Fatal("the prepare thread is gone")
+
+    client = await make_server(dataclasses.replace(tiny_enc, engine=Dying(tiny_enc.engine)), max_wait_ms=0)
+    resp = await client.post("/v1/embeddings", json=GOOD)
+    assert resp.status == 503  # its request is answered, not left hanging
+    health = await client.get("/health")
+    assert health.status == 503 and "thread died" in (await health.json())["reason"]
+
+
+async def test_stopping_never_blocks_the_event_loop_and_answers_batches_in_flight(make_server, tiny_enc):
+    watched = slow(tiny_enc, delay=1.0)
+    client = await make_server(watched, max_wait_ms=0)
+    service = client.app[STATE].service
+    inflight = asyncio.create_task(client.post("/v1/embeddings", json=GOOD))
+    while watched.engine.steps == 0 and not watched.engine.seen:
+        await asyncio.sleep(0.01)
+    gaps, stop = [], asyncio.Event()
+
+    async def ticker():
+        last = time.monotonic()
+        while not stop.is_set():
+            await asyncio.sleep(0.01)
+            now = time.monotonic()
+            gaps.append(now - last)
+            last = now
+
+    tick = asyncio.create_task(ticker())
+    assert await service.drain(timeout=5)  # the batch on the device still answers its request
+    resp = await inflight
+    assert resp.status == 200 and len((await resp.json())["data"]) == 2
+    await service.stop()
+    stop.set()
+    await tick
+    assert max(gaps) < 0.5  # the loop kept running while the device finished (1 s)
+
+
+async def test_many_requests_racing_cancellations_lose_nothing(make_server, tiny_enc):
+    """Random disconnects amid concurrent requests: every answered request gets its own vectors, in order."""
+    client = await make_server(slow(tiny_enc, delay=0.01), max_wait_ms=1)
+    docs = [f"the model {i} " + "jax " * (i % 9) for i in range(40)]
+    want = tiny_enc.embed(docs)
+    rng = np.random.default_rng(0)
+
+    async def one(k):
+        idx = rng.choice(len(docs), size=int(rng.integers(1, 12)), replace=False)
+        task = asyncio.create_task(client.post("/v1/embeddings", json={"input": [docs[i] for i in idx]}))
+        if k % 3 == 0:
+            await asyncio.sleep(float(rng.uniform(0, 0.03)))
+            task.cancel()
+            return None
+        resp = await task
+        got = np.array([d["embedding"] for d in (await resp.json())["data"]])
+        np.testing.assert_allclose(got, want[idx], atol=2e-5)
+        return resp.status
+
+    results = await asyncio.gather(*(one(k) for k in range(60)), return_exceptions=True)
+    assert all(r in (None, 200) for r in results), [r for r in results if r not in (None, 200)]
+    await asyncio.sleep(0.3)
+    state = client.app[STATE]
+    assert state.service.batcher.queued == 0 and state.service.in_flight == 0
+    text = state.metrics.render().decode()
+    count = lambda k: float(next(line.split()[-1] for line in text.splitlines()
+                                 if line.startswith(f'jaxserve_sequences_total{{outcome="{k}"}}')))
+    assert count("submitted") == count("dispatched") + count("dropped")
