@@ -34,7 +34,7 @@ class Bucket:
     slots: int = 1  # documents per row (1 = one document per row, padded)
     estimated_bytes: int = 0  # analytic: weights + activations
     compiled_bytes: int = 0  # XLA memory analysis: arguments + outputs + temporaries
-    limited_by: str = ""  # what stopped the batch growing: memory, tokens, max_batch
+    limited_by: str = ""  # what stopped the batch growing: memory, tokens, max_batch, throughput (its knee)
     compile_s: float | None = None  # measured at warmup
     run_s: float | None = None  # measured at warmup (median of a few runs)
 
@@ -335,3 +335,31 @@ def format_table(table: BucketTable) -> str:
     for seqlen, reason in table.dropped:
         lines.append(f"{seqlen:>7} dropped: {reason}")
     return "\n".join(lines)
+
+
+# ---- batches by measured throughput ----
+
+THROUGHPUT_GAIN = 0.05  # a larger batch (4x the rows) must be this much faster per token to be worth its latency
+
+
+def throughput_knee(table: BucketTable, gain: float = THROUGHPUT_GAIN) -> BucketTable:
+    """Per seqlen, the batch ladder up to its throughput knee (needs run times).
+
+    Walking each seqlen's batches from the smallest, the largest kept is the
+    last one the next did not beat by `gain` in tokens per second: past it a
+    batch only adds latency and memory. Memory bounds the largest batch a
+    seqlen may have; measured throughput picks the one it gets.
+    """
+    kept: list[Bucket] = []
+    for s in table.seqlens:
+        ladder = table.at(s)
+        if any(b.run_s is None for b in ladder):
+            raise ValueError(f"the buckets at seqlen {s} were never timed")
+        rate = lambda b: b.tokens / b.run_s
+        top = 0
+        while top + 1 < len(ladder) and rate(ladder[top + 1]) >= (1 + gain) * rate(ladder[top]):
+            top += 1
+        kept += ladder[:top]
+        largest = ladder[top]
+        kept.append(largest if top == len(ladder) - 1 else dataclasses.replace(largest, limited_by="throughput"))
+    return dataclasses.replace(table, buckets=tuple(kept))

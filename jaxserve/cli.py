@@ -41,6 +41,11 @@ def table_for(enc, args):
     )
 
 
+def derived_knee(args) -> bool:
+    """Whether to cut a derived table at each seqlen's throughput knee once timed (never a table from a file)."""
+    return (not args.buckets or args.buckets == "auto") and args.throughput_knee == "on"
+
+
 def cmd_buckets(args) -> int:
     """Derive a bucket table and print it with its memory math."""
     from jaxserve import Encoder
@@ -68,7 +73,7 @@ def cmd_warmup(args) -> int:
         print(f"persistent compilation cache: {cache}")
     enc = Encoder.from_pretrained(args.model, dtype=args.dtype)
     loaded = time.perf_counter()
-    table = enc.warmup(table_for(enc, args), progress=True)
+    table = enc.warmup(table_for(enc, args), progress=True, knee=derived_knee(args))
     done = time.perf_counter()
     print(format_table(table))
     print(
@@ -125,7 +130,7 @@ def cmd_embed(args) -> int:
     from jaxserve.offline import embed_corpus, open_sink
 
     enc = Encoder.from_pretrained(args.model, dtype=args.dtype)
-    enc.warmup(table_for(enc, args), progress=True)
+    enc.warmup(table_for(enc, args), progress=True, knee=derived_knee(args))
     total = sum(1 for _ in iter_documents(args.input))  # a counting pass: nothing is held in memory
     sink = open_sink(args.output, total, enc.dim, os.path.abspath(args.input))
     done = sink.resume()
@@ -146,7 +151,7 @@ def cmd_explain(args) -> int:
     from jaxserve.explain import LiveTimings, explain, format_report
 
     enc = Encoder.from_pretrained(args.model, dtype=args.dtype)
-    table = enc.warmup(table_for(enc, args), progress=True)
+    table = enc.warmup(table_for(enc, args), progress=True, knee=derived_knee(args))
     docs = read_documents(args.file)
     pieces, rows = enc.prepare(docs, long=args.long)
     measured = None
@@ -242,9 +247,12 @@ def _table_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device-memory", type=int, metavar="BYTES", help="derive for a device of this memory (default: this device's)")
     p.add_argument("--headroom", type=float, default=DEFAULT_HEADROOM, help="fraction of device memory the buckets may use")
     p.add_argument("--max-batch-tokens", type=int, help="cap on batch*seqlen per dispatch (default: the device's)")
-    p.add_argument("--max-batch", type=int, default=256, help="cap on rows per dispatch")
+    p.add_argument("--max-batch", type=int, help="cap on rows per dispatch (default: 256 on CPU, none on GPU)")
     p.add_argument("--batch-ladder", default="on", choices=["on", "off"],
                    help="also compile batches 1, 4, 16, ... below each seqlen's largest")
+    p.add_argument("--throughput-knee", default="on", choices=["on", "off"],
+                   help="derived tables, once timed: keep each seqlen's batches up to where a 4x larger batch "
+                        "is no longer 5%% faster per token")
     p.add_argument("--batch-multiple", type=int, help="round batches down to a multiple of this (default: 8 on GPU, 1 on CPU)")
 
 

@@ -14,6 +14,7 @@ CPU_MEMORY_SHARE = 0.5
 # Fraction of the device limit the buckets may fill (XLA's analysis misses
 # allocator fragmentation and the runtime's own buffers).
 DEFAULT_HEADROOM = 0.9
+UNCAPPED = 2**40  # a cap that never binds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,6 +25,7 @@ class DeviceInfo:
     memory_bytes: int  # per device
     batch_multiple: int  # batch sizes are rounded down to this
     max_batch_tokens: int  # default token budget per dispatch
+    max_batch: int  # default cap on rows per dispatch
 
 
 def describe(memory_override: int | None = None) -> DeviceInfo:
@@ -33,8 +35,12 @@ def describe(memory_override: int | None = None) -> DeviceInfo:
     if platform == "cpu":
         # On CPU, big dispatches gain nothing over medium ones once both cores are
         # busy, and cost latency: cap the tokens per dispatch.
-        return DeviceInfo(platform, "cpu", len(jax.devices()), memory, batch_multiple=1, max_batch_tokens=4096)
-    return DeviceInfo(platform, dev.device_kind, len(jax.devices()), memory, batch_multiple=8, max_batch_tokens=262144)
+        return DeviceInfo(platform, "cpu", len(jax.devices()), memory, batch_multiple=1, max_batch_tokens=4096,
+                          max_batch=256)
+    # An accelerator: no caps of our own; memory bounds each seqlen's batch, and the measured
+    # throughput knee (buckets.throughput_knee) picks where the ladder stops.
+    return DeviceInfo(platform, dev.device_kind, len(jax.devices()), memory, batch_multiple=8,
+                      max_batch_tokens=UNCAPPED, max_batch=UNCAPPED)
 
 
 def _memory_limit(dev) -> int:

@@ -139,7 +139,7 @@ class Encoder:
 
     def derive_table(
         self, ladder: str = "default", layout: str = "packed", device_memory: int | None = None, headroom: float = DEFAULT_HEADROOM,
-        max_batch_tokens: int | None = None, max_batch: int = 256, seqlens: list[int] | None = None,
+        max_batch_tokens: int | None = None, max_batch: int | None = None, seqlens: list[int] | None = None,
         batch_multiple: int | None = None, batch_ladder: bool = True,
     ) -> BucketTable:
         """The bucket table for this model on this device (compiles each candidate to measure it).
@@ -147,27 +147,36 @@ class Encoder:
         With `device_memory` given, the table is derived for a device of that
         size, still with this backend's compiler doing the memory analysis.
         `batch_ladder` adds batches 1, 4, 16, ... below each seqlen's largest.
+        Caps left as None are the device's (on an accelerator: none, memory alone bounds the batch).
         """
         info = device.describe(device_memory)
         label = info.kind if device_memory is None else f"{info.kind} compiler, {device_memory} bytes given"
         return buckets.derive(
             seqlens or buckets.ladder(ladder, self.embedding_config.max_seq_length),
             self.dims, self.engine.weights_bytes, int(headroom * info.memory_bytes), self.engine.measure,
-            max_batch_tokens=max_batch_tokens or info.max_batch_tokens, max_batch=max_batch,
+            max_batch_tokens=max_batch_tokens or info.max_batch_tokens, max_batch=max_batch or info.max_batch,
             multiple=batch_multiple or info.batch_multiple, ladder=ladder, layout=layout, device=label,
             batch_ladder=batch_ladder, devices=self.engine.devices,
             device_memory=info.memory_bytes,
         )
 
-    def warmup(self, table: BucketTable | None = None, progress: bool = False) -> BucketTable:
-        """Compile and time every bucket of `table` (default: derived for this device)."""
+    def warmup(self, table: BucketTable | None = None, progress: bool = False, knee: bool | None = None) -> BucketTable:
+        """Compile and time every bucket of `table` (default: derived for this device).
+
+        `knee` (default: for a derived table) then keeps each seqlen's batches up to its
+        throughput knee (`buckets.throughput_knee`): memory bounds the batch, measured time picks it.
+        """
+        derived = table is None
         table = table or self.derive_table()
         if table.max_seqlen < self.embedding_config.max_seq_length:
             raise ValueError(
                 f"bucket table stops at seqlen {table.max_seqlen}, below the model's "
                 f"max_seq_length {self.embedding_config.max_seq_length}"
             )
-        return self.engine.use(table, progress=progress)
+        timed = self.engine.use(table, progress=progress)
+        if derived if knee is None else knee:
+            timed = self.engine.keep(buckets.throughput_knee(timed))
+        return timed
 
     @property
     def table(self) -> BucketTable:

@@ -145,6 +145,16 @@ class Engine:
         self._table_keys = frozenset(keep)
         return self.table
 
+    def keep(self, table: BucketTable) -> BucketTable:
+        """Serve a subset of the warmed table (e.g. up to each seqlen's throughput knee); the rest is dropped."""
+        keys = frozenset((b.batch, b.seqlen, b.slots) for b in table.buckets)
+        if not keys <= self._table_keys:
+            raise ShapeError("keep() takes a subset of the warmed table")
+        with self._lock:
+            self._compiled = {k: v for k, v in self._compiled.items() if k in keys}
+        self.table, self._table_keys = table, keys
+        return table
+
     def put(self, bucket: Bucket, inputs: np.ndarray) -> Prepared:
         """Check the shape and copy the [4, B, S] inputs to the device (the host part of a dispatch)."""
         key = (bucket.batch, bucket.seqlen, bucket.slots)

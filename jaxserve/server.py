@@ -128,8 +128,9 @@ def warm(state: AppState) -> BucketTable:
         compiles.enable_persistent_cache(cfg.cache_dir)
     if enc.engine.table is not None and cfg.buckets == "auto":
         return enc.engine.table  # warmed by the caller (tests, embedding scripts)
-    table = BucketTable.load(cfg.buckets) if cfg.buckets != "auto" else enc.derive_table(cfg.ladder, cfg.layout)
-    return enc.warmup(table, progress=True)
+    if cfg.buckets != "auto":
+        return enc.warmup(BucketTable.load(cfg.buckets), progress=True)
+    return enc.warmup(enc.derive_table(cfg.ladder, cfg.layout), progress=True, knee=True)
 
 
 async def lifecycle(app: web.Application):

@@ -114,18 +114,24 @@ class SimEngine:
         return self.fetch(self.launch(prepared))
 
 
-def gpu_table(enc):
-    """The table `jaxserve serve` would derive on an H200 (analytic memory; GPU caps, batch ladder, packed)."""
+def gpu_table(enc, step_s):
+    """The table `jaxserve serve` derives on an H200: default ladder, packed, batch ladder, batches bounded by
+    memory (the analytic estimate here: no GPU compiler) and cut at their throughput knee (the simulated times)."""
+    import dataclasses
+
     from jaxserve import buckets
 
-    return buckets.derive(
+    uncapped = 2**40
+    table = buckets.derive(
         buckets.ladder("default", enc.embedding_config.max_seq_length), enc.dims, enc.engine.weights_bytes,
-        int(0.9 * 141e9), None, max_batch_tokens=262144, max_batch=256, multiple=8, layout="packed",
+        int(0.9 * 141e9), None, max_batch_tokens=uncapped, max_batch=uncapped, multiple=8, layout="packed",
         batch_ladder=True, device="simulated H200", device_memory=int(141e9),
     )
+    timed = dataclasses.replace(table, buckets=tuple(dataclasses.replace(b, run_s=step_s(b)) for b in table.buckets))
+    return buckets.throughput_knee(timed)
 
 
-def serve(port: int, rate_flops: float, overhead_s: float) -> None:
+def serve(port: int, rate_flops: float, overhead_s: float, table_file: str | None) -> None:
     """The server process: the real app over a SimEngine."""
     from aiohttp import web
 
@@ -134,8 +140,15 @@ def serve(port: int, rate_flops: float, overhead_s: float) -> None:
 
     enc = Encoder.from_pretrained(None)
     c = enc.model_config
-    table = gpu_table(enc)
-    sim = SimEngine(enc.engine, table, rate_flops, overhead_s, (c.hidden_size, c.intermediate_size, c.num_layers))
+    dims = (c.hidden_size, c.intermediate_size, c.num_layers)
+    step_s = lambda b: overhead_s + forward_flops(*b.shape, *dims) / rate_flops
+    if table_file:  # the same shapes for another commit's server
+        from jaxserve.buckets import BucketTable
+
+        table = BucketTable.load(table_file)
+    else:
+        table = gpu_table(enc, step_s)
+    sim = SimEngine(enc.engine, table, rate_flops, overhead_s, dims)
     sim._real_dim = enc.out_dim
     enc = _with_engine(enc, sim)
     import dataclasses
@@ -311,10 +324,12 @@ def main() -> None:
     ap.add_argument("--health-probe", action=argparse.BooleanOptionalAction, default=True,
                     help="afterwards, /health latency during 4 concurrent 1000-document float requests")
     ap.add_argument("--out", default=str(ROOT / "results" / "host.json"))
+    ap.add_argument("--table", help="bucket shapes from this file instead of the derived H200 table (to compare commits)")
+    ap.add_argument("--save-table", help="write the table the server used to this file")
     ap.add_argument("--serve", type=int, help=argparse.SUPPRESS)  # internal: run the server on this port
     args = ap.parse_args()
     if args.serve:
-        serve(args.serve, args.tflops * 1e12, args.step_overhead_us * 1e-6)
+        serve(args.serve, args.tflops * 1e12, args.step_overhead_us * 1e-6, args.table)
         return
     DOCS = args.docs
     import subprocess
@@ -334,15 +349,20 @@ def main() -> None:
           f"{floor['decode']:.2f} + {floor['tokenize']:.2f} + {floor['encode']:.2f} = {floor['total']:.2f} ms", flush=True)
     port = free_port()
     proc = subprocess.Popen([sys.executable, __file__, "--serve", str(port), "--tflops", str(args.tflops),
-                             "--step-overhead-us", str(args.step_overhead_us)])
+                             "--step-overhead-us", str(args.step_overhead_us)] + (["--table", args.table] if args.table else []))
     url = f"http://127.0.0.1:{port}"
     rows, probe = [], None
     try:
         async def ready():
             async with aiohttp.ClientSession() as s:
                 await wait_ready(s, url, timeout_s=300)
+                async with s.get(url + "/info") as r:
+                    return (await r.json())["buckets"]
 
-        asyncio.run(ready())
+        table = asyncio.run(ready())
+        if args.save_table:
+            Path(args.save_table).write_text(json.dumps(table, indent=1) + "\n")
+        print("table: " + ", ".join(f"{b['batch']}x{b['seqlen']}" for b in table["buckets"]), flush=True)
         for c in [int(x) for x in args.concurrency.split(",")]:
             r = asyncio.run(run_level(url, proc.pid, bodies, c, args.seconds))
             rows.append(r)

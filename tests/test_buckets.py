@@ -136,3 +136,20 @@ def test_batch_ladder_adds_halvings_that_fit():
     assert {b.limited_by for b in t.at(256)[:-1]} == {"ladder"}
     with pytest.raises(ValueError, match="at least one"):
         BucketTable(buckets=())
+
+
+def test_throughput_knee_keeps_batches_until_a_larger_one_stops_paying():
+    from jaxserve.buckets import Bucket, BucketTable, throughput_knee
+
+    def timed(seqlen, rates):  # batch -> tokens per second
+        return [Bucket(b, seqlen, 1, run_s=b * seqlen / r) for b, r in rates.items()]
+
+    cpu = timed(256, {1: 12_300, 4: 14_500, 16: 11_100})  # measured on this project's CPU: 16 rows fall out of cache
+    gpu = timed(16, {1: 1e4, 4: 4e4, 16: 1.5e5, 64: 4e5, 256: 6e5, 1024: 6.2e5, 4096: 6.3e5})  # plateau past 256
+    table = throughput_knee(BucketTable(buckets=tuple(gpu + cpu)))
+    assert [(b.seqlen, b.batch) for b in table.buckets] == [(16, 1), (16, 4), (16, 16), (16, 64), (16, 256),
+                                                            (256, 1), (256, 4)]
+    assert table.at(16)[-1].limited_by == table.at(256)[-1].limited_by == "throughput"
+    untimed = BucketTable(buckets=(Bucket(1, 16), Bucket(4, 16)))
+    with pytest.raises(ValueError, match="never timed"):
+        throughput_knee(untimed)
