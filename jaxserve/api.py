@@ -41,6 +41,8 @@ class EmbedRequest:
     normalize: bool = True
     dimensions: int | None = None
     encoding_format: str = "float"
+    prompt_name: str | None = None  # one of the model's prompts ...
+    prompt: str | None = None  # ... or a prompt text, put in front of every input
 
     @property
     def count(self) -> int:
@@ -97,6 +99,19 @@ def _bool(body: dict, key: str, default):
     return value
 
 
+def _prompt(body: dict, limits: Limits) -> tuple[str | None, str | None]:
+    """`prompt_name` (TEI) or `prompt` (a text), at most one of them."""
+    name, text = body.get("prompt_name"), body.get("prompt")
+    for key, value in (("prompt_name", name), ("prompt", text)):
+        if value is not None and not isinstance(value, str):
+            raise ApiError(400, f"`{key}` must be a string, not {type(value).__name__}")
+    if name is not None and text is not None:
+        raise ApiError(400, "give `prompt_name` or `prompt`, not both")
+    if text is not None and len(text) > limits.max_input_chars:
+        raise ApiError(413, f"`prompt` has {len(text)} characters; at most {limits.max_input_chars}", "request_too_large")
+    return name, text
+
+
 def parse_openai_embeddings(body, limits: Limits, dim: int, default_long: str) -> EmbedRequest:
     body = _object(body)
     if "input" not in body:
@@ -111,7 +126,7 @@ def parse_openai_embeddings(body, limits: Limits, dim: int, default_long: str) -
     dims = body.get("dimensions")
     if dims is not None and (not isinstance(dims, int) or isinstance(dims, bool) or not 1 <= dims <= dim):
         raise ApiError(400, f"`dimensions` must be an integer from 1 to {dim}, not {dims!r}")
-    return EmbedRequest(texts, ids, _long_mode(body, default_long), True, dims, fmt)
+    return EmbedRequest(texts, ids, _long_mode(body, default_long), True, dims, fmt, *_prompt(body, limits))
 
 
 def parse_tei_embed(body, limits: Limits, default_long: str) -> EmbedRequest:
@@ -123,7 +138,8 @@ def parse_tei_embed(body, limits: Limits, default_long: str) -> EmbedRequest:
     if body.get("truncation_direction", "Right") not in ("Right", "right"):
         raise ApiError(400, "only `truncation_direction: Right` is supported")
     long = default_long if truncate is None else ("truncate" if truncate else "error")
-    return EmbedRequest(texts, None, _long_mode(body, long), _bool(body, "normalize", True))
+    return EmbedRequest(texts, None, _long_mode(body, long), _bool(body, "normalize", True),
+                        prompt_name=_prompt(body, limits)[0], prompt=_prompt(body, limits)[1])
 
 
 def parse_tokenize(body, limits: Limits) -> tuple[list[str], bool]:

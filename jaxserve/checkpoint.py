@@ -143,3 +143,33 @@ def load_params(path: Path, family: Family, cfg, expected: dict, dtype=np.float3
     if problems:
         raise CheckpointError(f"weights in {path} do not match config.json ({cfg.model_type}): " + "; ".join(problems))
     return params
+
+
+def load_dense(path: Path, layers) -> tuple[dict, ...]:
+    """The weights of sentence-transformers Dense modules (`linear.weight` [out, in], `linear.bias`), float32."""
+    from safetensors.numpy import load_file
+
+    out = []
+    for layer in layers:
+        file = path / layer.path / "model.safetensors"
+        if not file.exists():
+            found = ", ".join(sorted(p.name for p in (path / layer.path).iterdir())) if (path / layer.path).is_dir() else "nothing"
+            raise CheckpointError(f"Dense module {layer.path} has no model.safetensors (found: {found}); "
+                                  "only safetensors weights load")
+        try:
+            tensors = load_file(file)
+        except Exception as exc:
+            raise CheckpointError(f"cannot read weights {file}: {exc}") from exc
+        weight = tensors.get("linear.weight")
+        if weight is None or weight.shape != (layer.out_features, layer.in_features):
+            raise CheckpointError(f"Dense module {layer.path}: linear.weight is "
+                                  f"{None if weight is None else weight.shape}, config says "
+                                  f"({layer.out_features}, {layer.in_features})")
+        p = {"kernel": np.ascontiguousarray(weight.T.astype(np.float32))}
+        if layer.bias:
+            bias = tensors.get("linear.bias")
+            if bias is None or bias.shape != (layer.out_features,):
+                raise CheckpointError(f"Dense module {layer.path}: linear.bias missing or not ({layer.out_features},)")
+            p["bias"] = bias.astype(np.float32)
+        out.append(p)
+    return tuple(out)

@@ -97,6 +97,7 @@ def cmd_serve(args) -> int:
         max_body_bytes=args.max_body_bytes, long=args.long, api_key=args.api_key or os.environ.get("JAXSERVE_API_KEY"),
         cache_dir=args.cache_dir, use_cache=not args.no_cache, max_concurrent=args.max_concurrent_requests,
         request_timeout_s=args.request_timeout_s, devices=args.devices, max_inflight_bytes=args.max_inflight_bytes,
+        default_prompt_name=args.default_prompt_name, default_prompt=args.default_prompt,
     )
     serve(config, args.host, args.port)
     return 0
@@ -226,6 +227,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="per request; 503 past it, and its waiting rows are dropped")
     serve.add_argument("--long", default="truncate", choices=["truncate", "chunk", "error"],
                        help="default for inputs over the model's limit")
+    prompts = serve.add_mutually_exclusive_group()
+    prompts.add_argument("--default-prompt-name", help="prompt (of the model's config_sentence_transformers.json) "
+                         "for requests that name none")
+    prompts.add_argument("--default-prompt", help="prompt text for requests that name none")
     serve.add_argument("--api-key", help="require `Authorization: Bearer KEY` (or set JAXSERVE_API_KEY)")
     serve.add_argument("--devices", default="1", type=lambda v: v if v == "all" else int(v),
                        help="local devices sharing each batch (data parallel): a number, or all")

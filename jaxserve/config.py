@@ -12,10 +12,19 @@ import dataclasses
 import json
 from pathlib import Path
 
-from jaxserve.errors import CheckpointError
+from jaxserve.errors import CheckpointError, InputError
 from jaxserve.models import ArchConfig, Family, family_of
 
-POOLING_MODES = ("mean", "cls", "max", "lasttoken")
+POOLING_MODES = ("cls", "max", "mean", "mean_sqrt_len_tokens", "weightedmean", "lasttoken")
+# sentence-transformers' older Pooling configs: one flag per mode, in its output order
+LEGACY_POOLING_FLAGS = {
+    "pooling_mode_cls_token": "cls",
+    "pooling_mode_max_tokens": "max",
+    "pooling_mode_mean_tokens": "mean",
+    "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
+    "pooling_mode_weightedmean_tokens": "weightedmean",
+    "pooling_mode_lasttoken": "lasttoken",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,53 +48,137 @@ class HeadConfig:
         return cls("classifier", tuple(id2label.get(i, f"LABEL_{i}") for i in range(n)))
 
 
+# torch activation classes a Dense module may name -> ours (jaxserve.pooling.DENSE_ACTIVATIONS)
+DENSE_ACTIVATIONS = {
+    "torch.nn.modules.linear.Identity": "identity",
+    "torch.nn.modules.activation.Tanh": "tanh",
+    "torch.nn.modules.activation.ReLU": "relu",
+    "torch.nn.modules.activation.GELU": "gelu",
+    "torch.nn.modules.activation.Sigmoid": "sigmoid",
+    "torch.nn.modules.activation.SiLU": "silu",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseLayer:
+    """A sentence-transformers Dense module: Linear(in, out) then an activation, on the pooled vector."""
+
+    path: str  # its folder in the checkpoint, e.g. 2_Dense
+    in_features: int
+    out_features: int
+    bias: bool
+    activation: str  # identity, tanh, relu, gelu, sigmoid, silu
+
+
 @dataclasses.dataclass(frozen=True)
 class EmbeddingConfig:
-    """Sentence-transformers semantics: how token states become one vector."""
+    """Sentence-transformers semantics: how token states become one vector, and the prompts it knows.
 
-    pooling: str = "mean"
+    The pipeline is the checkpoint's own `modules.json`: Transformer, then
+    Pooling (every mode; several modes are concatenated in sentence-transformers'
+    order), then any Dense layers, then Normalize if (and only if) it is listed.
+    """
+
+    pooling: str = "mean"  # a mode of POOLING_MODES, or several joined by "+" (concatenated)
     max_seq_length: int = 512
     normalize: bool = True
+    dense: tuple[DenseLayer, ...] = ()
+    prompts: tuple[tuple[str, str], ...] = ()  # (name, text): prepended to the text before tokenizing
+    default_prompt_name: str | None = None
+
+    @property
+    def modes(self) -> tuple[str, ...]:
+        return tuple(self.pooling.split("+"))
+
+    def out_dim(self, hidden: int) -> int:
+        """Width of the final vector."""
+        return self.dense[-1].out_features if self.dense else hidden * len(self.modes)
+
+    def prompt(self, name: str | None = None, text: str | None = None) -> str | None:
+        """The prompt text a request asks for: by `name`, as `text`, or the checkpoint's default."""
+        if name is not None and text is not None:
+            raise InputError("give `prompt_name` or `prompt`, not both")
+        if text is not None:
+            return text
+        name = name if name is not None else self.default_prompt_name
+        if name is None:
+            return None
+        known = dict(self.prompts)
+        if name not in known:
+            names = ", ".join(repr(k) for k in known) or "none"
+            raise InputError(f"unknown prompt_name {name!r}; this model's prompts: {names}")
+        return known[name]
 
     @classmethod
     def from_checkpoint(cls, path: Path, model: ArchConfig) -> "EmbeddingConfig":
-        """Read `modules.json`, the pooling config and `sentence_bert_config.json`.
+        """Read `modules.json` with its modules' configs, `sentence_bert_config.json` and
+        `config_sentence_transformers.json`.
 
         A plain transformers checkpoint (no `modules.json`) gets what
-        sentence-transformers gives it: mean pooling at the model's full length.
+        sentence-transformers gives it: mean pooling at the model's full
+        length, not normalised.
         """
-        pooling = "mean"
+        pooling, normalize, dense = "mean", False, []
         modules = _read_json(path / "modules.json") if (path / "modules.json").exists() else []
         for module in modules:
-            if module.get("type", "").endswith("models.Pooling"):
-                pooling_file = path / module.get("path", "") / "config.json"
-                if not pooling_file.exists():
-                    raise CheckpointError(f"modules.json names a Pooling module but {pooling_file} is missing")
-                pooling = pooling_mode(_read_json(pooling_file))
+            kind = module.get("type", "").rsplit(".", 1)[-1]
+            folder = path / module.get("path", "")
+            if kind == "Pooling":
+                pooling = pooling_mode(_read_module_config(folder, "Pooling"))
+            elif kind == "Dense":
+                dense.append(dense_layer(_read_module_config(folder, "Dense"), module.get("path", "")))
+            elif kind == "Normalize":
+                normalize = True
+            elif kind != "Transformer":
+                raise CheckpointError(f"modules.json lists a {module.get('type')!r} module, which jaxserve cannot run "
+                                      "(it runs Transformer, Pooling, Dense and Normalize)")
         max_len = model.max_positions
         sbert = path / "sentence_bert_config.json"
         if sbert.exists():
             max_len = min(max_len, int(_read_json(sbert).get("max_seq_length") or max_len))
-        return cls(pooling=pooling, max_seq_length=max_len)
+        st = path / "config_sentence_transformers.json"
+        st_config = _read_json(st) if st.exists() else {}
+        prompts = tuple((str(k), str(v)) for k, v in (st_config.get("prompts") or {}).items())
+        default = st_config.get("default_prompt_name")
+        if default is not None and default not in dict(prompts):
+            raise CheckpointError(f"default_prompt_name {default!r} is not one of the checkpoint's prompts")
+        return cls(pooling=pooling, max_seq_length=max_len, normalize=normalize, dense=tuple(dense),
+                   prompts=prompts, default_prompt_name=default)
+
+
+def _read_module_config(folder: Path, kind: str) -> dict:
+    file = folder / "config.json"
+    if not file.exists():
+        raise CheckpointError(f"modules.json names a {kind} module but {file} is missing")
+    return _read_json(file)
 
 
 def pooling_mode(raw: dict) -> str:
-    """The one pooling mode a sentence-transformers Pooling config turns on."""
-    flags = {
-        "mean": raw.get("pooling_mode_mean_tokens", False),
-        "cls": raw.get("pooling_mode_cls_token", False),
-        "max": raw.get("pooling_mode_max_tokens", False),
-        "lasttoken": raw.get("pooling_mode_lasttoken", False),
-    }
-    unsupported = [
-        k for k in ("pooling_mode_mean_sqrt_len_tokens", "pooling_mode_weightedmean_tokens") if raw.get(k)
-    ]
-    chosen = [k for k, on in flags.items() if on]
-    if unsupported or len(chosen) != 1 or chosen[0] not in POOLING_MODES:
-        raise CheckpointError(
-            f"unsupported pooling config {raw}: exactly one of {', '.join(POOLING_MODES)} must be on"
-        )
-    return chosen[0]
+    """The pooling mode(s) a sentence-transformers Pooling config turns on ("+"-joined, in its output order)."""
+    if raw.get("include_prompt", True) is False:
+        raise CheckpointError("this checkpoint's Pooling leaves prompt tokens out (include_prompt: false), "
+                              "which jaxserve does not support")
+    mode = raw.get("pooling_mode")
+    if mode is not None:
+        modes = [mode] if isinstance(mode, str) else list(mode)
+    else:
+        modes = [m for key, m in LEGACY_POOLING_FLAGS.items() if raw.get(key)]
+    bad = [m for m in modes if m not in POOLING_MODES]
+    if not modes or bad:
+        raise CheckpointError(f"unsupported pooling config {raw}: pooling modes must be among {', '.join(POOLING_MODES)}")
+    return "+".join(modes)
+
+
+def dense_layer(raw: dict, folder: str) -> DenseLayer:
+    activation = raw.get("activation_function", "torch.nn.modules.activation.Tanh")  # sentence-transformers' default
+    if activation not in DENSE_ACTIVATIONS:
+        raise CheckpointError(f"Dense module {folder} uses activation {activation!r}; supported: "
+                              f"{', '.join(DENSE_ACTIVATIONS)}")
+    try:
+        return DenseLayer(folder, int(raw["in_features"]), int(raw["out_features"]), bool(raw.get("bias", True)),
+                          DENSE_ACTIVATIONS[activation])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"Dense module {folder}: config.json lacks in_features/out_features ({exc})") from None
 
 
 def read_model_config(path: Path) -> tuple[Family, ArchConfig]:

@@ -23,7 +23,7 @@ from jaxserve.errors import InputError
 from jaxserve.models import ArchConfig, Family, attention
 from jaxserve.jobs import Job
 from jaxserve.planner import Rows, pack
-from jaxserve.pooling import pool
+from jaxserve.pooling import dense_layers, pool
 from jaxserve.service import run_jobs
 from jaxserve.tokenize import Pieces, TextTokenizer
 
@@ -39,13 +39,16 @@ def resolve_dtype(dtype: str) -> str:
     return dtype
 
 
-def embed_forward(module, pooling: str, num_segments: int, params, batch: dict) -> jax.Array:
-    """Pure forward: a batch of packed rows -> [B, K, D] pooled float32 vectors (not normalised)."""
+def embed_forward(module, emb: EmbeddingConfig, num_segments: int, params, batch: dict) -> jax.Array:
+    """Pure forward: a batch of packed rows -> [B, K, D'] float32 vectors: pooled, through the checkpoint's
+    Dense layers (params["dense"]), not normalised."""
+    encoder_params = {k: v for k, v in params.items() if k != "dense"}
     hidden = module.apply(
-        {"params": params}, batch["token_ids"], batch["segment_ids"], batch["positions"], batch["type_ids"],
+        {"params": encoder_params}, batch["token_ids"], batch["segment_ids"], batch["positions"], batch["type_ids"],
         packed=num_segments > 1,
     )  # [B, S, D]
-    return pool(pooling, hidden, batch["segment_ids"], batch["positions"], num_segments)
+    pooled = pool(emb.pooling, hidden, batch["segment_ids"], batch["positions"], num_segments)  # [B, K, D x modes]
+    return dense_layers(emb.dense, params.get("dense", ()), pooled)
 
 
 def classify_forward(module, head, head_pooling: str, num_segments: int, params, batch: dict):
@@ -96,7 +99,10 @@ class Encoder:
         tokenizer = TextTokenizer.from_dir(path, emb.max_seq_length)
         jdtype = DTYPES[dtype]
         shapes = family.param_shapes(cfg, jdtype, head.num_labels)
-        params = jax.device_put(checkpoint.load_params(path, family, cfg, shapes, dtype=jdtype))
+        params = checkpoint.load_params(path, family, cfg, shapes, dtype=jdtype)
+        if emb.dense and head.kind == "embedding":
+            params["dense"] = checkpoint.load_dense(path, emb.dense)
+        params = jax.device_put(params)
         platform = jax.devices()[0].platform
 
         def forward(slots: int, seqlen: int):
@@ -104,7 +110,7 @@ class Encoder:
             if head.kind == "classifier":
                 head_module = family.head(cfg, head.num_labels, jdtype)
                 return partial(classify_forward, module, head_module, family.pooling_for_head(cfg), slots)
-            return partial(embed_forward, module, emb.pooling, slots)
+            return partial(embed_forward, module, emb, slots)
         local = jax.devices()
         count = len(local) if devices == "all" else int(devices)
         if not 1 <= count <= len(local):
@@ -117,7 +123,8 @@ class Encoder:
 
     @property
     def dim(self) -> int:
-        return self.model_config.hidden_size
+        """Width of an embedding: the hidden size, times the pooling modes, or the last Dense layer's."""
+        return self.embedding_config.out_dim(self.model_config.hidden_size)
 
     @property
     def out_dim(self) -> int:
@@ -184,9 +191,9 @@ class Encoder:
             self.warmup()
         return self.engine.table
 
-    def prepare(self, texts: list[str], long: str = "truncate") -> tuple[Pieces, Rows]:
-        """Tokenize and pack (no device work): the sequences to run and their rows."""
-        pieces = self.tokenizer.documents(list(texts), long)
+    def prepare(self, texts: list[str], long: str = "truncate", prompt: str | None = None) -> tuple[Pieces, Rows]:
+        """Tokenize (with `prompt` in front of each text) and pack (no device work): the sequences and their rows."""
+        pieces = self.tokenizer.documents(list(texts), long, prompt=prompt)
         return pieces, pack(pieces.lengths, self.table)
 
     def run(self, pieces: Pieces, rows: Rows | None = None) -> np.ndarray:
@@ -200,16 +207,20 @@ class Encoder:
         self.last_dispatches = run_jobs(self.engine, self.table, [job])
         return job.out
 
-    def embed(self, texts: list[str], normalize: bool | None = None, long: str = "truncate") -> np.ndarray:
-        """Texts -> [N, dim] float32 embeddings in input order.
+    def embed(self, texts: list[str], normalize: bool | None = None, long: str = "truncate",
+              prompt_name: str | None = None, prompt: str | None = None) -> np.ndarray:
+        """Texts -> [N, out_dim] float32 embeddings in input order, as sentence-transformers' `encode`.
 
+        `normalize`: default as the checkpoint's modules say (Normalize listed or not).
         `long`: what to do with a text over the model's max length: `truncate`
         (as sentence-transformers), `chunk` (overlapping windows, token-weighted
         mean), or `error` (raise `InputError` naming its token count).
+        `prompt_name` (one of the checkpoint's `prompts`) or `prompt` (a text) goes in
+        front of every text; neither: the checkpoint's `default_prompt_name`, if any.
         """
         self._require("embedding")
         normalize = self.embedding_config.normalize if normalize is None else normalize
-        pieces, rows = self.prepare(texts, long)
+        pieces, rows = self.prepare(texts, long, self.embedding_config.prompt(prompt_name, prompt))
         out = pieces.combine(self.run(pieces, rows), len(texts))
         return normalize_rows(out) if normalize else out
 

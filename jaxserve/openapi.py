@@ -9,6 +9,9 @@ TOKEN_IDS = {"oneOf": [{"type": "array", "items": {"type": "integer", "minimum":
 LONG = {"type": "string", "enum": ["truncate", "chunk", "error"],
         "description": "what to do with an input over the model's limit (extension)"}
 
+PROMPT = {"prompt_name": {"type": "string", "description": "one of the model's prompts (/info), put before each input"},
+          "prompt": {"type": "string", "description": "a prompt text put before each input (not with prompt_name)"}}
+
 EMBEDDINGS_BODY = {
     "type": "object",
     "required": ["input"],
@@ -19,6 +22,7 @@ EMBEDDINGS_BODY = {
         "dimensions": {"type": "integer", "minimum": 1},
         "user": {"type": "string"},
         "long": LONG,
+        **PROMPT,
     },
 }
 
@@ -79,7 +83,7 @@ def spec(version: str) -> dict:
                               EMBEDDINGS_BODY, {"type": "object"}),
             "/embed": _post("text-embeddings-inference /embed", {"type": "object", "required": ["inputs"], "properties": {
                 "inputs": TEXTS, "normalize": {"type": "boolean"}, "truncate": {"type": "boolean"},
-                "truncation_direction": {"type": "string", "enum": ["Right"]}, "long": LONG}},
+                "truncation_direction": {"type": "string", "enum": ["Right"]}, "long": LONG, **PROMPT}},
                 {"type": "array", "items": {"type": "array", "items": {"type": "number"}}}),
             "/tokenize": _post("text-embeddings-inference /tokenize", {"type": "object", "required": ["inputs"],
                                "properties": {"inputs": TEXTS, "add_special_tokens": {"type": "boolean"}}},

@@ -64,6 +64,8 @@ class ServerConfig:
     max_input_chars: int = MAX_INPUT_CHARS
     max_body_bytes: int = MAX_BODY_BYTES
     long: str = "truncate"  # default for inputs over the model's limit
+    default_prompt_name: str | None = None  # for requests naming no prompt (default: the checkpoint's)
+    default_prompt: str | None = None  # ... or this text
     api_key: str | None = None
     max_concurrent: int = MAX_CONCURRENT_REQUESTS
     max_inflight_bytes: int = MAX_INFLIGHT_BODY_BYTES
@@ -74,6 +76,8 @@ class ServerConfig:
     devices: int | str = 1  # local devices sharing each batch (data parallel), or "all"
 
     def __post_init__(self):
+        if self.default_prompt_name is not None and self.default_prompt is not None:
+            raise ValueError("give default_prompt_name or default_prompt, not both")
         if self.max_queue < self.max_client_batch:
             raise ValueError(f"max_queue ({self.max_queue}) must be at least max_client_batch ({self.max_client_batch})")
 
@@ -121,9 +125,16 @@ def load_encoder(config: ServerConfig) -> Encoder:
     return Encoder.from_pretrained(config.model, dtype=config.dtype, devices=config.devices)
 
 
+def check_prompt(config: ServerConfig, encoder: Encoder) -> None:
+    """A --default-prompt-name must be one of the model's prompts (InputError naming them)."""
+    if config.default_prompt_name is not None:
+        encoder.embedding_config.prompt(config.default_prompt_name)
+
+
 def warm(state: AppState) -> BucketTable:
     """Compile and time every bucket (blocking; runs in a thread while /health says 503)."""
     enc, cfg = state.encoder, state.config
+    check_prompt(cfg, enc)
     if cfg.use_cache:
         compiles.enable_persistent_cache(cfg.cache_dir)
     if enc.engine.table is not None and cfg.buckets == "auto":
@@ -323,16 +334,29 @@ def require_kind(state: AppState, kind: str, route: str) -> None:
         raise ApiError(400, f"{route} needs {what[kind]}; this server serves {what[head.kind]} ({state.model_name})")
 
 
-def embedding_pieces(enc: Encoder, req: EmbedRequest):
+def request_prompt(state: AppState, req: EmbedRequest) -> str | None:
+    """The prompt text for a request: its own, else the server's default, else the checkpoint's."""
+    cfg = state.config
+    emb = state.encoder.embedding_config
+    if req.prompt_name is None and req.prompt is None:
+        if cfg.default_prompt is not None:
+            return cfg.default_prompt
+        return emb.prompt(cfg.default_prompt_name)
+    return emb.prompt(req.prompt_name, req.prompt)
+
+
+def embedding_pieces(state: AppState, req: EmbedRequest):
     """The request's documents as model sequences (runs on a tokenizer thread)."""
+    enc = state.encoder
     tok = enc.tokenizer
+    prompt = request_prompt(state, req)
     if req.token_ids is not None:
         vocab = enc.model_config.vocab_size
         for i, ids in enumerate(req.token_ids):
             if ids.max() >= vocab:
                 raise InputError(f"input {i} has token id {int(ids.max())}, outside the vocabulary of {vocab}")
-        return tok.pieces(req.token_ids, req.long)
-    return tok.documents(req.texts, req.long)
+        return tok.pieces(req.token_ids, req.long, prompt=prompt)
+    return tok.documents(req.texts, req.long, prompt=prompt)
 
 
 def vectors_of(ran: Ran, req: EmbedRequest) -> np.ndarray:
@@ -364,7 +388,7 @@ async def openai_embeddings(request: web.Request) -> web.Response:
     require_kind(state, "embedding", "/v1/embeddings")
     req = api.parse_openai_embeddings(await _json_body(request), state.limits, state.encoder.dim, state.config.long)
     wants_explain = _wants_explain(request)
-    ran = await run_request(state, lambda: embedding_pieces(state.encoder, req), want_explain=wants_explain)
+    ran = await run_request(state, lambda: embedding_pieces(state, req), want_explain=wants_explain)
     tokens = int(ran.pieces.lengths.sum())
     body, encode_s = await respond(
         state, lambda: api.openai_body(vectors_of(ran, req), state.model_name, tokens, req.encoding_format),
@@ -392,7 +416,7 @@ async def openai_plan(request: web.Request) -> web.Response:
     service = state.service
 
     def plan_only():
-        pieces = embedding_pieces(state.encoder, req)
+        pieces = embedding_pieces(state, req)
         rows = pack(pieces.lengths, state.table)
         body = explain(rows, state.table, service.timings, pieces.doc, service.batcher.backlog(),
                        service.batches_in_flight, state.config.max_wait_ms / 1000)
@@ -411,7 +435,7 @@ async def tei_embed(request: web.Request) -> web.Response:
     state.require_ready()
     require_kind(state, "embedding", "/embed")
     req = api.parse_tei_embed(await _json_body(request), state.limits, state.config.long)
-    ran = await run_request(state, lambda: embedding_pieces(state.encoder, req), too_long_status=413)
+    ran = await run_request(state, lambda: embedding_pieces(state, req), too_long_status=413)
     body, _ = await respond(state, lambda: orjson.dumps(vectors_of(ran, req), option=orjson.OPT_SERIALIZE_NUMPY),
                             ran.out.size)
     return web.Response(body=body, content_type="application/json")
@@ -522,6 +546,9 @@ async def info(request: web.Request) -> web.Response:
         body.update({
             "model_type": c.model_type, "family": enc.family.name, "model_dtype": enc.dtype, "dimensions": enc.dim,
             "max_input_length": e.max_seq_length, "pooling": e.pooling, "normalize": e.normalize,
+            "dense_layers": [{"in": d.in_features, "out": d.out_features, "activation": d.activation} for d in e.dense],
+            "prompts": dict(e.prompts), "default_prompt_name": cfg.default_prompt_name or e.default_prompt_name,
+            "default_prompt": cfg.default_prompt,
             "kind": enc.head.kind, "labels": list(enc.head.labels),
         })
     if state.table is not None:
@@ -577,6 +604,7 @@ def serve(config: ServerConfig, host: str, port: int) -> None:
     """Load the model (errors end the process at once), then serve; warmup runs while /health says 503."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     encoder = load_encoder(config)
+    check_prompt(config, encoder)
     log.info("loaded %s (%s, dim %d); warming up", encoder.path, encoder.model_config.model_type, encoder.dim)
     web.run_app(create_app(config, encoder), host=host, port=port, handler_cancellation=True,
                 shutdown_timeout=DRAIN_TIMEOUT_S, print=lambda msg: log.info(msg))

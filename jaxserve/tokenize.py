@@ -127,15 +127,22 @@ class TextTokenizer:
         """Each text as one truncated model sequence (what sentence-transformers feeds its model)."""
         return self.documents(texts).seqs
 
-    def documents(self, texts: list[str], long: str = "truncate", overlap: int = DEFAULT_CHUNK_OVERLAP) -> Pieces:
-        """Texts -> model sequences: a long one truncated (one tokenizer call), split into windows, or refused."""
+    def documents(self, texts: list[str], long: str = "truncate", overlap: int = DEFAULT_CHUNK_OVERLAP,
+                  prompt: str | None = None) -> Pieces:
+        """Texts -> model sequences: a long one truncated (one tokenizer call), split into windows, or refused.
+
+        `prompt` goes in front of every text, as sentence-transformers puts it: the
+        strings joined before tokenizing, so its tokens count toward the length limit.
+        In chunk mode every window starts with the prompt's tokens."""
         if long not in LONG_MODES:
             raise InputError(f"unknown long-input mode {long!r}; choose from {', '.join(LONG_MODES)}")
         if long == "truncate":
+            if prompt:
+                texts = [prompt + t for t in texts]
             ids, offsets, _ = flat_ids(self._truncating.encode_batch_fast(texts))
             n = len(texts)
             return Pieces(ids, offsets, np.arange(n), np.maximum(np.diff(offsets) - self.num_special, 1).astype(float))
-        return self.pieces(self.encode_bodies(texts), long, overlap)
+        return self.pieces(self.encode_bodies(texts), long, overlap, prompt)
 
     def pairs(self, inputs: list, truncate: bool = True) -> Pieces:
         """Texts (one sequence each) and (text, text) pairs ([CLS] a [SEP] b [SEP], token types 0 then 1), mixed.
@@ -153,10 +160,18 @@ class TextTokenizer:
         n = len(items)
         return Pieces(ids, offsets, np.arange(n), np.ones(n), types)
 
-    def pieces(self, bodies: list[np.ndarray], long: str = "truncate", overlap: int = DEFAULT_CHUNK_OVERLAP) -> Pieces:
-        """Document bodies (no special tokens) -> model sequences, a long one truncated, windowed or refused."""
+    def pieces(self, bodies: list[np.ndarray], long: str = "truncate", overlap: int = DEFAULT_CHUNK_OVERLAP,
+               prompt: str | None = None) -> Pieces:
+        """Document bodies (no special tokens) -> model sequences, a long one truncated, windowed or refused;
+        each starts with `prompt`'s tokens."""
         if long not in LONG_MODES:
             raise InputError(f"unknown long-input mode {long!r}; choose from {', '.join(LONG_MODES)}")
+        if prompt:
+            head = np.asarray(self.tokenizer.encode(prompt, add_special_tokens=False).ids, np.int32)
+            if len(head) >= self.max_body:
+                raise InputError(f"the prompt has {len(head)} tokens, leaving no room for text within "
+                                 f"the model's limit of {self.max_length}")
+            return self._prefixed(bodies, head, long, overlap)
         seqs, doc, weight = [], [], []
         w = self.max_body
         for i, body in enumerate(bodies):
@@ -177,6 +192,13 @@ class TextTokenizer:
                 doc.append(i)
                 weight.append(max(len(window), 1))
         return from_sequences(seqs, np.asarray(doc, np.int64), np.asarray(weight, np.float64))
+
+    def _prefixed(self, bodies: list[np.ndarray], head: np.ndarray, long: str, overlap: int) -> Pieces:
+        """`pieces` with `head` (a prompt's tokens) in front of every window, counted in its width."""
+        narrower = dataclasses.replace(self, max_length=self.max_length - len(head))
+        plain = narrower.pieces(bodies, long, overlap)
+        seqs = [np.concatenate([s[: len(self.prefix)], head, s[len(self.prefix):]]) for s in plain.seqs]
+        return from_sequences(seqs, plain.doc, plain.weight)
 
 
 def from_sequences(seqs: list[np.ndarray], doc: np.ndarray, weight: np.ndarray,

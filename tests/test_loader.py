@@ -94,10 +94,31 @@ def test_prefixed_task_checkpoint_loads(tiny_checkpoint):
     np.testing.assert_allclose(Encoder.from_pretrained(str(path), buckets=TINY_TABLE).embed(["the model"]), plain, atol=1e-6)
 
 
-def test_unsupported_pooling(tiny_checkpoint):
+@pytest.mark.parametrize("pooling, message", [
+    ({"pooling_mode": "median"}, "unsupported pooling config"),
+    ({}, "unsupported pooling config"),
+    ({"pooling_mode_mean_tokens": True, "include_prompt": False}, "include_prompt: false"),
+])
+def test_unsupported_pooling(tiny_checkpoint, pooling, message):
     path = tiny_checkpoint()
-    (path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_mean_sqrt_len_tokens": True}))
-    with pytest.raises(CheckpointError, match="unsupported pooling config"):
+    (path / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
+    with pytest.raises(CheckpointError, match=message):
+        Encoder.from_pretrained(str(path), buckets=TINY_TABLE)
+
+
+def test_unknown_module_and_dense_activation_are_clear_errors(tiny_checkpoint):
+    path = tiny_checkpoint()
+    modules = json.loads((path / "modules.json").read_text())
+    (path / "modules.json").write_text(json.dumps(modules + [{"idx": 9, "name": "9", "path": "9_X",
+                                                               "type": "sentence_transformers.models.LayerNorm"}]))
+    with pytest.raises(CheckpointError, match="LayerNorm.*cannot run"):
+        Encoder.from_pretrained(str(path), buckets=TINY_TABLE)
+    (path / "modules.json").write_text(json.dumps(modules[:2] + [{"idx": 2, "name": "2", "path": "2_Dense",
+                                                                  "type": "sentence_transformers.models.Dense"}]))
+    (path / "2_Dense").mkdir()
+    (path / "2_Dense" / "config.json").write_text(json.dumps({"in_features": 32, "out_features": 8,
+                                                               "activation_function": "my.Activation"}))
+    with pytest.raises(CheckpointError, match="my.Activation"):
         Encoder.from_pretrained(str(path), buckets=TINY_TABLE)
 
 

@@ -44,7 +44,7 @@ def test_plain_transformers_checkpoint_defaults_to_mean_at_full_length(tiny_chec
     enc = Encoder.from_pretrained(str(path), buckets=TINY_TABLE)
     assert enc.embedding_config.pooling == "mean"
     assert enc.embedding_config.max_seq_length == 64
-    assert enc.embedding_config.normalize
+    assert not enc.embedding_config.normalize  # sentence-transformers adds no Normalize module either
 
 
 def test_max_seq_length_from_sentence_bert_config_truncates(tiny_checkpoint):

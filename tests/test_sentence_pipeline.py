@@ -1,0 +1,146 @@
+"""The whole sentence-transformers pipeline from modules.json, against sentence-transformers' own `encode`.
+
+Pooling (every mode, and several concatenated), Dense layers with their
+activations, Normalize only where listed, and prompts (`prompt_name`,
+`prompt`, `default_prompt_name`), in process and over HTTP.
+"""
+
+import json
+
+import numpy as np
+import pytest
+import transformers
+
+import hf_tiny
+from conftest import cosine_rows
+from jaxserve import Encoder
+from jaxserve.buckets import fixed
+from jaxserve.errors import InputError
+
+TABLE = fixed([(2, 16), (4, 16), (2, 32), (4, 32), (2, 64), (4, 64)], layout="packed")
+TEXTS = ["the model", "a batch of jax documents is the query and the query is long", "x", "hello, world! 42",
+         "the " * 80]  # the last one is over the 64-token limit
+PROMPTS = {"query": "query: the ", "document": "a document: "}
+DENSE = [{"in": 32, "out": 48, "activation": "torch.nn.modules.activation.Tanh", "seed": 3},
+         {"in": 48, "out": 24, "bias": False, "activation": "torch.nn.modules.linear.Identity", "seed": 4}]
+
+
+def checkpoint(path, **modules):
+    cfg = transformers.BertConfig(vocab_size=len(hf_tiny.vocab("bert")), hidden_size=32, num_hidden_layers=2,
+                                  num_attention_heads=4, intermediate_size=64, max_position_embeddings=64)
+    hf_tiny.write(path, "BertModel", cfg, "bert", scale=0.3)
+    return hf_tiny.sentence_transformers_dir(path, **modules)
+
+
+def sentence_transformer(path):
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(str(path), device="cpu")
+
+
+@pytest.fixture(scope="module")
+def full(tmp_path_factory):
+    """mean pooling -> Dense (tanh) -> Dense (identity, no bias) -> Normalize, with prompts and a default."""
+    path = checkpoint(tmp_path_factory.mktemp("st") / "full", pooling="mean", dense=DENSE, prompts=PROMPTS,
+                      default_prompt_name="document")
+    return path, Encoder.from_pretrained(str(path), buckets=TABLE), sentence_transformer(path)
+
+
+@pytest.mark.parametrize("pooling", ["cls", "max", "mean", "mean_sqrt_len", "weightedmean", "lasttoken"])
+def test_every_pooling_mode_matches_sentence_transformers(tmp_path, pooling):
+    path = checkpoint(tmp_path / pooling, pooling=pooling, normalize=False)
+    enc = Encoder.from_pretrained(str(path), buckets=TABLE)
+    want = sentence_transformer(path).encode(TEXTS)
+    got = enc.embed(TEXTS)  # no Normalize module: raw pooled vectors, as sentence-transformers
+    assert cosine_rows(got, want).min() >= 0.99999
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    assert not enc.embedding_config.normalize
+
+
+def test_several_modes_are_concatenated_in_sentence_transformers_order(tmp_path):
+    path = checkpoint(tmp_path / "multi", pooling="mean")
+    flags = {"pooling_mode_mean_tokens": True, "pooling_mode_cls_token": True, "pooling_mode_max_tokens": True}
+    (path / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 32, **flags}))
+    enc = Encoder.from_pretrained(str(path), buckets=TABLE)
+    assert enc.embedding_config.pooling == "cls+max+mean" and enc.dim == 96
+    want = sentence_transformer(path).encode(TEXTS)
+    assert cosine_rows(enc.embed(TEXTS), want).min() >= 0.99999
+
+
+def test_dense_layers_and_normalize_match_sentence_transformers(full):
+    path, enc, st = full
+    assert enc.dim == 24 and [d.activation for d in enc.embedding_config.dense] == ["tanh", "identity"]
+    for name in ("query", "document"):
+        got, want = enc.embed(TEXTS, prompt_name=name), st.encode(TEXTS, prompt_name=name)
+        assert got.shape == want.shape == (len(TEXTS), 24)
+        assert cosine_rows(got, want).min() >= 0.99999
+        np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
+
+
+def test_default_prompt_and_free_prompts_match_sentence_transformers(full):
+    path, enc, st = full
+    # no prompt named: the checkpoint's default_prompt_name, as sentence-transformers does
+    assert cosine_rows(enc.embed(TEXTS), st.encode(TEXTS)).min() >= 0.99999
+    np.testing.assert_allclose(enc.embed(TEXTS), enc.embed(TEXTS, prompt_name="document"), atol=1e-6)
+    free = "represent this: "
+    assert cosine_rows(enc.embed(TEXTS, prompt=free), st.encode(TEXTS, prompt=free)).min() >= 0.99999
+    assert not np.allclose(enc.embed(TEXTS, prompt_name="query"), enc.embed(TEXTS), atol=1e-3)
+
+
+def test_prompt_tokens_count_toward_the_length_limit(full):
+    _, enc, st = full
+    long = ["the model " * 40]
+    pieces, _ = enc.prepare(long, prompt=PROMPTS["query"])
+    assert pieces.lengths.tolist() == [64]  # truncated with the prompt inside the limit
+    assert cosine_rows(enc.embed(long, prompt_name="query"), st.encode(long, prompt_name="query")).min() >= 0.99999
+
+
+def test_unknown_prompt_name_names_the_known_ones(full):
+    _, enc, _ = full
+    with pytest.raises(InputError, match=r"unknown prompt_name 'passage'.*'query', 'document'"):
+        enc.embed(TEXTS, prompt_name="passage")
+    with pytest.raises(InputError, match="not both"):
+        enc.embed(TEXTS, prompt_name="query", prompt="x")
+
+
+def test_bfloat16_pipeline(full):
+    path, _, st = full
+    enc = Encoder.from_pretrained(str(path), dtype="bfloat16", buckets=TABLE)
+    assert cosine_rows(enc.embed(TEXTS, prompt_name="query"), st.encode(TEXTS, prompt_name="query")).min() >= 0.999
+
+
+async def test_prompts_over_http(make_server, full):
+    _, enc, st = full
+    client = await make_server(enc)
+    want = st.encode(TEXTS, prompt_name="query")
+    tei = await client.post("/embed", json={"inputs": TEXTS, "prompt_name": "query"})
+    assert tei.status == 200 and cosine_rows(await tei.json(), want).min() >= 0.99999
+    openai = await client.post("/v1/embeddings", json={"input": TEXTS, "prompt_name": "query"})
+    got = [d["embedding"] for d in (await openai.json())["data"]]
+    assert cosine_rows(got, want).min() >= 0.99999 and len(got[0]) == 24
+    free = await client.post("/embed", json={"inputs": TEXTS, "prompt": "represent this: "})
+    assert cosine_rows(await free.json(), st.encode(TEXTS, prompt="represent this: ")).min() >= 0.99999
+    bad = await client.post("/embed", json={"inputs": TEXTS, "prompt_name": "passage"})
+    assert bad.status == 400 and "'query', 'document'" in (await bad.json())["error"]["message"]
+    both = await client.post("/v1/embeddings", json={"input": TEXTS, "prompt_name": "query", "prompt": "x"})
+    assert both.status == 400
+    wrong_type = await client.post("/embed", json={"inputs": TEXTS, "prompt_name": 3})
+    assert wrong_type.status == 400
+    info = await (await client.get("/info")).json()
+    assert info["prompts"] == PROMPTS and info["default_prompt_name"] == "document" and info["dimensions"] == 24
+    assert [d["out"] for d in info["dense_layers"]] == [48, 24]
+
+
+async def test_server_default_prompt_name(make_server, full):
+    _, enc, st = full
+    client = await make_server(enc, default_prompt_name="query")
+    resp = await client.post("/embed", json={"inputs": TEXTS})
+    assert cosine_rows(await resp.json(), st.encode(TEXTS, prompt_name="query")).min() >= 0.99999
+    assert (await (await client.get("/info")).json())["default_prompt_name"] == "query"
+
+
+def test_a_default_prompt_name_the_model_lacks_stops_the_server_at_start(full):
+    from jaxserve.server import ServerConfig, check_prompt
+
+    with pytest.raises(InputError, match="unknown prompt_name 'nope'"):
+        check_prompt(ServerConfig(default_prompt_name="nope"), full[1])
