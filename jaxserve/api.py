@@ -1,7 +1,10 @@
 """Request validation and response shapes of the HTTP API (OpenAI- and TEI-compatible), without HTTP.
 
 Each `parse_*` turns a decoded JSON body into a typed request or raises
-`ApiError` with the status and a message naming the offending field.
+`ApiError` with the status and a message naming the offending field. An
+error is written in the shape its route's clients read: OpenAI's
+`{"error": {"message", "type", ...}}` on /v1/*, TEI's
+`{"error", "error_type"}` with TEI's status codes on TEI's routes (`tei()`).
 """
 
 from __future__ import annotations
@@ -15,16 +18,42 @@ import orjson
 from jaxserve.tokenize import LONG_MODES
 
 
+# Our error types -> TEI's (status, error_type): router/src/http/server.rs maps Validation and
+# Tokenizer to 422, Empty to 400, Overloaded to 429, Backend to 424, Unhealthy to 503.
+TEI_ERRORS = {
+    "rate_limit_error": (429, "Overloaded"),
+    "unavailable": (503, "Unhealthy"),
+    "timeout": (503, "Unhealthy"),
+    "server_error": (424, "Backend"),
+    "tokenizer_error": (422, "Tokenizer"),
+}
+
+
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", headers: dict | None = None):
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", headers: dict | None = None,
+                 tei: tuple[int, str] | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type
         self.headers = headers or {}
+        self._tei = tei  # (status, error_type) where TEI's differ from the default mapping
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type}}
+        """OpenAI's error shape."""
+        return {"error": {"message": self.message, "type": self.type, "param": None, "code": None}}
+
+    def tei(self) -> tuple[int, dict]:
+        """TEI's status and error shape."""
+        status, kind = self._tei or TEI_ERRORS.get(self.type) or (
+            (self.status, "Unauthorized") if self.status == 401 else
+            (413, "Validation") if self.type == "body_too_large" else
+            (self.status, "Validation") if self.status in (404, 405) else (422, "Validation"))
+        return status, {"error": self.message, "error_type": kind}
+
+
+def empty(field: str) -> ApiError:
+    return ApiError(400, f"`{field}` must not be empty", tei=(400, "Empty"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +72,8 @@ class EmbedRequest:
     encoding_format: str = "float"
     prompt_name: str | None = None  # one of the model's prompts ...
     prompt: str | None = None  # ... or a prompt text, put in front of every input
+    direction: str = "right"  # which end truncation cuts
+    model: str | None = None  # the `model` field of an OpenAI request (names the tokenizer of its token ids)
 
     @property
     def count(self) -> int:
@@ -56,7 +87,7 @@ def _inputs(value, field: str, limits: Limits, allow_tokens: bool) -> tuple[list
     if not isinstance(value, list):
         raise ApiError(400, f"`{field}` must be a string or a list of strings, not {type(value).__name__}")
     if not value:
-        raise ApiError(400, f"`{field}` must not be empty")
+        raise empty(field)
     if allow_tokens and all(isinstance(x, int) and not isinstance(x, bool) for x in value):
         value = [value]  # one pre-tokenized input
     if len(value) > limits.max_client_batch:
@@ -123,31 +154,96 @@ def parse_openai_embeddings(body, limits: Limits, dim: int, default_long: str) -
     fmt = body.get("encoding_format") or "float"
     if fmt not in ("float", "base64"):
         raise ApiError(400, f"`encoding_format` must be 'float' or 'base64', not {fmt!r}")
+    return EmbedRequest(texts, ids, _long_mode(body, default_long), True, _dimensions(body, dim), fmt,
+                        *_prompt(body, limits), model=model)
+
+
+def _dimensions(body: dict, dim: int) -> int | None:
     dims = body.get("dimensions")
     if dims is not None and (not isinstance(dims, int) or isinstance(dims, bool) or not 1 <= dims <= dim):
         raise ApiError(400, f"`dimensions` must be an integer from 1 to {dim}, not {dims!r}")
-    return EmbedRequest(texts, ids, _long_mode(body, default_long), True, dims, fmt, *_prompt(body, limits))
+    return dims
 
 
-def parse_tei_embed(body, limits: Limits, default_long: str) -> EmbedRequest:
-    body = _object(body)
-    if "inputs" not in body:
-        raise ApiError(400, "missing required field `inputs`")
-    texts, _ = _inputs(body["inputs"], "inputs", limits, allow_tokens=False)
+def _direction(body: dict) -> str:
+    direction = body.get("truncation_direction")
+    if direction is None:
+        return "right"
+    if not isinstance(direction, str) or direction.lower() not in ("left", "right"):
+        raise ApiError(400, f"`truncation_direction` must be Left or Right, not {direction!r}")
+    return direction.lower()
+
+
+def _tei_long(body: dict, default_long: str) -> str:
+    """TEI's `truncate` (absent: the server's default) -> our long-input mode."""
     truncate = _bool(body, "truncate", None)
-    if body.get("truncation_direction", "Right") not in ("Right", "right"):
-        raise ApiError(400, "only `truncation_direction: Right` is supported")
     long = default_long if truncate is None else ("truncate" if truncate else "error")
-    return EmbedRequest(texts, None, _long_mode(body, long), _bool(body, "normalize", True),
-                        prompt_name=_prompt(body, limits)[0], prompt=_prompt(body, limits)[1])
+    return _long_mode(body, long)
 
 
-def parse_tokenize(body, limits: Limits) -> tuple[list[str], bool]:
+def parse_tei_embed(body, limits: Limits, dim: int, default_long: str) -> EmbedRequest:
+    """TEI /embed (and /embed_all): `inputs` texts or token-id lists (the model's vocabulary, as TEI)."""
+    body = _object(body)
+    if "inputs" not in body:
+        raise ApiError(400, "missing required field `inputs`")
+    texts, ids = _inputs(body["inputs"], "inputs", limits, allow_tokens=True)
+    return EmbedRequest(texts, ids, _tei_long(body, default_long), _bool(body, "normalize", True),
+                        _dimensions(body, dim), "float", *_prompt(body, limits), direction=_direction(body))
+
+
+def parse_similarity(body, limits: Limits, default_long: str) -> tuple[EmbedRequest, int]:
+    """TEI /similarity: `inputs` {source_sentence, sentences}, `parameters` {truncate, truncation_direction,
+    prompt_name} -> (an embed request of source then sentences, how many sentences)."""
+    body = _object(body)
+    inputs = body.get("inputs")
+    if not isinstance(inputs, dict):
+        raise ApiError(400, "`inputs` must be an object with `source_sentence` and `sentences`")
+    source, sentences = inputs.get("source_sentence"), inputs.get("sentences")
+    if not isinstance(source, str):
+        raise ApiError(400, "`inputs.source_sentence` must be a string")
+    if isinstance(sentences, list) and not sentences:
+        raise empty("inputs.sentences")
+    texts, _ = _inputs([source] + sentences if isinstance(sentences, list) else sentences, "inputs.sentences",
+                       limits, allow_tokens=False)
+    params = body.get("parameters") or {}
+    if not isinstance(params, dict):
+        raise ApiError(400, "`parameters` must be an object")
+    return EmbedRequest(texts, None, _tei_long(params, default_long), False, None, "float", *_prompt(params, limits),
+                        direction=_direction(params)), len(texts) - 1
+
+
+def parse_tokenize(body, limits: Limits) -> tuple[list[str], bool, str | None]:
+    """TEI /tokenize -> (texts, add_special_tokens, prompt_name)."""
     body = _object(body)
     if "inputs" not in body:
         raise ApiError(400, "missing required field `inputs`")
     texts, _ = _inputs(body["inputs"], "inputs", limits, allow_tokens=False)
-    return texts, _bool(body, "add_special_tokens", True)
+    name, _ = _prompt(body, limits)
+    return texts, _bool(body, "add_special_tokens", True), name
+
+
+def parse_decode(body, limits: Limits, vocab: int) -> tuple[list[list[int]], bool]:
+    """TEI /decode: `ids` (one list of token ids, or a list of them), `skip_special_tokens` (default true)."""
+    body = _object(body)
+    if "ids" not in body:
+        raise ApiError(400, "missing required field `ids`")
+    ids = body["ids"]
+    if isinstance(ids, list) and ids and all(isinstance(x, int) and not isinstance(x, bool) for x in ids):
+        ids = [ids]
+    if not isinstance(ids, list):
+        raise ApiError(400, "`ids` must be a list of token ids or a list of such lists")
+    if not ids:
+        raise empty("ids")
+    if len(ids) > limits.max_client_batch:
+        raise ApiError(413, f"`ids` has {len(ids)} inputs; at most {limits.max_client_batch} per request",
+                       "request_too_large")
+    for i, seq in enumerate(ids):
+        if not isinstance(seq, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
+                                                for t in seq):
+            raise ApiError(400, f"`ids[{i}]` must be a list of token ids from 0 to {vocab - 1}")
+        if len(seq) > limits.max_input_chars:
+            raise ApiError(413, f"`ids[{i}]` has {len(seq)} ids; at most {limits.max_input_chars}", "request_too_large")
+    return ids, _bool(body, "skip_special_tokens", True)
 
 
 def shape_vectors(vectors: np.ndarray, dimensions: int | None) -> np.ndarray:
@@ -181,6 +277,7 @@ class ClassifyRequest:
     raw_scores: bool = False
     truncate: bool = True
     top_k: int | None = None
+    direction: str = "right"
 
 
 def _pair_or_text(x, field: str, limits: Limits):
@@ -194,34 +291,35 @@ def _pair_or_text(x, field: str, limits: Limits):
 
 
 def parse_predict(body, limits: Limits, default_truncate: bool) -> ClassifyRequest:
-    """TEI /predict: `inputs` is a text, a [text, text] pair, or a list of texts or of pairs."""
+    """TEI /predict: `inputs` is one input (a text, or a [text, text] pair) or a list of inputs, texts and
+    pairs mixed. As in TEI, a list of exactly two texts is one pair; a batch of two texts is [[a], [b]]."""
     body = _object(body)
     if "inputs" not in body:
         raise ApiError(400, "missing required field `inputs`")
     raw = body["inputs"]
-    single = isinstance(raw, str)
-    if isinstance(raw, str):
+    single = isinstance(raw, str) or (isinstance(raw, list) and len(raw) == 2 and all(isinstance(x, str) for x in raw))
+    if single:
         items = [raw]
-    elif isinstance(raw, list) and raw and all(isinstance(x, list) for x in raw):
+    elif isinstance(raw, list):
         items = raw
     else:
-        texts, _ = _inputs(raw, "inputs", limits, allow_tokens=False)
-        items = texts
+        raise ApiError(400, f"`inputs` must be a text, a [text, text] pair, or a list of them, not {type(raw).__name__}")
     if not items:
-        raise ApiError(400, "`inputs` must not be empty")
+        raise empty("inputs")
     if len(items) > limits.max_client_batch:
         raise ApiError(413, f"`inputs` has {len(items)} inputs; at most {limits.max_client_batch} per request",
                        "request_too_large")
     inputs = [_pair_or_text(x, f"inputs[{i}]", limits) for i, x in enumerate(items)]
-    top_k = body.get("top_k")
+    params = body.get("parameters") or {}  # huggingface_hub's InferenceClient sends top_k there
+    top_k = body.get("top_k", params.get("top_k") if isinstance(params, dict) else None)
     if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1):
         raise ApiError(400, f"`top_k` must be a positive integer, not {top_k!r}")
     truncate = _bool(body, "truncate", default_truncate)
-    return ClassifyRequest(inputs, single, _bool(body, "raw_scores", False), truncate, top_k)
+    return ClassifyRequest(inputs, single, _bool(body, "raw_scores", False), truncate, top_k, _direction(body))
 
 
-def parse_rerank(body, limits: Limits, default_truncate: bool) -> tuple[str, list[str], bool, bool, bool]:
-    """TEI /rerank -> (query, texts, raw_scores, return_text, truncate)."""
+def parse_rerank(body, limits: Limits, default_truncate: bool) -> tuple[str, list[str], bool, bool, bool, str]:
+    """TEI /rerank -> (query, texts, raw_scores, return_text, truncate, truncation direction)."""
     body = _object(body)
     for key in ("query", "texts"):
         if key not in body:
@@ -233,7 +331,7 @@ def parse_rerank(body, limits: Limits, default_truncate: bool) -> tuple[str, lis
         raise ApiError(413, f"`query` has {len(query)} characters; at most {limits.max_input_chars}", "request_too_large")
     texts, _ = _inputs(body["texts"], "texts", limits, allow_tokens=False)
     return (query, texts, _bool(body, "raw_scores", False), _bool(body, "return_text", False),
-            _bool(body, "truncate", default_truncate))
+            _bool(body, "truncate", default_truncate), _direction(body))
 
 
 def parse_classify(body, limits: Limits) -> list[str]:

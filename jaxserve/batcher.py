@@ -114,10 +114,15 @@ class Batcher:
         """(seqlen, rows) waiting, per seqlen."""
         return [(s, n) for s, n in self._rows.items() if n]
 
+    def oldest(self) -> float | None:
+        """When the oldest waiting row was queued (None with nothing queued)."""
+        heads = [q[0].enqueued for q in self._queues.values() if q]
+        return min(heads) if heads else None
+
     def next_deadline(self) -> float | None:
         """When the oldest waiting row's window closes (None with nothing queued)."""
-        oldest = [q[0].enqueued for q in self._queues.values() if q]
-        return min(oldest) + self.max_wait_s if oldest else None
+        oldest = self.oldest()
+        return None if oldest is None else oldest + self.max_wait_s
 
     def next_dispatch(self, now: float, device_idle: bool) -> Dispatch | None:
         heads = [(q[0].enqueued, s) for s, q in self._queues.items() if q]

@@ -98,6 +98,7 @@ def cmd_serve(args) -> int:
         cache_dir=args.cache_dir, use_cache=not args.no_cache, max_concurrent=args.max_concurrent_requests,
         request_timeout_s=args.request_timeout_s, devices=args.devices, max_inflight_bytes=args.max_inflight_bytes,
         default_prompt_name=args.default_prompt_name, default_prompt=args.default_prompt,
+        token_ids=args.token_ids, embed_all=args.embed_all,
     )
     serve(config, args.host, args.port)
     return 0
@@ -231,6 +232,11 @@ def build_parser() -> argparse.ArgumentParser:
     prompts.add_argument("--default-prompt-name", help="prompt (of the model's config_sentence_transformers.json) "
                          "for requests that name none")
     prompts.add_argument("--default-prompt", help="prompt text for requests that name none")
+    serve.add_argument("--token-ids", default="openai", choices=["openai", "model"],
+                       help="token-id inputs on /v1/embeddings: OpenAI's tokenizer's ids (tiktoken, what OpenAI's and "
+                            "LangChain's clients send), or this model's own vocabulary")
+    serve.add_argument("--embed-all", default=True, action=argparse.BooleanOptionalAction,
+                       help="compile token outputs for TEI's /embed_all (one more shape per seqlen)")
     serve.add_argument("--api-key", help="require `Authorization: Bearer KEY` (or set JAXSERVE_API_KEY)")
     serve.add_argument("--devices", default="1", type=lambda v: v if v == "all" else int(v),
                        help="local devices sharing each batch (data parallel): a number, or all")

@@ -51,6 +51,16 @@ def embed_forward(module, emb: EmbeddingConfig, num_segments: int, params, batch
     return dense_layers(emb.dense, params.get("dense", ()), pooled)
 
 
+def tokens_forward(module, num_segments: int, params, batch: dict) -> jax.Array:
+    """Pure forward: packed rows -> [B, S, D] float32 last hidden states, every token (TEI's /embed_all)."""
+    encoder_params = {k: v for k, v in params.items() if k not in ("dense", "head")}
+    hidden = module.apply(
+        {"params": encoder_params}, batch["token_ids"], batch["segment_ids"], batch["positions"], batch["type_ids"],
+        packed=num_segments > 1,
+    )
+    return hidden.astype(jnp.float32)
+
+
 def classify_forward(module, head, head_pooling: str, num_segments: int, params, batch: dict):
     """Pure forward: packed rows -> [B, K, L] float32 logits of each sequence (from the head's pooled token(s))."""
     encoder_params = {k: v for k, v in params.items() if k != "head"}
@@ -105,8 +115,10 @@ class Encoder:
         params = jax.device_put(params)
         platform = jax.devices()[0].platform
 
-        def forward(slots: int, seqlen: int):
+        def forward(slots: int, seqlen: int, output: str):
             module = family.encoder(cfg, jdtype, attention=attention.choose(platform, seqlen))
+            if output == "tokens":
+                return partial(tokens_forward, module, slots)
             if head.kind == "classifier":
                 head_module = family.head(cfg, head.num_labels, jdtype)
                 return partial(classify_forward, module, head_module, family.pooling_for_head(cfg), slots)
@@ -191,6 +203,17 @@ class Encoder:
             self.warmup()
         return self.engine.table
 
+    def warmup_tokens(self, progress: bool = False) -> BucketTable:
+        """Compile and time token outputs (/embed_all) at each seqlen's smallest batch of the warm table."""
+        smallest = tuple(self.table.at(s)[0] for s in self.table.seqlens)
+        return self.engine.use(dataclasses.replace(self.table, buckets=smallest), progress=progress, output="tokens")
+
+    @property
+    def token_table(self) -> BucketTable:
+        if "tokens" not in self.engine.tables:
+            self.warmup_tokens()
+        return self.engine.tables["tokens"]
+
     def prepare(self, texts: list[str], long: str = "truncate", prompt: str | None = None) -> tuple[Pieces, Rows]:
         """Tokenize (with `prompt` in front of each text) and pack (no device work): the sequences and their rows."""
         pieces = self.tokenizer.documents(list(texts), long, prompt=prompt)
@@ -224,6 +247,16 @@ class Encoder:
         out = pieces.combine(self.run(pieces, rows), len(texts))
         return normalize_rows(out) if normalize else out
 
+    def embed_all(self, texts: list[str], prompt_name: str | None = None, prompt: str | None = None) -> list[np.ndarray]:
+        """Texts -> per text its [tokens, hidden] last hidden states, special tokens included (truncated to the
+        model's length), as TEI's /embed_all."""
+        self._require("embedding")
+        pieces = self.tokenizer.documents(list(texts), "truncate", prompt=self.embedding_config.prompt(prompt_name, prompt))
+        job = Job(pack(pieces.lengths, self.token_table), pieces.ids, pieces.offsets, None,
+                  self.model_config.hidden_size, output="tokens")
+        self.last_dispatches = run_jobs(self.engine, self.token_table, [job])
+        return [job.token_vectors(p) for p in range(pieces.count)]
+
     def classify(self, inputs: list, truncate: bool = True) -> np.ndarray:
         """Texts, or (text, text) pairs, mixed -> [N, num_labels] logits (a classifier checkpoint)."""
         self._require("classifier")
@@ -233,9 +266,9 @@ class Encoder:
         """Cross-encoder relevance logits [N] of (query, text) pairs, in input order."""
         return self.classify([(query, t) for t in texts], truncate)[:, 0]
 
-    def prepare_pairs(self, inputs: list, truncate: bool) -> Pieces:
-        """Texts (one sequence each) or pairs ([CLS] a [SEP] b [SEP]) as model sequences."""
-        return self.tokenizer.pairs(inputs, truncate)
+    def prepare_pairs(self, inputs: list, truncate: bool, direction: str = "right") -> Pieces:
+        """Texts (one sequence each) or pairs ([CLS] a [SEP] b [SEP]), mixed, as model sequences."""
+        return self.tokenizer.pairs(inputs, truncate, direction)
 
     def _require(self, kind: str) -> None:
         if self.head.kind != kind:

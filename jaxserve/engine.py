@@ -60,9 +60,11 @@ def compiled_bytes(compiled: jax.stages.Compiled) -> int:
 
 
 class Engine:
-    def __init__(self, make_forward: Callable[[int, int], Forward], params: dict, devices: list | None = None):
-        """`make_forward(slots, seqlen)` gives the pure forward for rows of `seqlen` tokens and up to
-        `slots` documents (the seqlen picks the attention implementation).
+    def __init__(self, make_forward: Callable[[int, int, str], Forward], params: dict, devices: list | None = None):
+        """`make_forward(slots, seqlen, output)` gives the pure forward for rows of `seqlen` tokens and up
+        to `slots` documents (the seqlen picks the attention implementation); `output` is `pooled`
+        ([B, K, D] per sequence) or `tokens` ([B, S, D] per token, TEI's /embed_all). Each output has
+        its own table of warmed buckets.
 
         With several `devices`: a 1-D mesh; weights replicated on each, every bucket's
         batch axis sharded across them, one compile per bucket for the whole mesh.
@@ -76,20 +78,25 @@ class Engine:
         self._inputs_by_row = NamedSharding(mesh, PartitionSpec(None, "data"))  # inputs [4, B, S]
         self.params = jax.device_put(params, self._replicated) if self.devices > 1 else params
         self._params_struct = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
-        self._compiled: dict[tuple[int, int, int], concurrent.futures.Future] = {}
-        self._compile_s: dict[tuple[int, int, int], float] = {}
+        self._compiled: dict[tuple[int, int, int, str], concurrent.futures.Future] = {}
+        self._compile_s: dict[tuple[int, int, int, str], float] = {}
         self._lock = threading.Lock()
-        self.table: BucketTable | None = None
+        self.tables: dict[str, BucketTable] = {}  # per output, the warmed table
         self._table_keys: frozenset = frozenset()
+
+    @property
+    def table(self) -> BucketTable | None:
+        """The warmed table of pooled outputs (the one every request kind but /embed_all uses)."""
+        return self.tables.get("pooled")
 
     @property
     def weights_bytes(self) -> int:
         """Bytes of one copy of the weights (each device holds one)."""
         return int(sum(x.nbytes for x in jax.tree.leaves(self.params)))
 
-    def compile(self, batch: int, seqlen: int, slots: int = 1) -> jax.stages.Compiled:
-        """The executable for one shape, compiled once (safe to call from several threads)."""
-        key = (batch, seqlen, slots)
+    def compile(self, batch: int, seqlen: int, slots: int = 1, output: str = "pooled") -> jax.stages.Compiled:
+        """The executable for one shape and output, compiled once (safe to call from several threads)."""
+        key = (batch, seqlen, slots, output)
         with self._lock:
             future = self._compiled.get(key)
             owner = future is None
@@ -98,7 +105,7 @@ class Engine:
         if owner:
             start = time.perf_counter()
             try:
-                forward = unstacked(self._make_forward(slots, seqlen))
+                forward = unstacked(self._make_forward(slots, seqlen, output))
                 fn = jax.jit(forward, in_shardings=(self._replicated, self._inputs_by_row),
                              out_shardings=self._by_row) if self.devices > 1 else jax.jit(forward)
                 future.set_result(fn.lower(self._params_struct, batch_struct(batch, seqlen)).compile())
@@ -112,17 +119,18 @@ class Engine:
     def measure(self, batch: int, seqlen: int, slots: int) -> int:
         return compiled_bytes(self.compile(batch, seqlen, slots))
 
-    def use(self, table: BucketTable, progress: bool = False) -> BucketTable:
-        """Warm up: compile every bucket, run each, record compile and run times.
+    def use(self, table: BucketTable, progress: bool = False, output: str = "pooled") -> BucketTable:
+        """Warm up one output's table: compile every bucket, run each, record compile and run times.
 
-        Executables compiled for other shapes (rejected candidates of the
-        derivation) are dropped. Returns the table with the timings filled in.
+        Executables of this output compiled for other shapes (rejected
+        candidates of the derivation) are dropped. Returns the table with the
+        timings filled in.
         """
         from tqdm import tqdm
 
-        keep = {(b.batch, b.seqlen, b.slots) for b in table.buckets}
+        keep = {(b.batch, b.seqlen, b.slots, output) for b in table.buckets}
         with self._lock:
-            self._compiled = {k: v for k, v in self._compiled.items() if k in keep}
+            self._compiled = {k: v for k, v in self._compiled.items() if k in keep or k[3] != output}
         # XLA compiles release the GIL: compile on every core, then time one bucket at a time.
         with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
             jobs = [pool.submit(self.compile, *key) for key in sorted(keep)]
@@ -131,8 +139,8 @@ class Engine:
                 job.result()
         warmed = []
         for bucket in tqdm(table.buckets, desc="run", unit="bucket", disable=not progress):
-            exe = self.compile(bucket.batch, bucket.seqlen, bucket.slots)
-            key = (bucket.batch, bucket.seqlen, bucket.slots)
+            exe = self.compile(bucket.batch, bucket.seqlen, bucket.slots, output)
+            key = (bucket.batch, bucket.seqlen, bucket.slots, output)
             inputs = self._place(dummy_batch(bucket))
             times = []
             for _ in range(TIMED_RUNS + 1):
@@ -141,26 +149,28 @@ class Engine:
                 times.append(time.perf_counter() - start)
             warmed.append(_with(bucket, compiled_bytes=compiled_bytes(exe), compile_s=self._compile_s[key],
                                 run_s=statistics.median(times[1:])))
-        self.table = _with(table, buckets=tuple(warmed))
-        self._table_keys = frozenset(keep)
-        return self.table
+        self.tables[output] = _with(table, buckets=tuple(warmed))
+        self._table_keys = frozenset(k for k in self._table_keys if k[3] != output) | keep
+        return self.tables[output]
 
-    def keep(self, table: BucketTable) -> BucketTable:
-        """Serve a subset of the warmed table (e.g. up to each seqlen's throughput knee); the rest is dropped."""
-        keys = frozenset((b.batch, b.seqlen, b.slots) for b in table.buckets)
+    def keep(self, table: BucketTable, output: str = "pooled") -> BucketTable:
+        """Serve a subset of an output's warmed table (e.g. up to each seqlen's throughput knee); drop the rest."""
+        keys = frozenset((b.batch, b.seqlen, b.slots, output) for b in table.buckets)
         if not keys <= self._table_keys:
             raise ShapeError("keep() takes a subset of the warmed table")
         with self._lock:
-            self._compiled = {k: v for k, v in self._compiled.items() if k in keys}
-        self.table, self._table_keys = table, keys
+            self._compiled = {k: v for k, v in self._compiled.items() if k in keys or k[3] != output}
+        self.tables[output] = table
+        self._table_keys = frozenset(k for k in self._table_keys if k[3] != output) | keys
         return table
 
-    def put(self, bucket: Bucket, inputs: np.ndarray) -> Prepared:
+    def put(self, bucket: Bucket, inputs: np.ndarray, output: str = "pooled") -> Prepared:
         """Check the shape and copy the [4, B, S] inputs to the device (the host part of a dispatch)."""
-        key = (bucket.batch, bucket.seqlen, bucket.slots)
+        key = (bucket.batch, bucket.seqlen, bucket.slots, output)
         future = self._compiled.get(key) if key in self._table_keys else None
         if future is None or inputs.shape[1:] != bucket.shape:
-            raise ShapeError(f"batch {inputs.shape[1:]} (slots {bucket.slots}) is not a warmed bucket of this engine")
+            raise ShapeError(f"batch {inputs.shape[1:]} (slots {bucket.slots}) is not a warmed {output} bucket "
+                             "of this engine")
         return Prepared(bucket, future.result(), self._place(inputs))
 
     def _place(self, inputs: np.ndarray) -> jax.Array:
@@ -176,9 +186,9 @@ class Engine:
         """Wait for a launched batch and copy its result to the host."""
         return np.asarray(result)
 
-    def run(self, bucket: Bucket, inputs: np.ndarray) -> np.ndarray:
-        """One dispatch at `bucket`'s shape, start to end -> host array [B, K, D]."""
-        return self.fetch(self.launch(self.put(bucket, inputs)))
+    def run(self, bucket: Bucket, inputs: np.ndarray, output: str = "pooled") -> np.ndarray:
+        """One dispatch at `bucket`'s shape, start to end -> host array [B, K, D] (or [B, S, D] tokens)."""
+        return self.fetch(self.launch(self.put(bucket, inputs, output)))
 
 
 def dummy_batch(bucket: Bucket) -> np.ndarray:

@@ -41,10 +41,15 @@ class Job:
 
     `ids` [T] holds every sequence's token ids back to back (`offsets` [P + 1]),
     `types` the token type ids alike (sentence pairs) or None for zeros.
+    `output`: `pooled` fills `out` [P, D], one vector per sequence; `tokens`
+    fills `out` [T, D], one per token (TEI's /embed_all), in row order:
+    `token_vectors(p)` gives sequence p's.
     """
 
-    def __init__(self, rows: Rows, ids: np.ndarray, offsets: np.ndarray, types: np.ndarray | None, out_dim: int):
+    def __init__(self, rows: Rows, ids: np.ndarray, offsets: np.ndarray, types: np.ndarray | None, out_dim: int,
+                 output: str = "pooled"):
         self.rows = rows
+        self.output = output
         lengths = np.diff(offsets)
         order = rows.members  # sequences in row order
         src = ragged_arange(offsets[order], lengths[order])  # each token's place in `ids`, row after row
@@ -56,8 +61,16 @@ class Job:
         self.flat[2] = np.arange(len(src)) - np.repeat(np.cumsum(lengths[order]) - lengths[order], lengths[order])
         self.flat[3] = 0 if types is None else types[src]
         self.row_start = np.concatenate([[0], np.cumsum(rows.tokens)])  # [R + 1] each row's tokens in `flat`
-        self.out = np.zeros((len(lengths), out_dim), np.float32)  # [P, D] per sequence, input order
+        self.seq_start = np.empty(len(lengths), np.int64)  # each sequence's first token in `flat`
+        self.seq_start[order] = np.cumsum(lengths[order]) - lengths[order]
+        self.lengths = lengths
+        size = len(src) if output == "tokens" else len(lengths)
+        self.out = np.zeros((size, out_dim), np.float32)  # [P, D] per sequence, or [T, D] per token
         self.remaining = len(lengths)  # sequences not yet done
+
+    def token_vectors(self, p: int) -> np.ndarray:
+        """[L, D] sequence p's token vectors (a `tokens` job)."""
+        return self.out[self.seq_start[p] : self.seq_start[p] + self.lengths[p]]
 
 
 def assemble(bucket: Bucket, parts, jobs: dict[int, Job]) -> tuple[np.ndarray, int]:
@@ -79,8 +92,10 @@ def assemble(bucket: Bucket, parts, jobs: dict[int, Job]) -> tuple[np.ndarray, i
     return out.reshape(4, b, s), real
 
 
-def scatter(parts, pooled: np.ndarray, jobs: dict[int, Job]) -> list[int]:
-    """Copy [B, K, D] outputs to each job's sequences; returns the jobs now complete (in order, once each)."""
+def scatter(parts, result: np.ndarray, jobs: dict[int, Job]) -> list[int]:
+    """Copy a batch's outputs to its jobs: [B, K, D] per sequence, or [B, S, D] per token for `tokens` jobs.
+
+    Returns the jobs now complete (in order, once each)."""
     done = []
     first = 0
     for job_id, rows in parts:
@@ -88,10 +103,16 @@ def scatter(parts, pooled: np.ndarray, jobs: dict[int, Job]) -> list[int]:
         if job is not None:
             r = job.rows
             counts = r.starts[rows + 1] - r.starts[rows]
-            seq = r.members[ragged_arange(r.starts[rows], counts)]
-            slot = ragged_arange(np.zeros(len(rows), np.int64), counts)
-            job.out[seq] = pooled[np.repeat(first + np.arange(len(rows)), counts), slot]
-            job.remaining -= len(seq)
+            if job.output == "tokens":
+                s = result.shape[1]
+                tokens = job.row_start[rows + 1] - job.row_start[rows]
+                dst = ragged_arange((first + np.arange(len(rows))) * s, tokens)
+                job.out[ragged_arange(job.row_start[rows], tokens)] = result.reshape(-1, result.shape[-1])[dst]
+            else:
+                seq = r.members[ragged_arange(r.starts[rows], counts)]
+                slot = ragged_arange(np.zeros(len(rows), np.int64), counts)
+                job.out[seq] = result[np.repeat(first + np.arange(len(rows)), counts), slot]
+            job.remaining -= int(counts.sum())
             if job.remaining == 0:
                 done.append(job_id)
         first += len(rows)

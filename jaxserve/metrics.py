@@ -50,6 +50,8 @@ class ServerMetrics(Metrics):
         self.sequence_outcomes = Counter("jaxserve_sequences", "Model sequences by outcome: submitted, dispatched "
                                          "(to the device, for a waiting request) or dropped (its client left first)",
                                          ["outcome"], registry=r)
+        for outcome in ("submitted", "dispatched", "dropped"):
+            self.sequence_outcomes.labels(outcome)  # present from the start, zero until counted
         r.register(_Compiles())
 
     def dispatched(self, d: Dispatch, real_tokens: int, oldest_wait_s: float) -> None:

@@ -12,6 +12,13 @@ LONG = {"type": "string", "enum": ["truncate", "chunk", "error"],
 PROMPT = {"prompt_name": {"type": "string", "description": "one of the model's prompts (/info), put before each input"},
           "prompt": {"type": "string", "description": "a prompt text put before each input (not with prompt_name)"}}
 
+DIRECTION = {"type": "string", "enum": ["Right", "Left", "right", "left"]}
+
+EMBED_BODY = {"type": "object", "required": ["inputs"], "properties": {
+    "inputs": {"oneOf": [TEXTS, TOKEN_IDS]}, "normalize": {"type": "boolean"}, "truncate": {"type": "boolean"},
+    "truncation_direction": DIRECTION, "dimensions": {"type": "integer", "minimum": 1}, "long": LONG, **PROMPT}}
+MATRIX = {"type": "array", "items": {"type": "array", "items": {"type": "number"}}}
+
 EMBEDDINGS_BODY = {
     "type": "object",
     "required": ["input"],
@@ -26,6 +33,10 @@ EMBEDDINGS_BODY = {
     },
 }
 
+TEI_ERROR = {"type": "object", "required": ["error", "error_type"],
+             "properties": {"error": {"type": "string"}, "error_type": {"type": "string", "enum": [
+                 "Unhealthy", "Backend", "Overloaded", "Validation", "Tokenizer", "Empty", "Unauthorized"]}}}
+
 ERROR = {
     "type": "object",
     "required": ["error"],
@@ -35,6 +46,7 @@ ERROR = {
 
 
 def _post(summary: str, body: dict, ok: dict) -> dict:
+    """An OpenAI-shaped route."""
     return {"post": {
         "summary": summary,
         "requestBody": {"required": True, "content": {"application/json": {"schema": body}}},
@@ -46,6 +58,23 @@ def _post(summary: str, body: dict, ok: dict) -> dict:
                 ("429", "queue or concurrency limit reached; see Retry-After"),
                 ("500", "the device step of this request's batch failed"),
                 ("503", "warming up, draining, or timed out; see Retry-After")]},
+        },
+    }}
+
+
+def _tei(summary: str, body: dict, ok: dict) -> dict:
+    """A TEI route: TEI's error shape and codes."""
+    return {"post": {
+        "summary": summary,
+        "requestBody": {"required": True, "content": {"application/json": {"schema": body}}},
+        "responses": {
+            "200": {"description": "OK", "content": {"application/json": {"schema": ok}}},
+            **{code: {"description": what, "content": {"application/json": {"schema": TEI_ERROR}}} for code, what in [
+                ("400", "an empty input (Empty)"), ("401", "missing or wrong API key"),
+                ("413", "body too large"), ("422", "invalid request (Validation, Tokenizer)"),
+                ("424", "the device step of this request's batch failed (Backend)"),
+                ("429", "queue or concurrency limit reached (Overloaded); see Retry-After"),
+                ("503", "warming up, draining, timed out or unhealthy (Unhealthy); see Retry-After")]},
         },
     }}
 
@@ -81,23 +110,38 @@ def spec(version: str) -> dict:
                                     embeddings_ok),
             "/v1/plan": _post("The plan and predicted times of an embeddings body, without running it",
                               EMBEDDINGS_BODY, {"type": "object"}),
-            "/embed": _post("text-embeddings-inference /embed", {"type": "object", "required": ["inputs"], "properties": {
-                "inputs": TEXTS, "normalize": {"type": "boolean"}, "truncate": {"type": "boolean"},
-                "truncation_direction": {"type": "string", "enum": ["Right"]}, "long": LONG, **PROMPT}},
-                {"type": "array", "items": {"type": "array", "items": {"type": "number"}}}),
-            "/tokenize": _post("text-embeddings-inference /tokenize", {"type": "object", "required": ["inputs"],
-                               "properties": {"inputs": TEXTS, "add_special_tokens": {"type": "boolean"}}},
-                               {"type": "array"}),
-            "/predict": _post("TEI /predict (classifier models)", {"type": "object", "required": ["inputs"], "properties": {
+            "/embed": _tei("TEI /embed", EMBED_BODY, MATRIX),
+            "/embed_all": _tei("TEI /embed_all: every token's last hidden state", EMBED_BODY,
+                               {"type": "array", "items": MATRIX}),
+            "/similarity": _tei("TEI /similarity: cosine of source_sentence to each of sentences", {
+                "type": "object", "required": ["inputs"], "properties": {
+                    "inputs": {"type": "object", "required": ["source_sentence", "sentences"], "properties": {
+                        "source_sentence": {"type": "string"},
+                        "sentences": {"type": "array", "items": {"type": "string"}, "minItems": 1}}},
+                    "parameters": {"type": "object", "properties": {
+                        "truncate": {"type": "boolean"}, "truncation_direction": DIRECTION, **PROMPT}}}},
+                {"type": "array", "items": {"type": "number"}}),
+            "/tokenize": _tei("TEI /tokenize", {"type": "object", "required": ["inputs"], "properties": {
+                "inputs": TEXTS, "add_special_tokens": {"type": "boolean"}, "prompt_name": PROMPT["prompt_name"]}},
+                {"type": "array"}),
+            "/decode": _tei("TEI /decode", {"type": "object", "required": ["ids"], "properties": {
+                "ids": TOKEN_IDS, "skip_special_tokens": {"type": "boolean"}}},
+                {"type": "array", "items": {"type": "string"}}),
+            "/predict": _tei("TEI /predict (classifier models)", {"type": "object", "required": ["inputs"], "properties": {
                 "inputs": {"oneOf": [{"type": "string"}, {"type": "array", "items": pair_or_text, "minItems": 1}]},
-                "raw_scores": {"type": "boolean"}, "truncate": {"type": "boolean"},
+                "raw_scores": {"type": "boolean"}, "truncate": {"type": "boolean"}, "truncation_direction": DIRECTION,
                 "top_k": {"type": "integer", "minimum": 1}}}, {"type": "array"}),
-            "/rerank": _post("TEI /rerank (cross-encoder models)", {"type": "object", "required": ["query", "texts"],
-                             "properties": {"query": {"type": "string", "minLength": 1},
-                                            "texts": {"type": "array", "items": {"type": "string"}, "minItems": 1},
-                                            "raw_scores": {"type": "boolean"}, "return_text": {"type": "boolean"},
-                                            "truncate": {"type": "boolean"}}},
-                             {"type": "array", "items": {"type": "object", "required": ["index", "score"]}}),
+            "/rerank": _tei("TEI /rerank (cross-encoder models)", {"type": "object", "required": ["query", "texts"],
+                            "properties": {"query": {"type": "string", "minLength": 1},
+                                           "texts": {"type": "array", "items": {"type": "string"}, "minItems": 1},
+                                           "raw_scores": {"type": "boolean"}, "return_text": {"type": "boolean"},
+                                           "truncate": {"type": "boolean"}, "truncation_direction": DIRECTION}},
+                            {"type": "array", "items": {"type": "object", "required": ["index", "score"]}}),
+            "/": {**_tei("TEI's root: the model kind's route (/embed, /similarity, /predict or /rerank)",
+                         {"type": "object"}, {"type": "array"}),
+                  **_get("health (as TEI's GET /)")},
+            "/invocations": _tei("SageMaker's route: as POST /", {"type": "object"}, {"type": "array"}),
+            "/ping": _get("health (SageMaker)"),
             "/classify": _post("vLLM-style /classify (classifier models)", {"type": "object", "required": ["input"],
                                "properties": {"input": TEXTS, "model": {"type": "string"}}}, {"type": "object"}),
             "/health": _get("200 when ready; 503 while warming or draining (no auth)"),

@@ -96,7 +96,10 @@ class EmbeddingService:
                  metrics: Metrics | None = None, max_inflight: int = MAX_INFLIGHT,
                  max_failures: int = MAX_CONSECUTIVE_FAILURES):
         self.engine = engine
-        self.batcher = Batcher(table, max_wait_s, max_queued)
+        # One batcher per output: pooled vectors, and token vectors (/embed_all) where the engine has them.
+        self.batchers = {"pooled": Batcher(table, max_wait_s, max_queued)}
+        if "tokens" in engine.tables:
+            self.batchers["tokens"] = Batcher(engine.tables["tokens"], max_wait_s, max_queued)
         self.timings = LiveTimings(table)  # refreshed from every device step
         self.metrics = metrics or Metrics()
         self.max_inflight = max_inflight
@@ -165,6 +168,16 @@ class EmbeddingService:
         return None
 
     @property
+    def batcher(self) -> Batcher:
+        """The batcher of pooled outputs (every route but /embed_all)."""
+        return self.batchers["pooled"]
+
+    @property
+    def queued(self) -> int:
+        """Sequences waiting, all outputs."""
+        return sum(b.queued for b in self.batchers.values())
+
+    @property
     def in_flight(self) -> int:
         return len(self._entries)
 
@@ -186,15 +199,17 @@ class EmbeddingService:
         if job.remaining == 0:
             timing.done = now
             return job.out, timing
+        if job.output not in self.batchers:
+            raise ValueError(f"this server computes no {job.output} outputs")
         future = self._loop.create_future()
         with self._lock:
             jid = next(self._ids)
-            self.batcher.submit(jid, job.rows.seqlen, job.rows.docs, now)
+            self.batchers[job.output].submit(jid, job.rows.seqlen, job.rows.docs, now)
             self._entries[jid] = _Entry(job, future, timing)
             self._lock.notify()
         self.metrics.sequences("submitted", job.remaining)
         self._idle.clear()
-        self.metrics.queue_depth(self.batcher.queued)
+        self.metrics.queue_depth(self.queued)
         try:
             await future
         finally:
@@ -205,10 +220,10 @@ class EmbeddingService:
     def cancel(self, jid: int) -> None:
         """Drop a job: its waiting rows never reach the device; rows already prepared run as padding."""
         with self._lock:
-            dropped = self.batcher.cancel(jid)
+            dropped = sum(b.cancel(jid) for b in self.batchers.values())
             self._entries.pop(jid, None)
         self.metrics.sequences("dropped", dropped)
-        self.metrics.queue_depth(self.batcher.queued)
+        self.metrics.queue_depth(self.queued)
         self._check_idle()
 
     def _answer(self, jid: int, exc: Exception | None = None) -> None:
@@ -241,14 +256,24 @@ class EmbeddingService:
             for jid in jids:
                 self._loop.call_soon_threadsafe(self._answer, jid, Draining(self.broken))
 
-    def _next(self) -> tuple[Dispatch, dict[int, Job]] | None:
-        """Block until the batcher gives a dispatch the pipeline has room for (None: stopping)."""
+    def _dispatch(self, now: float) -> tuple[str, Dispatch] | None:
+        """The next dispatch of any output, the batcher with the oldest waiting row asked first."""
+        waiting = sorted((b.oldest(), lane) for lane, b in self.batchers.items() if b.oldest() is not None)
+        for _, lane in waiting:
+            d = self.batchers[lane].next_dispatch(now, device_idle=self._pipeline < self.max_inflight)
+            if d is not None:
+                return lane, d
+        return None
+
+    def _next(self) -> tuple[str, Dispatch, dict[int, Job]] | None:
+        """Block until a batcher gives a dispatch the pipeline has room for (None: stopping)."""
         with self._lock:
             while not self._stopping:
                 now = time.monotonic()
                 if self._pipeline <= self.max_inflight:  # room on the device, or for one batch ready behind it
-                    d = self.batcher.next_dispatch(now, device_idle=self._pipeline < self.max_inflight)
-                    if d is not None:
+                    picked = self._dispatch(now)
+                    if picked is not None:
+                        lane, d = picked
                         self._pipeline += 1
                         jobs, sequences = {}, 0
                         for jid, rows in d.parts:
@@ -258,9 +283,9 @@ class EmbeddingService:
                                 if entry.timing.first_dispatch is None:
                                     entry.timing.first_dispatch = now
                         self.metrics.sequences("dispatched", sequences)
-                        return d, jobs
-                    deadline = self.batcher.next_deadline()
-                    timeout = None if deadline is None else max(0.0, deadline - now)
+                        return lane, d, jobs
+                    deadlines = [t for b in self.batchers.values() if (t := b.next_deadline()) is not None]
+                    timeout = max(0.0, min(deadlines) - now) if deadlines else None
                 else:
                     timeout = None
                 self._lock.wait(timeout)
@@ -268,13 +293,13 @@ class EmbeddingService:
 
     def _prepare_loop(self) -> None:
         while (nxt := self._next()) is not None:
-            d, jobs = nxt
-            self.metrics.queue_depth(self.batcher.queued)
+            lane, d, jobs = nxt
+            self.metrics.queue_depth(self.queued)
             start = time.perf_counter()
             inputs, real_tokens = assemble(d.bucket, d.parts, jobs)
             assembled = time.perf_counter()
             try:
-                prepared = self.engine.put(d.bucket, inputs)
+                prepared = self.engine.put(d.bucket, inputs, lane)
             except Exception as exc:
                 self._fail(d, jobs, exc)
                 continue
@@ -335,7 +360,8 @@ class EmbeddingService:
         with self._lock:
             self._pipeline -= 1
             for jid in jobs:
-                self.batcher.cancel(jid)
+                for b in self.batchers.values():
+                    b.cancel(jid)
             self._lock.notify()
         error = DeviceError(f"the batch at {d.bucket.shape} failed: {type(exc).__name__}: {exc}")
         for jid in jobs:
@@ -343,10 +369,12 @@ class EmbeddingService:
 
 
 def run_jobs(engine: Engine, table: BucketTable, jobs: list[Job], max_inflight: int = MAX_INFLIGHT) -> list[Dispatch]:
-    """Run jobs to completion in this thread, through a batcher of their own; returns the dispatches that ran.
+    """Run jobs (of one output, on its `table`) to completion in this thread, through a batcher of their own;
+    returns the dispatches that ran.
 
     The same steps as the server's pipeline: batch i+1 is assembled and
     launched before batch i is waited on."""
+    output = jobs[0].output if jobs else "pooled"
     batcher = Batcher(table, math.inf, max(1, sum(int(j.rows.docs.sum()) for j in jobs)))
     by_id = dict(enumerate(jobs))
     for jid, job in by_id.items():
@@ -357,7 +385,7 @@ def run_jobs(engine: Engine, table: BucketTable, jobs: list[Job], max_inflight: 
         d = batcher.next_dispatch(0.0, device_idle=True) if len(inflight) < max_inflight else None
         if d is not None:
             inputs, _ = assemble(d.bucket, d.parts, by_id)
-            inflight.append((d, engine.launch(engine.put(d.bucket, inputs))))
+            inflight.append((d, engine.launch(engine.put(d.bucket, inputs, output))))
             ran.append(d)
         elif inflight:
             done, result = inflight.popleft()

@@ -108,11 +108,15 @@ class TextTokenizer:
         return self.max_length - self.num_special
 
     @functools.cached_property
-    def _truncating(self) -> Tokenizer:
-        """A copy that truncates to the model's length itself (the shared one must not: documents are windowed)."""
-        tok = Tokenizer.from_str(self.tokenizer.to_str())
-        tok.enable_truncation(self.max_length, strategy="longest_first")
-        return tok
+    def _truncating(self) -> dict[str, Tokenizer]:
+        """Copies that truncate to the model's length themselves, cutting the right or the left end
+        (the shared one must not truncate: documents are windowed)."""
+        out = {}
+        for direction in ("right", "left"):
+            tok = Tokenizer.from_str(self.tokenizer.to_str())
+            tok.enable_truncation(self.max_length, strategy="longest_first", direction=direction)
+            out[direction] = tok
+        return out
 
     def encode_bodies(self, texts: list[str]) -> list[np.ndarray]:
         """Token ids of each text, without special tokens and untruncated."""
@@ -128,23 +132,23 @@ class TextTokenizer:
         return self.documents(texts).seqs
 
     def documents(self, texts: list[str], long: str = "truncate", overlap: int = DEFAULT_CHUNK_OVERLAP,
-                  prompt: str | None = None) -> Pieces:
+                  prompt: str | None = None, direction: str = "right") -> Pieces:
         """Texts -> model sequences: a long one truncated (one tokenizer call), split into windows, or refused.
 
         `prompt` goes in front of every text, as sentence-transformers puts it: the
         strings joined before tokenizing, so its tokens count toward the length limit.
-        In chunk mode every window starts with the prompt's tokens."""
+        In chunk mode every window starts with the prompt's tokens. `direction`: which end truncation cuts."""
         if long not in LONG_MODES:
             raise InputError(f"unknown long-input mode {long!r}; choose from {', '.join(LONG_MODES)}")
         if long == "truncate":
             if prompt:
                 texts = [prompt + t for t in texts]
-            ids, offsets, _ = flat_ids(self._truncating.encode_batch_fast(texts))
+            ids, offsets, _ = flat_ids(self._truncating[direction].encode_batch_fast(texts))
             n = len(texts)
             return Pieces(ids, offsets, np.arange(n), np.maximum(np.diff(offsets) - self.num_special, 1).astype(float))
-        return self.pieces(self.encode_bodies(texts), long, overlap, prompt)
+        return self.pieces(self.encode_bodies(texts), long, overlap, prompt, direction)
 
-    def pairs(self, inputs: list, truncate: bool = True) -> Pieces:
+    def pairs(self, inputs: list, truncate: bool = True, direction: str = "right") -> Pieces:
         """Texts (one sequence each) and (text, text) pairs ([CLS] a [SEP] b [SEP], token types 0 then 1), mixed.
 
         Truncation is the tokenizer's `longest_first`, as transformers and
@@ -156,14 +160,14 @@ class TextTokenizer:
                 if len(e.ids) > self.max_length:
                     raise TooLongError(f"input {i} has {len(e.ids)} tokens, over the model's limit of "
                                        f"{self.max_length} (allow truncation)")
-        ids, offsets, types = flat_ids(self._truncating.encode_batch(items), with_types=True)
+        ids, offsets, types = flat_ids(self._truncating[direction].encode_batch(items), with_types=True)
         n = len(items)
         return Pieces(ids, offsets, np.arange(n), np.ones(n), types)
 
     def pieces(self, bodies: list[np.ndarray], long: str = "truncate", overlap: int = DEFAULT_CHUNK_OVERLAP,
-               prompt: str | None = None) -> Pieces:
-        """Document bodies (no special tokens) -> model sequences, a long one truncated, windowed or refused;
-        each starts with `prompt`'s tokens."""
+               prompt: str | None = None, direction: str = "right") -> Pieces:
+        """Document bodies (no special tokens) -> model sequences, a long one truncated (cutting the
+        `direction` end), windowed or refused; each starts with `prompt`'s tokens."""
         if long not in LONG_MODES:
             raise InputError(f"unknown long-input mode {long!r}; choose from {', '.join(LONG_MODES)}")
         if prompt:
@@ -171,13 +175,13 @@ class TextTokenizer:
             if len(head) >= self.max_body:
                 raise InputError(f"the prompt has {len(head)} tokens, leaving no room for text within "
                                  f"the model's limit of {self.max_length}")
-            return self._prefixed(bodies, head, long, overlap)
+            return self._prefixed(bodies, head, long, overlap, direction)
         seqs, doc, weight = [], [], []
         w = self.max_body
         for i, body in enumerate(bodies):
             n = len(body)
             if n <= w or long == "truncate":
-                starts = [0]
+                starts = [0 if direction == "right" else max(0, n - w)]
             elif long == "error":
                 raise TooLongError(
                     f"input {i} has {n + self.num_special} tokens, over the model's limit of {self.max_length} "
@@ -193,12 +197,33 @@ class TextTokenizer:
                 weight.append(max(len(window), 1))
         return from_sequences(seqs, np.asarray(doc, np.int64), np.asarray(weight, np.float64))
 
-    def _prefixed(self, bodies: list[np.ndarray], head: np.ndarray, long: str, overlap: int) -> Pieces:
+    def _prefixed(self, bodies: list[np.ndarray], head: np.ndarray, long: str, overlap: int, direction: str) -> Pieces:
         """`pieces` with `head` (a prompt's tokens) in front of every window, counted in its width."""
         narrower = dataclasses.replace(self, max_length=self.max_length - len(head))
-        plain = narrower.pieces(bodies, long, overlap)
+        plain = narrower.pieces(bodies, long, overlap, direction=direction)
         seqs = [np.concatenate([s[: len(self.prefix)], head, s[len(self.prefix):]]) for s in plain.seqs]
         return from_sequences(seqs, plain.doc, plain.weight)
+
+
+def openai_token_texts(token_ids: list[np.ndarray], model: str | None) -> list[str]:
+    """Token-id inputs as OpenAI's clients mean them (tiktoken's ids for `model`, else cl100k_base) -> texts.
+
+    LangChain's OpenAIEmbeddings sends such ids by default; read as this model's own
+    vocabulary they would give vectors unrelated to the text."""
+    try:
+        import tiktoken
+
+        try:
+            encoding = tiktoken.encoding_for_model(model or "")
+        except KeyError:
+            encoding = tiktoken.get_encoding("cl100k_base")
+    except Exception as exc:  # not installed, or its data cannot be fetched (offline): say so
+        raise InputError(f"token-id inputs are read as OpenAI's tokenizer (tiktoken), which is unavailable here "
+                         f"({type(exc).__name__}: {exc}); send text, or start the server with --token-ids model") from None
+    try:
+        return [encoding.decode(ids.tolist()) for ids in token_ids]
+    except Exception as exc:
+        raise InputError(f"token ids outside {encoding.name}'s vocabulary of {encoding.n_vocab}: {exc}") from None
 
 
 def from_sequences(seqs: list[np.ndarray], doc: np.ndarray, weight: np.ndarray,

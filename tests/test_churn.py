@@ -65,8 +65,9 @@ async def test_timed_out_request_has_none_of_its_rows_dispatched(make_server, ti
     watched = slow(tiny_enc, delay=1.0)
     client = await make_server(watched, request_timeout_s=0.3, max_inflight=1, max_wait_ms=0)
     service = client.app[STATE].service
-    busy = [asyncio.create_task(client.post("/v1/embeddings", json={"input": ["the model"] * 3})) for _ in range(2)]
-    await asyncio.sleep(0.05)  # one on the device for 1 s, one prepared behind it: both time out, but run
+    full = {"input": ["the model " * 20] * 8}  # 8 documents of 32 tokens: a full (4, 64) batch each
+    busy = [asyncio.create_task(client.post("/v1/embeddings", json=full)) for _ in range(2)]
+    await asyncio.sleep(0.1)  # one on the device for 1 s, one prepared behind it: both time out, but run
     started = time.monotonic()
     late = await client.post("/v1/embeddings", json={"input": ["a batch"]})
     assert late.status == 503 and (await late.json())["error"]["type"] == "timeout"
@@ -120,7 +121,7 @@ class Fatal(BaseException):
 
 async def test_health_turns_503_when_a_pipeline_thread_dies(make_server, tiny_enc):
     class Dying(SlowEngine):
-        def put(self, bucket, inputs):
+        def put(self, bucket, inputs, output="pooled"):
             raise Fatal("the prepare thread is gone")
 
     client = await make_server(dataclasses.replace(tiny_enc, engine=Dying(tiny_enc.engine)), max_wait_ms=0)

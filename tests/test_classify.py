@@ -103,10 +103,12 @@ async def test_predict_and_classify_routes(make_server, classifier):
     assert [d["index"] for d in body["data"]] == [0, 1, 2, 3] and body["data"][0]["num_classes"] == 3
     np.testing.assert_allclose([d["probs"] for d in body["data"]], want, atol=1e-5)
     assert [d["label"] for d in body["data"]] == [enc.head.labels[i] for i in want.argmax(1)]
-    for route, payload in [("/v1/embeddings", {"input": ["x"]}), ("/embed", {"inputs": ["x"]}),
-                           ("/rerank", {"query": "q", "texts": ["x"]})]:
-        resp = await client.post(route, json=payload)
-        assert resp.status == 400 and "needs" in (await resp.json())["error"]["message"]
+    resp = await client.post("/v1/embeddings", json={"input": ["x"]})
+    assert resp.status == 400 and "needs" in (await resp.json())["error"]["message"]
+    for route, payload in [("/embed", {"inputs": ["x"]}), ("/rerank", {"query": "q", "texts": ["x"]})]:
+        resp = await client.post(route, json=payload)  # TEI's routes: TEI's shape and code
+        body = await resp.json()
+        assert resp.status == 422 and "needs" in body["error"] and body["error_type"] == "Validation"
 
 
 async def test_rerank_route_sorts_by_score(make_server, cross_encoder):
@@ -124,7 +126,7 @@ async def test_rerank_route_sorts_by_score(make_server, cross_encoder):
     raw = await (await client.post("/rerank", json={"query": "the query", "texts": texts, "raw_scores": True})).json()
     np.testing.assert_allclose(sorted(g["score"] for g in raw), np.sort(logits), atol=1e-4)
     too_long = await client.post("/rerank", json={"query": "q", "texts": ["the " * 100], "truncate": False})
-    assert too_long.status == 413
-    assert (await client.post("/rerank", json={"query": "", "texts": ["x"]})).status == 400
+    assert too_long.status == 422 and (await too_long.json())["error_type"] == "Validation"
+    assert (await client.post("/rerank", json={"query": "", "texts": ["x"]})).status == 422
     assert (await client.post("/v1/embeddings", json={"input": ["x"]})).status == 400
     assert (await client.post("/rerank", json={"query": "q", "texts": ["x"]})).status == 200

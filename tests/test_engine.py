@@ -41,7 +41,7 @@ def test_shape_outside_table_raises(warm):
     odd = fixed([(3, 16)]).buckets[0]
     pieces = enc.tokenizer.documents(["the model"])
     jobs = {0: Job(pack(pieces.lengths, table), pieces.ids, pieces.offsets, None, enc.out_dim)}
-    with pytest.raises(ShapeError, match=r"not a warmed bucket"):
+    with pytest.raises(ShapeError, match=r"not a warmed pooled bucket"):
         enc.engine.run(odd, assemble(odd, ((0, np.array([0])),), jobs)[0])
     before = compiles.xla_compiles_total()
     bucket = table.buckets[0]

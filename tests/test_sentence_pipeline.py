@@ -121,11 +121,13 @@ async def test_prompts_over_http(make_server, full):
     free = await client.post("/embed", json={"inputs": TEXTS, "prompt": "represent this: "})
     assert cosine_rows(await free.json(), st.encode(TEXTS, prompt="represent this: ")).min() >= 0.99999
     bad = await client.post("/embed", json={"inputs": TEXTS, "prompt_name": "passage"})
+    assert bad.status == 422 and "'query', 'document'" in (await bad.json())["error"]  # TEI's shape there
+    bad = await client.post("/v1/embeddings", json={"input": TEXTS, "prompt_name": "passage"})
     assert bad.status == 400 and "'query', 'document'" in (await bad.json())["error"]["message"]
     both = await client.post("/v1/embeddings", json={"input": TEXTS, "prompt_name": "query", "prompt": "x"})
     assert both.status == 400
     wrong_type = await client.post("/embed", json={"inputs": TEXTS, "prompt_name": 3})
-    assert wrong_type.status == 400
+    assert wrong_type.status == 422
     info = await (await client.get("/info")).json()
     assert info["prompts"] == PROMPTS and info["default_prompt_name"] == "document" and info["dimensions"] == 24
     assert [d["out"] for d in info["dense_layers"]] == [48, 24]

@@ -90,7 +90,8 @@ async def test_chunked_long_input_through_the_api(server, minilm_warm, minilm_re
     refused = await server.post("/v1/embeddings", json={"input": [long_text], "long": "error"})
     assert refused.status == 400 and "over the model's limit of 256" in (await refused.json())["error"]["message"]
     tei = await server.post("/embed", json={"inputs": [long_text], "truncate": False})
-    assert tei.status == 413
+    assert tei.status == 422  # TEI's status and shape for a validation error
+    assert (await tei.json())["error_type"] == "Validation" and "limit of 256" in (await tei.json())["error"]
 
 
 async def test_tokenize_health_info_metrics(server):

@@ -17,6 +17,8 @@ from conftest import TINY_TABLE, SlowEngine
 from jaxserve import Encoder
 
 GOOD = {"input": ["the model", "a query"]}
+TEI_PATHS = ("/embed", "/embed_all", "/similarity", "/predict", "/rerank", "/tokenize", "/decode")
+TEI_ERROR_TYPES = ("Unhealthy", "Backend", "Overloaded", "Validation", "Tokenizer", "Empty")
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +48,7 @@ BAD = [
     ("POST", "/v1/embeddings", {"input": ["ok", 3.5]}, 400, "`input[1]` must be a string"),
     ("POST", "/v1/embeddings", {"input": ["ok", None]}, 400, "`input[1]` must be a string"),
     ("POST", "/v1/embeddings", {"input": [[1, 2], [-1]]}, 400, "non-negative token ids"),
-    ("POST", "/v1/embeddings", {"input": [[1, 99999]]}, 400, "outside the vocabulary"),
+    ("POST", "/v1/embeddings", {"input": [[1, 2**20]]}, 400, "outside cl100k_base's vocabulary"),
     ("POST", "/v1/embeddings", {"input": [[1, 2**40]]}, 400, "non-negative token ids"),
     ("POST", "/tokenize", {"inputs": ["ok"], "add_special_tokens": None}, 200, ""),
     ("POST", "/v1/embeddings", {"input": ["x"] * 9}, 413, "at most 8 per request"),
@@ -58,13 +60,23 @@ BAD = [
     ("POST", "/v1/embeddings", {"input": ["ok"], "dimensions": 33}, 400, "`dimensions`"),
     ("POST", "/v1/embeddings", {"input": ["ok"], "model": 7}, 400, "`model` must be a string"),
     ("POST", "/v1/embeddings", b"[" * 30000 + b"]" * 30000, 413, "request body over"),
-    ("POST", "/embed", {"inputs": "the " * 40, "truncate": False}, 413, "over the model's limit"),
-    ("POST", "/embed", {"inputs": ["ok"], "normalize": "yes"}, 400, "`normalize` must be true or false"),
-    ("POST", "/embed", {"inputs": ["ok"], "truncation_direction": "Left"}, 400, "truncation_direction"),
-    ("POST", "/embed", {"input": ["ok"]}, 400, "missing required field `inputs`"),
-    ("POST", "/tokenize", {"inputs": [1]}, 400, "`inputs[0]` must be a string"),
-    ("POST", "/rerank", {"query": "q", "texts": ["x"]}, 400, "/rerank needs a sequence-classification"),
-    ("POST", "/predict", {"inputs": ["x"]}, 400, "/predict needs a sequence-classification"),
+    # TEI's routes answer in TEI's shape and codes: Validation 422, Empty 400, body too large 413
+    ("POST", "/embed", {"inputs": "the " * 40, "truncate": False}, 422, "over the model's limit"),
+    ("POST", "/embed", {"inputs": ["ok"], "normalize": "yes"}, 422, "`normalize` must be true or false"),
+    ("POST", "/embed", {"inputs": ["ok"], "truncation_direction": "Up"}, 422, "truncation_direction"),
+    ("POST", "/embed", {"input": ["ok"]}, 422, "missing required field `inputs`"),
+    ("POST", "/embed", {"inputs": []}, 400, "must not be empty"),
+    ("POST", "/embed", {"inputs": ["x"] * 9}, 422, "at most 8 per request"),
+    ("POST", "/embed", b"{not json", 422, "not valid JSON"),
+    ("POST", "/embed", b"[" * 30000 + b"]" * 30000, 413, "request body over"),
+    ("POST", "/embed", {"inputs": ["ok"], "prompt_name": "query"}, 422, "unknown prompt_name 'query'"),
+    ("POST", "/tokenize", {"inputs": [1]}, 422, "`inputs[0]` must be a string"),
+    ("POST", "/decode", {"ids": [[1, 10**6]]}, 422, "token ids from 0 to"),
+    ("POST", "/decode", {"ids": []}, 400, "must not be empty"),
+    ("POST", "/similarity", {"inputs": {"source_sentence": "a", "sentences": []}}, 400, "must not be empty"),
+    ("POST", "/similarity", {"inputs": ["a"]}, 422, "source_sentence"),
+    ("POST", "/rerank", {"query": "q", "texts": ["x"]}, 422, "/rerank needs a sequence-classification"),
+    ("POST", "/predict", {"inputs": ["x"]}, 422, "/predict needs a sequence-classification"),
     ("GET", "/v1/nothing", None, 404, "no route GET /v1/nothing"),
     ("GET", "/v1/embeddings", None, 405, "method GET is not allowed"),
     ("DELETE", "/health", None, 405, "not allowed"),
@@ -80,8 +92,11 @@ async def test_bad_input_gets_clear_json_error_and_server_keeps_serving(make_ser
     resp = await client.request(method, path, **kw)
     assert resp.status == status
     if status >= 400:
-        err = (await resp.json())["error"]
-        assert fragment in err["message"] and err["type"]
+        body = await resp.json()
+        if path.startswith("/v1/") or path not in TEI_PATHS:  # OpenAI's shape
+            assert fragment in body["error"]["message"] and body["error"]["type"]
+        else:  # TEI's
+            assert fragment in body["error"] and body["error_type"] in TEI_ERROR_TYPES
     await assert_good(client)
 
 
@@ -110,10 +125,14 @@ async def test_overload_gives_429_with_retry_after_then_recovers(make_server, ti
 async def test_auth_required_on_every_route_but_health(make_server, tiny_enc):
     client = await make_server(tiny_enc, api_key="s3cret")
     assert (await client.get("/health")).status == 200
-    for method, path in [("POST", "/v1/embeddings"), ("POST", "/embed"), ("GET", "/info"), ("GET", "/metrics")]:
+    assert (await client.get("/")).status == 200 and (await client.get("/ping")).status == 200  # probes too
+    for method, path in [("POST", "/v1/embeddings"), ("POST", "/embed"), ("POST", "/"), ("GET", "/info"),
+                         ("GET", "/metrics")]:
         resp = await client.request(method, path, json=GOOD)
         assert resp.status == 401 and resp.headers["WWW-Authenticate"] == "Bearer"
-        assert (await resp.json())["error"]["type"] == "authentication_error"
+        body = await resp.json()
+        assert (body["error"]["type"] if path.startswith("/v1") or path in ("/info", "/metrics")
+                else body["error_type"]) in ("authentication_error", "Unauthorized")
     wrong = await client.post("/v1/embeddings", json=GOOD, headers={"Authorization": "Bearer nope"})
     assert wrong.status == 401
     ok = await client.post("/v1/embeddings", json=GOOD, headers={"Authorization": "Bearer s3cret"})

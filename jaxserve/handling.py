@@ -1,0 +1,187 @@
+"""The path every model request takes, shared by the OpenAI and TEI routes.
+
+decode the body (on a thread when large) -> validate (api.py) -> tokenize and
+pack into a job (a tokenizer thread) -> the device pipeline (service.py) ->
+combine, normalise and encode the response (a respond thread when large).
+Nothing on the event loop grows with the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+
+import numpy as np
+import orjson
+from aiohttp import web
+
+from jaxserve import api
+from jaxserve.api import ApiError, EmbedRequest
+from jaxserve.batcher import QueueFull, TooLarge
+from jaxserve.encoder import normalize_rows
+from jaxserve.errors import InputError, TooLongError
+from jaxserve.explain import explain
+from jaxserve.jobs import Job
+from jaxserve.planner import pack
+from jaxserve.service import DeviceError, Draining
+from jaxserve.state import OFFLOAD_BODY_BYTES, OFFLOAD_FLOATS, RETRY_AFTER_S, STATE, AppState
+from jaxserve.tokenize import openai_token_texts
+
+
+def json_response(body, status: int = 200, headers=None) -> web.Response:
+    return web.Response(body=orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY), status=status, headers=headers,
+                        content_type="application/json")
+
+
+async def json_body(request: web.Request):
+    """The decoded body (a large one decoded on a thread); 400 for anything that is not strict UTF-8 JSON."""
+    state = request.app[STATE]
+    start = time.perf_counter()
+    raw = await request.read()  # raises 413 past client_max_size
+    try:
+        if len(raw) > OFFLOAD_BODY_BYTES:
+            body = await asyncio.get_running_loop().run_in_executor(state.tokenizer_pool, orjson.loads, raw)
+        else:
+            body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+    state.metrics.phase("parse", time.perf_counter() - start)
+    return body
+
+
+async def on_thread(state: AppState, fn, big: bool = True):
+    """fn() on a respond thread when `big`, else here (a thread hop costs more than small work)."""
+    if big:
+        return await asyncio.get_running_loop().run_in_executor(state.respond_pool, fn)
+    return fn()
+
+
+@dataclasses.dataclass
+class Ran:
+    """One request's sequences after the device: outputs, and where the time went."""
+
+    pieces: object  # tokenize.Pieces
+    job: Job  # its outputs: job.out
+    phases: dict  # seconds per phase
+    dispatched: list  # (bucket shape, rows of this request, reason, device s) of the batches that carried it
+    explain: dict | None  # the request's own batches with their predictions, when asked (taken before it queued)
+
+    @property
+    def out(self) -> np.ndarray:
+        return self.job.out
+
+    @property
+    def tokens(self) -> int:
+        return int(self.pieces.lengths.sum())
+
+
+async def run_request(state: AppState, make_pieces, want_explain: bool = False, output: str = "pooled") -> Ran:
+    """Tokenize (`make_pieces()`) and pack into a job on a thread, then through the batcher and the device."""
+    enc = state.encoder
+    service = state.service
+    table = enc.engine.tables[output]
+
+    def prepare():
+        t0 = time.perf_counter()
+        pieces = make_pieces()
+        t1 = time.perf_counter()
+        rows = pack(pieces.lengths, table)
+        width = enc.model_config.hidden_size if output == "tokens" else enc.out_dim
+        job = Job(rows, pieces.ids, pieces.offsets, pieces.types, width, output)
+        t2 = time.perf_counter()
+        explained = explain(rows, table, service.timings, pieces.doc, service.batcher.backlog(),
+                            service.batches_in_flight, state.config.max_wait_ms / 1000) if want_explain else None
+        return pieces, job, explained, {"tokenize_s": t1 - t0, "plan_s": t2 - t1}
+
+    try:
+        pieces, job, explained, phases = await asyncio.get_running_loop().run_in_executor(state.tokenizer_pool, prepare)
+    except TooLongError as err:
+        raise ApiError(400, str(err)) from None
+    except InputError as err:
+        raise ApiError(400, str(err)) from None
+    except Exception as exc:  # the tokenizer refused the text itself
+        raise ApiError(400, f"the tokenizer could not read an input: {type(exc).__name__}: {exc}",
+                       "tokenizer_error") from None
+    timeout = state.config.request_timeout_s
+    try:
+        _, timing = await asyncio.wait_for(service.run(job), timeout)
+    except asyncio.TimeoutError:
+        raise ApiError(503, f"the request did not finish within {timeout:g} s; its waiting rows were dropped",
+                       "timeout", {"Retry-After": str(RETRY_AFTER_S)}) from None
+    except TooLarge as err:
+        raise ApiError(413, f"{err} (--max-queue); send fewer or shorter inputs", "request_too_large") from None
+    except QueueFull as err:
+        raise ApiError(429, f"queue full: {err}", "rate_limit_error", {"Retry-After": str(RETRY_AFTER_S)}) from None
+    except Draining as err:
+        raise ApiError(503, str(err), "unavailable", {"Retry-After": str(RETRY_AFTER_S)}) from None
+    except DeviceError as err:
+        raise ApiError(500, str(err), "server_error") from None
+    phases.update(queue_s=timing.queue_s, service_s=timing.total_s)
+    for name in ("tokenize", "plan", "queue"):
+        state.metrics.phase(name, phases[name + "_s"])
+    state.metrics.inputs.inc(int(pieces.doc[-1]) + 1 if len(pieces.doc) else 0)
+    return Ran(pieces, job, phases, timing.batches, explained)
+
+
+def require_kind(state: AppState, kind: str, route: str) -> None:
+    head = state.encoder.head
+    if head.kind != kind:
+        what = {"embedding": "an embedding model", "classifier": "a sequence-classification or cross-encoder model"}
+        raise ApiError(400, f"{route} needs {what[kind]}; this server serves {what[head.kind]} ({state.model_name})")
+
+
+def request_prompt(state: AppState, req: EmbedRequest) -> str | None:
+    """The prompt text for a request: its own, else the server's default, else the checkpoint's."""
+    cfg = state.config
+    emb = state.encoder.embedding_config
+    if req.prompt_name is None and req.prompt is None:
+        if cfg.default_prompt is not None:
+            return cfg.default_prompt
+        return emb.prompt(cfg.default_prompt_name)
+    return emb.prompt(req.prompt_name, req.prompt)
+
+
+def embedding_pieces(state: AppState, req: EmbedRequest, openai_ids: bool = False):
+    """The request's documents as model sequences (runs on a tokenizer thread).
+
+    Token ids are the model's own vocabulary (TEI), except on OpenAI's route with
+    `--token-ids openai` (the default), where they are OpenAI's tokenizer's ids,
+    decoded to text first (`openai_token_texts`)."""
+    enc = state.encoder
+    tok = enc.tokenizer
+    prompt = request_prompt(state, req)
+    texts, token_ids = req.texts, req.token_ids
+    if token_ids is not None and openai_ids and state.config.token_ids == "openai":
+        texts, token_ids = openai_token_texts(token_ids, req.model), None
+    if token_ids is not None:
+        vocab = enc.model_config.vocab_size
+        for i, ids in enumerate(token_ids):
+            if ids.max() >= vocab:
+                raise InputError(f"input {i} has token id {int(ids.max())}, outside the vocabulary of {vocab}")
+        return tok.pieces(token_ids, req.long, prompt=prompt, direction=req.direction)
+    return tok.documents(texts, req.long, prompt=prompt, direction=req.direction)
+
+
+def vectors_of(ran: Ran, req: EmbedRequest) -> np.ndarray:
+    """Per-sequence outputs -> per-document vectors, normalised and cut to `dimensions` as asked."""
+    vectors = ran.pieces.combine(ran.out, req.count)
+    if req.normalize:
+        vectors = normalize_rows(vectors)
+    return api.shape_vectors(vectors, req.dimensions)
+
+
+async def respond(state: AppState, encode, floats: int) -> tuple[bytes, float]:
+    """Encode a response body (on a thread when it is big); returns it with the seconds it took."""
+    def timed():
+        start = time.perf_counter()
+        body = encode()
+        return body, time.perf_counter() - start
+
+    body, seconds = await on_thread(state, timed, big=floats > OFFLOAD_FLOATS)
+    state.metrics.phase("encode", seconds)
+    return body, seconds
+
+
+def bytes_response(body: bytes) -> web.Response:
+    return web.Response(body=body, content_type="application/json")

@@ -1,0 +1,90 @@
+"""OpenAI's embeddings route (and jaxserve's /v1/plan beside it) and vLLM's /classify; errors in OpenAI's shape."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import orjson
+from aiohttp import web
+
+from jaxserve import api
+from jaxserve.api import ApiError
+from jaxserve.errors import InputError
+from jaxserve.explain import explain
+from jaxserve.handling import (bytes_response, embedding_pieces, json_body, json_response, require_kind, respond,
+                               run_request, vectors_of)
+from jaxserve.planner import pack
+from jaxserve.state import STATE
+
+
+async def embeddings(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    start = time.perf_counter()
+    state.require_ready()
+    require_kind(state, "embedding", "/v1/embeddings")
+    req = api.parse_openai_embeddings(await json_body(request), state.limits, state.encoder.dim, state.config.long)
+    wants_explain = _wants_explain(request)
+    ran = await run_request(state, lambda: embedding_pieces(state, req, openai_ids=True), want_explain=wants_explain)
+    body, encode_s = await respond(
+        state, lambda: api.openai_body(vectors_of(ran, req), state.model_name, ran.tokens, req.encoding_format),
+        ran.out.size if req.encoding_format == "float" else 0)
+    if wants_explain:
+        measured = dict(ran.phases, encode_s=encode_s, total_s=time.perf_counter() - start)
+        explained = dict(ran.explain, measured=measured, dispatched=[
+            {"bucket": list(shape), "rows_of_this_request": n, "reason": reason, "device_s": device_s}
+            for shape, n, reason, device_s in ran.dispatched])
+        body = body[:-1] + b', "explain": ' + orjson.dumps(explained) + b"}"
+    return bytes_response(body)
+
+
+def _wants_explain(request: web.Request) -> bool:
+    flag = request.query.get("explain") or request.headers.get("X-Jaxserve-Explain") or ""
+    return flag.lower() in ("1", "true", "yes")
+
+
+async def plan(request: web.Request) -> web.Response:
+    """The batches of a /v1/embeddings body and their predicted times, without running the model."""
+    state = request.app[STATE]
+    state.require_ready()
+    require_kind(state, "embedding", "/v1/plan")
+    req = api.parse_openai_embeddings(await json_body(request), state.limits, state.encoder.dim, state.config.long)
+    service = state.service
+
+    def plan_only():
+        pieces = embedding_pieces(state, req, openai_ids=True)
+        rows = pack(pieces.lengths, state.table)
+        body = explain(rows, state.table, service.timings, pieces.doc, service.batcher.backlog(),
+                       service.batches_in_flight, state.config.max_wait_ms / 1000)
+        body.update(documents=req.count, sequences=pieces.count, usage={"prompt_tokens": rows.real_tokens})
+        return orjson.dumps(body)
+
+    try:
+        body = await asyncio.get_running_loop().run_in_executor(state.tokenizer_pool, plan_only)
+    except InputError as err:
+        raise ApiError(400, str(err)) from None
+    return bytes_response(body)
+
+
+async def classify(request: web.Request) -> web.Response:
+    """vLLM-style /classify: per input its best label and the probabilities of all."""
+    state = request.app[STATE]
+    state.require_ready()
+    require_kind(state, "classifier", "/classify")
+    texts = api.parse_classify(await json_body(request), state.limits)
+    truncate = state.config.long != "error"
+    ran = await run_request(state, lambda: state.encoder.prepare_pairs(texts, truncate))
+    labels = state.encoder.head.labels
+    probs = api.scores(ran.out, raw=False)
+    return json_response({
+        "id": f"classify-{time.time_ns():x}", "object": "list", "created": int(time.time()), "model": state.model_name,
+        "data": [{"index": i, "label": labels[int(p.argmax())], "probs": p.tolist(), "num_classes": len(labels)}
+                 for i, p in enumerate(probs)],
+        "usage": {"prompt_tokens": ran.tokens, "total_tokens": ran.tokens},
+    })
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/v1/embeddings", embeddings)
+    app.router.add_post("/v1/plan", plan)
+    app.router.add_post("/classify", classify)

@@ -1,0 +1,99 @@
+"""Operations routes: /health (TEI's and Kubernetes' probe), /info (TEI's fields and ours), /metrics, /openapi.json."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from jaxserve import compiles
+from jaxserve.handling import json_response
+from jaxserve.state import STATE
+
+
+async def health(request: web.Request) -> web.Response:
+    """200 when serving; 503 while warming or draining, or when the device pipeline is broken (restart me)."""
+    state = request.app[STATE]
+    if state.service is not None and state.service.draining:
+        return json_response({"status": "draining"}, status=503)
+    if not state.ready:
+        return json_response({"status": state.failed or "warming"}, status=503)
+    if (why := state.service.healthy) is not None:
+        return json_response({"status": "unhealthy", "reason": why}, status=503)
+    return json_response({"status": "ok"})
+
+
+def tei_model_type(enc) -> dict:
+    """TEI's `model_type`: {"embedding": {"pooling"}}, or {"classifier" | "reranker": {"id2label", "label2id"}}."""
+    if enc.head.kind == "embedding":
+        return {"embedding": {"pooling": enc.embedding_config.pooling}}
+    labels = enc.head.labels
+    kind = "reranker" if len(labels) == 1 else "classifier"
+    return {kind: {"id2label": {str(i): label for i, label in enumerate(labels)},
+                   "label2id": {label: i for i, label in enumerate(labels)}}}
+
+
+async def info(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    enc, cfg = state.encoder, state.config
+    body = {
+        # TEI's fields (router/src/lib.rs `Info`), which TEI clients read
+        "model_id": state.model_name, "model_sha": None, "served_model_name": state.model_name,
+        "max_concurrent_requests": cfg.max_concurrent, "max_client_batch_size": cfg.max_client_batch,
+        "max_batch_requests": None, "auto_truncate": cfg.long == "truncate", "tokenization_workers": 2,
+        "version": _version(), "sha": None, "docker_label": None,
+        # jaxserve's
+        "ready": state.ready,
+        "limits": {
+            "max_client_batch_size": cfg.max_client_batch, "max_input_chars": cfg.max_input_chars,
+            "max_body_bytes": cfg.max_body_bytes, "max_inflight_bytes": cfg.max_inflight_bytes,
+            "max_queue": cfg.max_queue, "max_wait_ms": cfg.max_wait_ms,
+            "default_long": cfg.long, "auth": cfg.api_key is not None, "token_ids": cfg.token_ids,
+        },
+    }
+    if enc is not None:
+        c, e = enc.model_config, enc.embedding_config
+        body.update({
+            "model_type": tei_model_type(enc), "model_dtype": enc.dtype, "max_input_length": e.max_seq_length,
+            "architecture": c.model_type, "family": enc.family.name, "dimensions": enc.dim,
+            "pooling": e.pooling, "normalize": e.normalize,
+            "dense_layers": [{"in": d.in_features, "out": d.out_features, "activation": d.activation} for d in e.dense],
+            "prompts": dict(e.prompts), "default_prompt_name": cfg.default_prompt_name or e.default_prompt_name,
+            "default_prompt": cfg.default_prompt,
+            "kind": enc.head.kind, "labels": list(enc.head.labels),
+        })
+    if state.table is not None:
+        import jax
+
+        body["max_batch_tokens"] = max(b.tokens for b in state.table.buckets)
+        body["device"] = {"platform": jax.devices()[0].platform, "kind": state.table.device,
+                          "count": len(jax.devices()), "memory_bytes": state.table.device_memory}
+        body["buckets"] = state.table.to_json()
+        body["xla_compiles_total"] = compiles.xla_compiles_total()
+    return json_response(body)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    if state.service is not None:
+        state.metrics.queue_depth(state.service.queued)
+    return web.Response(body=state.metrics.render(), content_type="text/plain", charset="utf-8")
+
+
+async def openapi_json(request: web.Request) -> web.Response:
+    from jaxserve.openapi import spec
+
+    return json_response(spec(_version()))
+
+
+def _version() -> str:
+    from jaxserve import __version__
+
+    return __version__
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_get("/health", health)
+    app.router.add_get("/", health)  # TEI's (and some load balancers') probe
+    app.router.add_get("/ping", health)  # SageMaker's
+    app.router.add_get("/info", info)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/openapi.json", openapi_json)

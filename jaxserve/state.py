@@ -1,0 +1,104 @@
+"""What the HTTP handlers share: the server's configuration, its limits (each with its reason) and its state."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+
+from aiohttp import web
+
+from jaxserve import checkpoint
+from jaxserve.api import ApiError, Limits
+from jaxserve.buckets import BucketTable
+from jaxserve.encoder import Encoder
+from jaxserve.metrics import ServerMetrics
+from jaxserve.service import MAX_INFLIGHT, EmbeddingService
+
+# Limits, each with its reason.
+MAX_BODY_BYTES = 16 * 2**20  # 1024 inputs of ~16 k characters; larger bodies are refused before parsing (413)
+MAX_CLIENT_BATCH = 1024  # inputs per request: a 100-document request with room to spare
+MAX_INPUT_CHARS = 100_000  # characters per input: ~25 k tokens, ~100 chunk windows at most
+MAX_QUEUE = 4096  # sequences waiting for the device; past it, 429 (memory stays bounded)
+MAX_WAIT_MS = 5.0  # batch window: how long a partial batch may wait for company while the device is busy
+DRAIN_TIMEOUT_S = 30.0  # SIGTERM: how long accepted work may take to finish
+RETRY_AFTER_S = 1  # told to clients on 429/503
+MAX_CONCURRENT_REQUESTS = 512  # model requests being handled at once; past it, 429 (bounds tokenizer and queue work)
+MAX_INFLIGHT_BODY_BYTES = 256 * 2**20  # bytes of request bodies being handled at once; past it, 429 (bounds memory
+# before the queue: 16 full-size bodies, or thousands of ordinary ones)
+REQUEST_TIMEOUT_S = 60.0  # a model request still unanswered after this gets 503 and its waiting rows are dropped
+OFFLOAD_BODY_BYTES = 64 * 2**10  # bodies larger than this are decoded on a thread, not on the event loop
+OFFLOAD_FLOATS = 16_384  # responses with more floats than this are encoded on a thread
+TOKEN_ID_MODES = ("openai", "model")  # whose ids /v1/embeddings' token-id inputs are
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    model: str | None = None  # checkpoint dir or hub id; None = $JAXSERVE_MODEL, else bundled all-MiniLM-L6-v2
+    model_name: str | None = None  # name reported in responses (default: the model argument or directory name)
+    dtype: str = "auto"  # float32 on CPU, bfloat16 on accelerators
+    buckets: str = "auto"  # a bucket table JSON file, or auto (derived for this device)
+    ladder: str = "default"
+    layout: str = "packed"
+    max_wait_ms: float = MAX_WAIT_MS
+    max_queue: int = MAX_QUEUE
+    max_client_batch: int = MAX_CLIENT_BATCH
+    max_input_chars: int = MAX_INPUT_CHARS
+    max_body_bytes: int = MAX_BODY_BYTES
+    long: str = "truncate"  # default for inputs over the model's limit
+    default_prompt_name: str | None = None  # for requests naming no prompt (default: the checkpoint's)
+    default_prompt: str | None = None  # ... or this text
+    api_key: str | None = None
+    max_concurrent: int = MAX_CONCURRENT_REQUESTS
+    max_inflight_bytes: int = MAX_INFLIGHT_BODY_BYTES
+    request_timeout_s: float = REQUEST_TIMEOUT_S
+    cache_dir: str | None = None  # persistent compilation cache; None = default location
+    use_cache: bool = True
+    max_inflight: int = MAX_INFLIGHT  # batches on the device at once
+    devices: int | str = 1  # local devices sharing each batch (data parallel), or "all"
+    token_ids: str = "openai"  # token-id inputs on /v1/embeddings: OpenAI's tokenizer's (tiktoken), or the model's
+    embed_all: bool = True  # compile token outputs for TEI's /embed_all (one more shape per seqlen)
+
+    def __post_init__(self):
+        if self.token_ids not in TOKEN_ID_MODES:
+            raise ValueError(f"token_ids must be one of {', '.join(TOKEN_ID_MODES)}, not {self.token_ids!r}")
+        if self.default_prompt_name is not None and self.default_prompt is not None:
+            raise ValueError("give default_prompt_name or default_prompt, not both")
+        if self.max_queue < self.max_client_batch:
+            raise ValueError(f"max_queue ({self.max_queue}) must be at least max_client_batch ({self.max_client_batch})")
+
+
+class AppState:
+    """Everything the handlers share; `ready` once the buckets are warm."""
+
+    def __init__(self, config: ServerConfig, encoder: Encoder | None):
+        self.config = config
+        self.encoder = encoder
+        self.metrics = ServerMetrics()
+        self.service: EmbeddingService | None = None
+        self.table: BucketTable | None = None
+        self.ready = False
+        self.failed: str | None = None
+        # Work that grows with the request, off the event loop: decoding, tokenizing, packing, explaining ...
+        self.tokenizer_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="jaxserve-tokenize")
+        # ... and combining, normalising and encoding responses (its own threads: never behind tokenizing).
+        self.respond_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="jaxserve-respond")
+        self.limits = Limits(config.max_client_batch, config.max_input_chars)
+        self.active = 0  # model requests being handled
+        self.active_bytes = 0  # bytes of their bodies
+
+    @property
+    def model_name(self) -> str:
+        return self.config.model_name or checkpoint.named(self.config.model) or "sentence-transformers/all-MiniLM-L6-v2"
+
+    def require_ready(self) -> None:
+        if self.service is not None and self.service.draining:
+            raise ApiError(503, "the server is draining; retry on another replica", "unavailable",
+                           {"Retry-After": str(RETRY_AFTER_S)})
+        if not self.ready:
+            raise ApiError(503, self.failed or "the model is warming up", "unavailable",
+                           {"Retry-After": str(RETRY_AFTER_S)})
+        if (why := self.service.healthy) is not None:
+            raise ApiError(503, f"this replica is unhealthy: {why}", "unavailable", {"Retry-After": str(RETRY_AFTER_S)})
+
+
+STATE = web.AppKey("state", AppState)

@@ -1,0 +1,166 @@
+"""TEI's routes as TEI's router answers them: POST / by model kind, /similarity, /embed_all, /decode,
+mixed texts and pairs on /predict, left truncation, and TEI's error shape and codes (tiny models, loopback)."""
+
+import json
+
+import numpy as np
+import pytest
+
+import tiny
+from conftest import TINY_TABLE, cosine_rows
+from jaxserve import Encoder
+
+TEXTS = ["the model", "a batch of jax documents is the query", "x", "hello, world! 42"]
+
+
+@pytest.fixture(scope="module")
+def embedder(tmp_path_factory):
+    path = tiny.write_checkpoint(tmp_path_factory.mktemp("tei") / "emb")
+    return path, Encoder.from_pretrained(str(path), buckets=TINY_TABLE)
+
+
+@pytest.fixture(scope="module")
+def classifier(tmp_path_factory):
+    path = tiny.write_checkpoint(tmp_path_factory.mktemp("tei") / "cls", num_labels=3)
+    return path, Encoder.from_pretrained(str(path), buckets=TINY_TABLE)
+
+
+@pytest.fixture(scope="module")
+def reranker(tmp_path_factory):
+    path = tiny.write_checkpoint(tmp_path_factory.mktemp("tei") / "rr", num_labels=1)
+    return path, Encoder.from_pretrained(str(path), buckets=TINY_TABLE)
+
+
+async def test_root_embeds_or_compares_for_an_embedding_model(make_server, embedder):
+    _, enc = embedder
+    client = await make_server(enc)
+    resp = await client.post("/", json={"inputs": TEXTS})
+    assert resp.status == 200
+    np.testing.assert_allclose(await resp.json(), enc.embed(TEXTS, normalize=True), atol=1e-5)
+    same = await client.post("/invocations", json={"inputs": TEXTS[:1]})
+    np.testing.assert_allclose(await same.json(), enc.embed(TEXTS[:1], normalize=True), atol=1e-5)
+    sim = await client.post("/", json={"inputs": {"source_sentence": TEXTS[0], "sentences": TEXTS[1:]}})
+    vectors = enc.embed(TEXTS, normalize=True)
+    np.testing.assert_allclose(await sim.json(), vectors[1:] @ vectors[0], atol=1e-5)
+    assert (await client.get("/")).status == 200  # TEI's GET / is its health probe
+
+
+async def test_similarity_route(make_server, embedder):
+    _, enc = embedder
+    client = await make_server(enc)
+    body = {"inputs": {"source_sentence": "the query", "sentences": TEXTS}, "parameters": {"truncate": True}}
+    got = await (await client.post("/similarity", json=body)).json()
+    want = cosine_rows(enc.embed(TEXTS), np.broadcast_to(enc.embed(["the query"]), (len(TEXTS), enc.dim)))
+    np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+async def test_embed_all_returns_every_tokens_hidden_state(make_server, embedder):
+    path, enc = embedder
+    client = await make_server(enc)
+    resp = await client.post("/embed_all", json={"inputs": TEXTS})
+    assert resp.status == 200
+    got = await resp.json()
+    cfg = json.loads((path / "config.json").read_text())
+    tensors = tiny.random_tensors(cfg)
+    for tokens, ids in zip(got, enc.tokenizer.encode(TEXTS)):
+        np.testing.assert_allclose(tokens, tiny.reference_hidden(tensors, cfg, ids), atol=2e-5)
+    single = await (await client.post("/embed_all", json={"inputs": "the model"})).json()
+    assert np.asarray(single).shape == (1, 4, 32)
+
+
+async def test_decode_and_tokenize_round_trip(make_server, embedder):
+    _, enc = embedder
+    client = await make_server(enc)
+    ids = [[int(t) for t in seq] for seq in enc.tokenizer.encode(TEXTS)]
+    got = await (await client.post("/decode", json={"ids": ids})).json()
+    tok = enc.tokenizer.tokenizer
+    assert got == [tok.decode(i, skip_special_tokens=True) for i in ids] and "the model" in got[0]
+    kept = await (await client.post("/decode", json={"ids": ids[0], "skip_special_tokens": False})).json()
+    assert kept == [tok.decode(ids[0], skip_special_tokens=False)]
+    tokens = await (await client.post("/tokenize", json={"inputs": TEXTS[0]})).json()
+    assert [t["id"] for t in tokens[0]] == ids[0]
+
+
+async def test_left_truncation_keeps_the_end(make_server, embedder):
+    _, enc = embedder
+    client = await make_server(enc)
+    long = "x " * 100 + "the model"
+    left = await (await client.post("/embed", json={"inputs": [long], "truncation_direction": "Left"})).json()
+    right = await (await client.post("/embed", json={"inputs": [long], "truncation_direction": "right"})).json()
+    (ids,) = enc.tokenizer.documents([long], direction="left").seqs
+    assert ids[-2] == enc.tokenizer.encode(["model"])[0][1]  # the end survives
+    assert not np.allclose(left, right, atol=1e-3)
+
+
+async def test_root_predicts_for_a_classifier_and_mixes_texts_and_pairs(make_server, classifier):
+    _, enc = classifier
+    client = await make_server(enc)
+    mixed = ["ab", ["a premise", "a hypothesis"], "the model"]
+    want = enc.classify(["ab", ("a premise", "a hypothesis"), "the model"])
+    got = await (await client.post("/", json={"inputs": mixed, "raw_scores": True})).json()
+    for preds, logits in zip(got, want):
+        assert max(p["score"] for p in preds) == pytest.approx(logits.max(), abs=1e-4)
+    # "ab" is one text: not the pair ("a", "b")
+    np.testing.assert_allclose(enc.classify(["ab"]), want[:1], atol=1e-6)
+    assert not np.allclose(enc.classify([("a", "b")]), want[:1], atol=1e-3)
+    # as TEI, a list of exactly two texts is one pair, answered unwrapped
+    pair = await (await client.post("/predict", json={"inputs": ["a premise", "a hypothesis"], "raw_scores": True})).json()
+    assert max(p["score"] for p in pair) == pytest.approx(want[1].max(), abs=1e-4)
+
+
+async def test_root_reranks_for_a_cross_encoder(make_server, reranker):
+    _, enc = reranker
+    client = await make_server(enc)
+    texts = ["the model is a document", "x", "jax"]
+    got = await (await client.post("/", json={"query": "the query", "texts": texts, "raw_scores": True})).json()
+    want = enc.rerank("the query", texts)
+    assert [g["index"] for g in got] == list(np.argsort(-want))
+    info = await (await client.get("/info")).json()
+    assert info["model_type"] == {"reranker": {"id2label": {"0": "label_a"}, "label2id": {"label_a": 0}}}
+
+
+async def test_info_has_the_fields_tei_clients_read(make_server, embedder):
+    _, enc = embedder
+    client = await make_server(enc, max_client_batch=64, max_queue=128)
+    info = await (await client.get("/info")).json()
+    assert info["model_type"] == {"embedding": {"pooling": "mean"}}
+    for key in ("model_id", "model_sha", "model_dtype", "max_concurrent_requests", "max_input_length",
+                "max_batch_tokens", "max_batch_requests", "max_client_batch_size", "auto_truncate",
+                "tokenization_workers", "version"):
+        assert key in info, key
+    assert info["max_client_batch_size"] == 64 and info["auto_truncate"] and info["max_input_length"] == 64
+
+
+@pytest.mark.parametrize("route, body, status, kind", [
+    ("/embed", {"inputs": []}, 400, "Empty"),
+    ("/embed", {"inputs": ["ok"], "truncate": False, "long": "nope"}, 422, "Validation"),
+    ("/embed", {"inputs": ["the " * 100], "truncate": False}, 422, "Validation"),
+    ("/embed_all", {"inputs": ["x"], "long": "chunk"}, 422, "Validation"),
+    ("/", {"inputs": 5}, 422, "Validation"),
+])
+async def test_tei_errors_have_teis_shape_and_codes(make_server, embedder, route, body, status, kind):
+    _, enc = embedder
+    client = await make_server(enc)
+    resp = await client.post(route, json=body)
+    assert resp.status == status
+    err = await resp.json()
+    assert set(err) == {"error", "error_type"} and err["error_type"] == kind and isinstance(err["error"], str)
+    assert (await client.post("/embed", json={"inputs": "ok"})).status == 200
+
+
+async def test_openai_token_ids_are_read_as_openais_tokenizer_unless_told_otherwise(make_server, embedder):
+    """LangChain's default sends tiktoken ids: read as the model's vocabulary they would embed other text."""
+    import tiktoken
+
+    _, enc = embedder
+    cl100k = tiktoken.get_encoding("cl100k_base")
+    ids = [cl100k.encode(t) for t in TEXTS]
+    client = await make_server(enc)
+    got = await (await client.post("/v1/embeddings", json={"input": ids, "encoding_format": "float"})).json()
+    np.testing.assert_allclose([d["embedding"] for d in got["data"]], enc.embed(TEXTS, normalize=True), atol=1e-5)
+    model_ids = await make_server(enc, token_ids="model")
+    own = [[int(t) for t in s[1:-1]] for s in enc.tokenizer.encode(TEXTS)]  # bodies in the model's own vocabulary
+    got = await (await model_ids.post("/v1/embeddings", json={"input": own, "encoding_format": "float"})).json()
+    np.testing.assert_allclose([d["embedding"] for d in got["data"]], enc.embed(TEXTS, normalize=True), atol=1e-5)
+    refused = await model_ids.post("/v1/embeddings", json={"input": [[1, 10**5]]})
+    assert refused.status == 400 and "outside the vocabulary" in (await refused.json())["error"]["message"]
