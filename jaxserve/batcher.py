@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 
 import numpy as np
 
@@ -60,6 +61,14 @@ class Dispatch:
         return list(dict.fromkeys(job for job, _ in self.parts))
 
 
+@functools.lru_cache(maxsize=32)
+def covers(table: BucketTable) -> dict[int, list[Bucket | None]]:
+    """Per seqlen, for 0..largest rows waiting: the batch size to dispatch (once per table: every
+    request's explain and every in-process run makes a batcher)."""
+    cost = cost_model(table)
+    return {s: cheapest_covers(table.at(s), cost, table.at(s)[-1].batch) for s in table.seqlens}
+
+
 class QueueFull(Exception):
     """More sequences would wait than the queue allows; try again later."""
 
@@ -76,9 +85,7 @@ class Batcher:
         self._queues: dict[int, collections.deque[Run]] = {s: collections.deque() for s in table.seqlens}
         self._rows = dict.fromkeys(table.seqlens, 0)  # rows waiting per seqlen
         self._largest = {s: table.at(s)[-1].batch for s in table.seqlens}
-        cost = cost_model(table)
-        # per seqlen, for 0..largest rows waiting: the batch size to dispatch
-        self.covers = {s: cheapest_covers(table.at(s), cost, self._largest[s]) for s in table.seqlens}
+        self.covers = covers(table)
         self.queued = 0
 
     @property

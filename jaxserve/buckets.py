@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 import json
 import math
 from pathlib import Path
@@ -70,9 +71,23 @@ class BucketTable:
             if len({b.slots for b in self.at(s)}) != 1:
                 raise ValueError(f"buckets at seqlen {s} disagree on slots")
 
-    @property
+    # The lookups below run per row on the request path: computed once per table (frozen, so they never go stale).
+
+    @functools.cached_property
+    def _by_seqlen(self) -> dict[int, list[Bucket]]:
+        out: dict[int, list[Bucket]] = {}
+        for b in self.buckets:
+            out.setdefault(b.seqlen, []).append(b)
+        return out
+
+    @functools.cached_property
     def seqlens(self) -> list[int]:
-        return sorted({b.seqlen for b in self.buckets})
+        return sorted(self._by_seqlen)
+
+    @functools.cached_property
+    def slots_by_seqlen(self) -> tuple[int, ...]:
+        """Per seqlen (ascending), the most sequences a row there holds."""
+        return tuple(self._by_seqlen[s][-1].slots for s in self.seqlens)
 
     @property
     def max_seqlen(self) -> int:
@@ -80,17 +95,17 @@ class BucketTable:
 
     def at(self, seqlen: int) -> list[Bucket]:
         """The buckets of one seqlen, smallest batch first."""
-        return [b for b in self.buckets if b.seqlen == seqlen]
+        return list(self._by_seqlen.get(seqlen, ()))
 
     def pick(self, length: int, docs: int = 1) -> Bucket:
         """The largest-batch bucket at the smallest seqlen that holds `length` tokens in `docs` documents."""
         seqlens = self.seqlens
         i = bisect.bisect_left(seqlens, length)
-        while i < len(seqlens) and self.at(seqlens[i])[-1].slots < docs:
+        while i < len(seqlens) and self._by_seqlen[seqlens[i]][-1].slots < docs:
             i += 1
         if i == len(seqlens):
             raise ValueError(f"no bucket holds {length} tokens in {docs} document(s) (largest seqlen {self.max_seqlen})")
-        return self.at(seqlens[i])[-1]
+        return self._by_seqlen[seqlens[i]][-1]
 
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
@@ -181,32 +196,56 @@ class ModelDims:
     head_dim: int | None = None  # default hidden // heads
     gated: bool = False  # GeGLU/SwiGLU MLP: gate and up projections live at once (3F, not 2F)
     mask_kinds: int = 1  # distinct attention masks per forward (e.g. global and sliding window)
-    dense_max_seqlen: int = 1024  # longer seqlens run blockwise attention (scores per key block, not S x S)
-    key_block: int = 512
+    # Mirrors of jaxserve.models.attention's DENSE_MAX_SEQLEN and KEY_BLOCK (a test keeps them equal):
+    dense_max_seqlen: int = 256  # longer seqlens run blockwise attention (block x block scores, not S x S)
+    key_block: int = 256  # the blockwise kernel's query and key block (`blockwise_block`)
 
     def activation_bytes(self, batch: int, seqlen: int, slots: int = 1) -> int:
-        """Peak live activations of one layer plus the inputs and outputs.
+        """Peak live bytes of one forward besides the weights.
 
-        Per token: the residual stream, the fused QKV, the attention output
-        (D each, the QKV width with grouped heads) and the MLP's hidden layer
-        before and after the activation (2F; 3F when gated). Per row: the
-        attention scores and their softmax in float32, B*heads*S*S, or
-        B*heads*S*block past `dense_max_seqlen`; and for dense attention the
-        additive mask bias per mask kind, which XLA broadcasts once per
-        forward to B*heads*S*S float32 for the layers to share.
+        The layers run one after another and reuse each other's buffers, so
+        the peak is one layer's, at the larger of its two phases (plus what
+        lives through every layer):
+        - attention: per token the residual stream and its normed copy (2D)
+          and the fused QKV ((heads + 2 kv_heads) x head_dim: grouped-query
+          heads count once per KV head); plus float32 scores per query head:
+          dense (to `dense_max_seqlen`) the scores and their softmax,
+          2 x B*heads*S*S, and each mask kind's [B, 1, S, S] bias, which the
+          layers share; blockwise about three [B, heads, block, block] blocks
+          (one query block against one key block), whatever S is.
+        - MLP: per token 2D and the hidden layer before and after the
+          activation (2F; 3F when gated: gate, up and their product).
+        Plus the inputs (4 int32 per token), the pooled [B, slots, D] float32
+        output and pooling's [B, S, slots] float32 membership and pick.
+
+        The number of layers does not enter: no buffer lives per layer. What a
+        compiler adds on its own is not estimated (XLA CPU keeps float32
+        copies of bfloat16 weights; the compiled figure has them).
         """
         tokens = batch * seqlen
         head_dim = self.head_dim or self.hidden // self.heads
         kv = self.kv_heads or self.heads
         qkv = (self.heads + 2 * kv) * head_dim
         mlp = (3 if self.gated else 2) * self.intermediate
-        per_token = (2 * self.hidden + qkv + self.heads * head_dim + mlp) * self.dtype_bytes
-        dense = seqlen <= self.dense_max_seqlen
-        keys = seqlen if dense else min(self.key_block, seqlen)
-        scores = 2 * 4 * batch * self.heads * seqlen * keys
-        mask_bias = 4 * batch * self.heads * seqlen * seqlen * self.mask_kinds if dense else 0
-        io = 4 * 4 * tokens + 4 * batch * slots * self.hidden
-        return tokens * per_token + scores + mask_bias + io
+        if seqlen <= self.dense_max_seqlen:
+            scores = 2 * 4 * batch * self.heads * seqlen * seqlen + 4 * batch * seqlen * seqlen * self.mask_kinds
+        else:
+            block = blockwise_block(seqlen, self.key_block)
+            scores = 3 * 4 * batch * self.heads * block * block
+        attention = tokens * (2 * self.hidden + qkv) * self.dtype_bytes + scores
+        mlp_phase = tokens * (2 * self.hidden + mlp) * self.dtype_bytes
+        io = 4 * 4 * tokens + 4 * batch * slots * self.hidden + 2 * 4 * tokens * slots
+        return max(attention, mlp_phase) + io
+
+
+def blockwise_block(seqlen: int, block: int) -> int:
+    """The blockwise attention kernel's query and key block at this seqlen (the kernel and the
+    estimate both use this): the whole row when it is no longer than `block`; else `block` or the
+    largest half, quarter or eighth of it that divides the seqlen (768: 256, not 512 with a third
+    of padding); else `block`, with the row padded to a multiple of it."""
+    if seqlen <= block:
+        return seqlen
+    return next((b for b in (block, block // 2, block // 4, block // 8) if b and seqlen % b == 0), block)
 
 
 def round_down(n: int, multiple: int) -> int:
@@ -253,7 +292,7 @@ def derive(
         per_row = dims.activation_bytes(1, seqlen, slots)
         free = budget_bytes - weights_bytes
         by_memory = devices * (free // per_row) if free > 0 else 0
-        by_tokens = devices * (max_batch_tokens // seqlen)
+        by_tokens = devices * max(1, max_batch_tokens // seqlen)  # the token cap batches rows, never splits one
         limits = {"memory": by_memory, "tokens": by_tokens, "max_batch": devices * max_batch}
         limited_by = min(limits, key=limits.get)
         batch = fit(limits[limited_by])

@@ -53,20 +53,28 @@ class ServerMetrics(Metrics):
         for outcome in ("submitted", "dispatched", "dropped"):
             self.sequence_outcomes.labels(outcome)  # present from the start, zero until counted
         r.register(_Compiles())
+        self._children: dict[tuple, object] = {}
+
+    def child(self, metric, *labels):
+        """A labelled child, looked up once (prometheus_client's `labels()` costs more than the update)."""
+        key = (id(metric), labels)
+        if (c := self._children.get(key)) is None:
+            c = self._children[key] = metric.labels(*labels)
+        return c
 
     def dispatched(self, d: Dispatch, real_tokens: int, oldest_wait_s: float) -> None:
         label = f"{d.bucket.batch}x{d.bucket.seqlen}"
-        self.batches.labels(label, d.reason).inc()
-        self.batch_fill.labels(label).observe(d.rows / d.bucket.batch)
-        self.padding.labels(label).observe(1 - real_tokens / d.bucket.tokens)
+        self.child(self.batches, label, d.reason).inc()
+        self.child(self.batch_fill, label).observe(d.rows / d.bucket.batch)
+        self.child(self.padding, label).observe(1 - real_tokens / d.bucket.tokens)
         self.batch_wait.observe(oldest_wait_s)
         self.tokens.inc(real_tokens)
 
     def sequences(self, outcome: str, n: int) -> None:
-        self.sequence_outcomes.labels(outcome).inc(n)
+        self.child(self.sequence_outcomes, outcome).inc(n)
 
     def phase(self, name: str, seconds: float) -> None:
-        self.phases.labels(name).observe(seconds)
+        self.child(self.phases, name).observe(seconds)
         if name == "device":
             self.device_seconds.inc(seconds)
 

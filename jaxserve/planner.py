@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 
 import numpy as np
 
@@ -44,12 +45,12 @@ class Rows:
     def count(self) -> int:
         return len(self.seqlen)
 
-    @property
+    @functools.cached_property
     def docs(self) -> np.ndarray:
         """[R] sequences per row."""
         return np.diff(self.starts)
 
-    @property
+    @functools.cached_property
     def tokens(self) -> np.ndarray:
         """[R] real tokens per row."""
         return row_tokens(self.lengths, self.members, self.starts)
@@ -93,7 +94,7 @@ def row_tokens(lengths: np.ndarray, members: np.ndarray, starts: np.ndarray) -> 
 def route(tokens: np.ndarray, docs: np.ndarray, table: BucketTable) -> np.ndarray:
     """[R] the smallest seqlen holding each row's tokens and documents (vectorised `table.pick`)."""
     seqlens = np.asarray(table.seqlens)
-    slots = np.maximum.accumulate([table.at(s)[-1].slots for s in table.seqlens])
+    slots = np.maximum.accumulate(table.slots_by_seqlen)
     i = np.maximum(np.searchsorted(seqlens, tokens, side="left"), np.searchsorted(slots, docs, side="left"))
     if len(i) and i.max() >= len(seqlens):
         r = int(np.argmax(i >= len(seqlens)))
@@ -107,18 +108,21 @@ def _best_fit_decreasing(lengths: np.ndarray, table: BucketTable, width: int) ->
     rows: list[list[int]] = []
     open_rows: list[tuple[int, int]] = []  # (tokens left, row), sorted: rows with room and a free slot
     slots_left: list[int] = []
-    for i in np.argsort(-lengths, kind="stable").tolist():
-        n = int(lengths[i])
+    order = np.argsort(-lengths, kind="stable")
+    # the row each sequence would open: the smallest seqlen holding it, at least the width
+    where = np.searchsorted(table.seqlens, np.maximum(lengths[order], width), side="left")
+    open_seqlen = np.asarray(table.seqlens)[where].tolist()
+    open_slots = np.asarray(table.slots_by_seqlen)[where].tolist()
+    for i, n, seqlen, slots in zip(order.tolist(), lengths[order].tolist(), open_seqlen, open_slots):
         k = bisect.bisect_left(open_rows, (n, -1))
         if k < len(open_rows):
             room, r = open_rows.pop(k)
             rows[r].append(i)
             slots_left[r] -= 1
         else:
-            opener = table.pick(max(n, width))
-            r, room = len(rows), opener.seqlen
+            r, room = len(rows), seqlen
             rows.append([i])
-            slots_left.append(opener.slots - 1)
+            slots_left.append(slots - 1)
         if slots_left[r] > 0 and room - n > 0:
             bisect.insort(open_rows, (room - n, r))
     return rows

@@ -133,10 +133,11 @@ async def errors_middleware(request: web.Request, handler):
     except Exception as exc:  # a bug: say so without echoing the request
         log.exception("unhandled error on %s", route)
         response = _error(ApiError(500, f"internal error: {type(exc).__name__}", "server_error"), tei)
-    state.metrics.requests.labels(route, str(response.status)).inc()
-    state.metrics.request_duration.labels(route).observe(time.perf_counter() - start)
+    m = state.metrics
+    m.child(m.requests, route, str(response.status)).inc()
+    m.child(m.request_duration, route).observe(time.perf_counter() - start)
     if response.status >= 400:
-        state.metrics.errors.labels(getattr(response, "error_type", "http_error")).inc()
+        m.child(m.errors, getattr(response, "error_type", "http_error")).inc()
     return response
 
 

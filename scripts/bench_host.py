@@ -90,11 +90,12 @@ class SimEngine:
 
         self.table = replace(table, buckets=tuple(replace(b, run_s=self._step_s[b.shape], compile_s=0.0)
                                                   for b in table.buckets))
+        self.tables = {"pooled": self.table}
 
     def use(self, table, progress=False):
         return self.table
 
-    def put(self, bucket, inputs):
+    def put(self, bucket, inputs, output="pooled"):
         shape = inputs["token_ids"].shape if isinstance(inputs, dict) else inputs.shape[1:]
         if bucket.shape not in self._step_s or shape != bucket.shape:
             raise ValueError(f"batch {shape} is not a bucket")
@@ -153,8 +154,10 @@ def serve(port: int, rate_flops: float, overhead_s: float, table_file: str | Non
     enc = _with_engine(enc, sim)
     import dataclasses
 
-    old = "streams" in {f.name for f in dataclasses.fields(ServerConfig)}  # edcd6b3: one batch at a time on a GPU
-    app = create_app(ServerConfig(use_cache=False, **({"streams": 1} if old else {})), enc)
+    fields = {f.name for f in dataclasses.fields(ServerConfig)}
+    extra = {"streams": 1} if "streams" in fields else {}  # edcd6b3: one batch at a time on a GPU
+    extra.update({"embed_all": False} if "embed_all" in fields else {})  # no token outputs to simulate
+    app = create_app(ServerConfig(use_cache=False, **extra), enc)
 
     async def sim_stats(request):
         return web.json_response({"busy_s": sim.device.busy_s, "steps": sim.device.steps, "now": time.perf_counter()})
