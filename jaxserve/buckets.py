@@ -381,6 +381,11 @@ def format_table(table: BucketTable) -> str:
 THROUGHPUT_GAIN = 0.05  # a larger batch (4x the rows) must be this much faster per token to be worth its latency
 
 
+def pays(bigger: Bucket, smaller: Bucket, gain: float = THROUGHPUT_GAIN) -> bool:
+    """Whether the bigger batch of a seqlen is `gain` faster per token than the smaller one (both timed)."""
+    return bigger.tokens / bigger.run_s >= (1 + gain) * smaller.tokens / smaller.run_s
+
+
 def throughput_knee(table: BucketTable, gain: float = THROUGHPUT_GAIN) -> BucketTable:
     """Per seqlen, the batch ladder up to its throughput knee (needs run times).
 
@@ -394,9 +399,8 @@ def throughput_knee(table: BucketTable, gain: float = THROUGHPUT_GAIN) -> Bucket
         ladder = table.at(s)
         if any(b.run_s is None for b in ladder):
             raise ValueError(f"the buckets at seqlen {s} were never timed")
-        rate = lambda b: b.tokens / b.run_s
         top = 0
-        while top + 1 < len(ladder) and rate(ladder[top + 1]) >= (1 + gain) * rate(ladder[top]):
+        while top + 1 < len(ladder) and pays(ladder[top + 1], ladder[top], gain):
             top += 1
         kept += ladder[:top]
         largest = ladder[top]

@@ -192,10 +192,7 @@ class Encoder:
                 f"bucket table stops at seqlen {table.max_seqlen}, below the model's "
                 f"max_seq_length {self.embedding_config.max_seq_length}"
             )
-        timed = self.engine.use(table, progress=progress)
-        if derived if knee is None else knee:
-            timed = self.engine.keep(buckets.throughput_knee(timed))
-        return timed
+        return self.engine.use(table, progress=progress, knee=derived if knee is None else knee)
 
     @property
     def table(self) -> BucketTable:

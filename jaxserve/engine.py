@@ -23,7 +23,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxserve import compiles  # noqa: F401  (installs the compile counter)
-from jaxserve.buckets import Bucket, BucketTable
+from jaxserve.buckets import Bucket, BucketTable, pays
 from jaxserve.jobs import INPUT_NAMES
 
 TIMED_RUNS = 1  # timed runs per bucket at warmup, after one burn-in (live timings refine it later)
@@ -119,12 +119,15 @@ class Engine:
     def measure(self, batch: int, seqlen: int, slots: int) -> int:
         return compiled_bytes(self.compile(batch, seqlen, slots))
 
-    def use(self, table: BucketTable, progress: bool = False, output: str = "pooled") -> BucketTable:
+    def use(self, table: BucketTable, progress: bool = False, output: str = "pooled", knee: bool = False) -> BucketTable:
         """Warm up one output's table: compile every bucket, run each, record compile and run times.
 
         Executables of this output compiled for other shapes (rejected
         candidates of the derivation) are dropped. Returns the table with the
-        timings filled in.
+        timings filled in. With `knee`, each seqlen's batches are timed from the
+        smallest and the ladder stops at its throughput knee (`buckets.pays`):
+        the larger batches are never run (on a big device they are the ones
+        that take seconds and most of the memory) and are dropped.
         """
         from tqdm import tqdm
 
@@ -137,32 +140,36 @@ class Engine:
             for job in tqdm(concurrent.futures.as_completed(jobs), total=len(jobs), desc="compile",
                             unit="bucket", disable=not progress):
                 job.result()
-        warmed = []
+        warmed: list[Bucket] = []
+        stopped: set[int] = set()  # seqlens past their knee
         for bucket in tqdm(table.buckets, desc="run", unit="bucket", disable=not progress):
-            exe = self.compile(bucket.batch, bucket.seqlen, bucket.slots, output)
-            key = (bucket.batch, bucket.seqlen, bucket.slots, output)
-            inputs = self._place(dummy_batch(bucket))
-            times = []
-            for _ in range(TIMED_RUNS + 1):
-                start = time.perf_counter()
-                exe(self.params, inputs).block_until_ready()
-                times.append(time.perf_counter() - start)
-            warmed.append(_with(bucket, compiled_bytes=compiled_bytes(exe), compile_s=self._compile_s[key],
-                                run_s=statistics.median(times[1:])))
+            if bucket.seqlen in stopped:
+                continue
+            timed = self._time(bucket, output)
+            if knee and warmed and warmed[-1].seqlen == bucket.seqlen and not pays(timed, warmed[-1]):
+                warmed[-1] = _with(warmed[-1], limited_by="throughput")
+                stopped.add(bucket.seqlen)
+                continue
+            warmed.append(timed)
+        kept = {(b.batch, b.seqlen, b.slots, output) for b in warmed}
+        with self._lock:
+            self._compiled = {k: v for k, v in self._compiled.items() if k in kept or k[3] != output}
         self.tables[output] = _with(table, buckets=tuple(warmed))
-        self._table_keys = frozenset(k for k in self._table_keys if k[3] != output) | keep
+        self._table_keys = frozenset(k for k in self._table_keys if k[3] != output) | kept
         return self.tables[output]
 
-    def keep(self, table: BucketTable, output: str = "pooled") -> BucketTable:
-        """Serve a subset of an output's warmed table (e.g. up to each seqlen's throughput knee); drop the rest."""
-        keys = frozenset((b.batch, b.seqlen, b.slots, output) for b in table.buckets)
-        if not keys <= self._table_keys:
-            raise ShapeError("keep() takes a subset of the warmed table")
-        with self._lock:
-            self._compiled = {k: v for k, v in self._compiled.items() if k in keys or k[3] != output}
-        self.tables[output] = table
-        self._table_keys = frozenset(k for k in self._table_keys if k[3] != output) | keys
-        return table
+    def _time(self, bucket: Bucket, output: str) -> Bucket:
+        """One burn-in run and TIMED_RUNS timed runs of a compiled bucket."""
+        exe = self.compile(bucket.batch, bucket.seqlen, bucket.slots, output)
+        inputs = self._place(dummy_batch(bucket))
+        times = []
+        for _ in range(TIMED_RUNS + 1):
+            start = time.perf_counter()
+            exe(self.params, inputs).block_until_ready()
+            times.append(time.perf_counter() - start)
+        key = (bucket.batch, bucket.seqlen, bucket.slots, output)
+        return _with(bucket, compiled_bytes=compiled_bytes(exe), compile_s=self._compile_s[key],
+                     run_s=statistics.median(times[1:]))
 
     def put(self, bucket: Bucket, inputs: np.ndarray, output: str = "pooled") -> Prepared:
         """Check the shape and copy the [4, B, S] inputs to the device (the host part of a dispatch)."""

@@ -86,3 +86,26 @@ def test_results_equal_across_buckets(tiny_checkpoint):
     enc.warmup(fixed([(2, 64)]))
     assert enc.table.seqlens == [64]
     np.testing.assert_allclose(enc.embed(texts), ladder, atol=1e-5)
+
+
+def test_warmup_stops_each_seqlen_at_its_throughput_knee(tiny_checkpoint, monkeypatch):
+    """Batches past the knee are never run, and dropped with their executables; nothing else is lost."""
+    import dataclasses
+
+    enc = Encoder.from_pretrained(str(tiny_checkpoint()))
+    rates = {1: 1e3, 4: 4e3, 16: 4.1e3, 64: 9e3}  # tokens/s: 16 rows gain < 5% over 4, so 64 is never tried
+    ran = []
+
+    def fake_time(bucket, output):
+        ran.append(bucket.shape)
+        return dataclasses.replace(bucket, run_s=bucket.tokens / rates[bucket.batch])
+
+    monkeypatch.setattr(enc.engine, "_time", fake_time)
+    table = enc.warmup(fixed([(b, s) for s in (16, 64) for b in (1, 4, 16, 64)], layout="packed"), knee=True)
+    assert [b.shape for b in table.buckets] == [(1, 16), (4, 16), (1, 64), (4, 64)]
+    assert (64, 16) not in ran and (64, 64) not in ran
+    assert table.at(16)[-1].limited_by == "throughput"
+    pieces = enc.tokenizer.documents(["the model"])
+    with pytest.raises(ShapeError):
+        enc.engine.put(fixed([(16, 16)], layout="packed").buckets[0], np.zeros((4, 16, 16), np.int32))
+    assert enc.embed(["the model", "a query"]).shape == (2, 32) and pieces.count == 1
