@@ -146,3 +146,46 @@ def test_a_default_prompt_name_the_model_lacks_stops_the_server_at_start(full):
 
     with pytest.raises(InputError, match="unknown prompt_name 'nope'"):
         check_prompt(ServerConfig(default_prompt_name="nope"), full[1])
+
+
+# The pipelines of the decoder embedders people deploy, on tiny checkpoints of their families.
+QWEN3_PROMPTS = {"query": "Instruct: Given a web search query, retrieve relevant passages\nQuery:", "document": ""}
+GEMMA_PROMPTS = {"query": "task: search result | query: ", "document": "title: none | text: "}
+
+
+def decoder_checkpoint(path, family):
+    """Qwen3-Embedding's shape (last token, Normalize, instruct prompt) or EmbeddingGemma's (mean, Dense 32->64->32
+    without bias, Normalize, task prompts)."""
+    common = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, max_position_embeddings=128)
+    if family == "qwen3":
+        cfg = transformers.Qwen3Config(vocab_size=len(hf_tiny.vocab("decoder")), pad_token_id=0, **common)
+        hf_tiny.write(path, "Qwen3Model", cfg, "decoder", scale=0.3)
+        return hf_tiny.sentence_transformers_dir(path, pooling="lasttoken", max_seq_length=64, prompts=QWEN3_PROMPTS,
+                                                 default_prompt_name="document"), "<|endoftext|>"
+    cfg = transformers.Gemma3TextConfig(vocab_size=len(hf_tiny.vocab("gemma")), pad_token_id=0, query_pre_attn_scalar=16,
+                                        sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+                                        use_bidirectional_attention=True, **common)
+    hf_tiny.write(path, "Gemma3TextModel", cfg, "gemma", scale=0.3)
+    dense = [{"in": 32, "out": 64, "bias": False, "activation": "torch.nn.modules.linear.Identity", "seed": 5},
+             {"in": 64, "out": 32, "bias": False, "activation": "torch.nn.modules.linear.Identity", "seed": 6}]
+    return hf_tiny.sentence_transformers_dir(path, pooling="mean", dense=dense, max_seq_length=64,
+                                             prompts=GEMMA_PROMPTS), "<pad>"
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+def test_decoder_embedder_pipelines_match_sentence_transformers(tmp_path, family):
+    from transformers import PreTrainedTokenizerFast
+
+    path, pad = decoder_checkpoint(tmp_path / family, family)
+    enc = Encoder.from_pretrained(str(path), buckets=TABLE)
+    st = sentence_transformer(path)
+    # transformers builds these families' tokenizers from a vocabulary alone: both sides must use tokenizer.json
+    st[0].processor = PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"), pad_token=pad,
+                                              model_max_length=64)
+    for name in ("query", "document"):
+        got, want = enc.embed(TEXTS, prompt_name=name), st.encode(TEXTS, prompt_name=name)
+        assert got.shape == want.shape and cosine_rows(got, want).min() >= 0.99999, name
+    np.testing.assert_allclose(np.linalg.norm(enc.embed(TEXTS), axis=1), 1.0, atol=1e-5)
+    bf16 = Encoder.from_pretrained(str(path), dtype="bfloat16", buckets=TABLE)
+    assert cosine_rows(bf16.embed(TEXTS, prompt_name="query"), st.encode(TEXTS, prompt_name="query")).min() >= 0.999
