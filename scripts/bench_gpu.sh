@@ -8,9 +8,9 @@
 # sentence-transformers for the peers column) importable by $PYTHON; jaxserve
 # itself is used from this checkout. Stages run most telling first and each
 # writes its files as it ends, so a run cut off by a time limit still leaves
-# what it finished. Sizes: N, LOAD_RATES, LOAD_SECONDS, LAYOUT_REQUESTS.
-# Files (8 in all): log.txt, table.json, peers.json, latency.json, load.json,
-# layouts/layouts.{csv,json,png}.
+# what it finished. Sizes: N, LOAD_RATES, LOAD_SECONDS, LAYOUT_REQUESTS, HOST_SECONDS.
+# Files (8 in all): log.txt, table.json, host.json, peers.json, latency.json,
+# load.json, layouts/layouts.{csv,json}.
 set -uo pipefail
 OUT=${OUT:-results/gpu}
 PY=${PYTHON:-python3}
@@ -32,10 +32,12 @@ stage() {
 {
     stage "$PY" -c "import jax; print('jax', jax.__version__, jax.devices())"
     stage "$PY" -m jaxserve.cli warmup --write "$OUT/table.json"
+    stage "$PY" scripts/bench_host.py --engine real --table "$OUT/table.json" --seconds "${HOST_SECONDS:-6}" \
+        --concurrency 1,4,16,64 --out "$OUT/host.json"
     stage "$PY" scripts/bench_peers.py --n "${N:-384}" --rounds 2 --buckets "$OUT/table.json" --out "$OUT/peers.json"
     stage "$PY" scripts/bench_latency.py --buckets "$OUT/table.json" --out "$OUT/latency.json"
     stage "$PY" scripts/bench_load.py --buckets "$OUT/table.json" --rates "${LOAD_RATES:-50,200}" \
         --seconds "${LOAD_SECONDS:-10}" --out "$OUT/load.json"
-    stage "$PY" scripts/bench_layouts.py --requests "${LAYOUT_REQUESTS:-20}" --out "$OUT/layouts"
+    stage "$PY" scripts/bench_layouts.py --requests "${LAYOUT_REQUESTS:-20}" --no-plot --out "$OUT/layouts"
     echo "## done   ($(date -u +%H:%M:%S))"
 } 2>&1 | tee "$OUT/log.txt"

@@ -132,14 +132,18 @@ def gpu_table(enc, step_s):
     return buckets.throughput_knee(timed)
 
 
-def serve(port: int, rate_flops: float, overhead_s: float, table_file: str | None) -> None:
-    """The server process: the real app over a SimEngine."""
+def serve(port: int, rate_flops: float, overhead_s: float, table_file: str | None, real: bool = False) -> None:
+    """The server process: the real app over a SimEngine (or, `real`, over the real engine and device)."""
     from aiohttp import web
 
     from jaxserve.encoder import Encoder
     from jaxserve.server import ServerConfig, create_app
 
     enc = Encoder.from_pretrained(None)
+    if real:  # the device's own derived table, warmed by the server; busy time from its metrics
+        web.run_app(create_app(ServerConfig(embed_all=False, buckets=table_file or "auto"), enc), host="127.0.0.1",
+                    port=port, print=None, handler_cancellation=True)
+        return
     c = enc.model_config
     dims = (c.hidden_size, c.intermediate_size, c.num_layers)
     step_s = lambda b: overhead_s + forward_flops(*b.shape, *dims) / rate_flops
@@ -188,6 +192,17 @@ def cpu_seconds(pid: int) -> float:
     return t.user + t.system
 
 
+async def device_clock(get) -> dict:
+    """Device busy seconds and steps so far: the simulated device's own count, or the server's metrics."""
+    sim = json.loads(await get("/sim"))
+    if "busy_s" in sim:
+        return sim
+    text = await get("/metrics")  # a real engine: no /sim route
+    value = lambda name: float(re.search(rf"^{name} ([0-9.e+-]+)$", text, re.M).group(1))
+    return {"busy_s": value("jaxserve_device_seconds_total"), "now": time.perf_counter(),
+            "steps": value(r'jaxserve_phase_seconds_count\{phase="device"\}')}
+
+
 async def run_level(url: str, pid: int, bodies: list[bytes], concurrency: int, seconds: float) -> dict:
     import aiohttp
 
@@ -199,7 +214,7 @@ async def run_level(url: str, pid: int, bodies: list[bytes], concurrency: int, s
         for body in bodies[:concurrency]:  # settle connections
             async with s.post(url + "/v1/embeddings", data=body, headers={"Content-Type": "application/json"}) as r:
                 await r.read()
-        phases0, sim0 = phase_sums(await get("/metrics")), json.loads(await get("/sim"))
+        phases0, sim0 = phase_sums(await get("/metrics")), await device_clock(get)
         cpu0 = cpu_seconds(pid)
         latencies, tokens, errors = [], 0, 0
         sent = 0
@@ -226,7 +241,7 @@ async def run_level(url: str, pid: int, bodies: list[bytes], concurrency: int, s
         await asyncio.gather(*(client(k) for k in range(concurrency)))
         wall = time.perf_counter() - t0
         cpu1 = cpu_seconds(pid)
-        phases1, sim1 = phase_sums(await get("/metrics")), json.loads(await get("/sim"))
+        phases1, sim1 = phase_sums(await get("/metrics")), await device_clock(get)
     n = len(latencies)
     lat = sorted(latencies)
     pct = lambda q: 1e3 * lat[min(n - 1, int(q * n))] if n else None
@@ -329,10 +344,12 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "results" / "host.json"))
     ap.add_argument("--table", help="bucket shapes from this file instead of the derived H200 table (to compare commits)")
     ap.add_argument("--save-table", help="write the table the server used to this file")
+    ap.add_argument("--engine", default="sim", choices=["sim", "real"],
+                    help="sim: a simulated device at --tflops; real: this machine's device (on a GPU host)")
     ap.add_argument("--serve", type=int, help=argparse.SUPPRESS)  # internal: run the server on this port
     args = ap.parse_args()
     if args.serve:
-        serve(args.serve, args.tflops * 1e12, args.step_overhead_us * 1e-6, args.table)
+        serve(args.serve, args.tflops * 1e12, args.step_overhead_us * 1e-6, args.table, args.engine == "real")
         return
     DOCS = args.docs
     import subprocess
@@ -345,14 +362,19 @@ def main() -> None:
     docs = corpus.documents(4000, seed=0)
     bodies = [json.dumps({"input": docs[i * DOCS % len(docs):][:DOCS], "model": "m", "encoding_format": args.format})
               .encode() for i in range(40)]
-    print(f"SIMULATED device: step = {args.step_overhead_us:g} us + FLOPs / {args.tflops:g} TFLOP/s "
-          f"(H200 dense bf16 peak {H200_BF16_DENSE_TFLOPS}); real server, tokenizer, planner, batcher, HTTP", flush=True)
+    if args.engine == "sim":
+        print(f"SIMULATED device: step = {args.step_overhead_us:g} us + FLOPs / {args.tflops:g} TFLOP/s "
+              f"(H200 dense bf16 peak {H200_BF16_DENSE_TFLOPS}); real server, tokenizer, planner, batcher, HTTP",
+              flush=True)
+    else:
+        print("REAL device: the bundled model on this machine's accelerator, the server's derived table", flush=True)
     floor = floor_ms(bodies, args.format)
     print(f"floor: CPU per request of {DOCS} documents (decode + tokenize + encode): "
           f"{floor['decode']:.2f} + {floor['tokenize']:.2f} + {floor['encode']:.2f} = {floor['total']:.2f} ms", flush=True)
     port = free_port()
     proc = subprocess.Popen([sys.executable, __file__, "--serve", str(port), "--tflops", str(args.tflops),
-                             "--step-overhead-us", str(args.step_overhead_us)] + (["--table", args.table] if args.table else []))
+                             "--step-overhead-us", str(args.step_overhead_us), "--engine", args.engine]
+                            + (["--table", args.table] if args.table else []))
     url = f"http://127.0.0.1:{port}"
     rows, probe = [], None
     try:
@@ -384,7 +406,8 @@ def main() -> None:
         proc.terminate()
         proc.wait(timeout=60)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"command": " ".join(sys.argv), "label": args.label, "simulated": True,
+    Path(args.out).write_text(json.dumps({"command": " ".join(sys.argv), "label": args.label,
+                                          "simulated": args.engine == "sim",
                                           "tflops": args.tflops, "step_overhead_us": args.step_overhead_us,
                                           "docs": DOCS, "format": args.format, "floor_ms": floor, "rows": rows,
                                           "health_probe": probe},

@@ -78,6 +78,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=20, help="requests of 100 documents")
     ap.add_argument("--out", default=str(ROOT / "results" / "layouts"))
+    ap.add_argument("--no-plot", action="store_true", help="csv and json only")
     ap.add_argument("--paired", metavar="A,B",
                     help="only compare two ladders (packed) in alternating pairs, e.g. default,pow2")
     ap.add_argument("--rounds", type=int, default=6, help="pairs for --paired")
@@ -118,6 +119,8 @@ def main() -> None:
         w.writeheader()
         w.writerows(rows)
     (out / "layouts.json").write_text(json.dumps({"documents": len(docs), "rows": rows}, indent=1) + "\n")
+    if args.no_plot:
+        return
     try:
         import matplotlib
 
