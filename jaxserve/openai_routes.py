@@ -86,5 +86,6 @@ async def classify(request: web.Request) -> web.Response:
 
 def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/embeddings", embeddings)
+    app.router.add_post("/embeddings", embeddings)  # TEI serves OpenAI's route under this name too
     app.router.add_post("/v1/plan", plan)
     app.router.add_post("/classify", classify)
