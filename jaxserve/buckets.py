@@ -379,11 +379,20 @@ def format_table(table: BucketTable) -> str:
 # ---- batches by measured throughput ----
 
 THROUGHPUT_GAIN = 0.05  # a larger batch (4x the rows) must be this much faster per token to be worth its latency
+# The host's own time per dispatch (assemble, copy, scatter, bookkeeping; docs/benchmarks.md has the
+# measurement). Host and device overlap, so a dispatch takes max(device time, this): on a fast device
+# a batch too small to cover it leaves the device waiting for the host.
+HOST_DISPATCH_S = 0.5e-3
+
+
+def dispatch_s(bucket: Bucket) -> float:
+    """A timed bucket's time per dispatch in the pipeline: its run time, or the host's if that is longer."""
+    return max(bucket.run_s, HOST_DISPATCH_S)
 
 
 def pays(bigger: Bucket, smaller: Bucket, gain: float = THROUGHPUT_GAIN) -> bool:
     """Whether the bigger batch of a seqlen is `gain` faster per token than the smaller one (both timed)."""
-    return bigger.tokens / bigger.run_s >= (1 + gain) * smaller.tokens / smaller.run_s
+    return bigger.tokens / dispatch_s(bigger) >= (1 + gain) * smaller.tokens / dispatch_s(smaller)
 
 
 def throughput_knee(table: BucketTable, gain: float = THROUGHPUT_GAIN) -> BucketTable:

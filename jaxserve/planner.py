@@ -21,7 +21,7 @@ import functools
 
 import numpy as np
 
-from jaxserve.buckets import Bucket, BucketTable
+from jaxserve.buckets import Bucket, BucketTable, dispatch_s
 
 # Without measured times, a dispatch costs its tokens plus this many: fewer
 # dispatches win when the padded tokens are equal.
@@ -137,7 +137,7 @@ def pack_width(table: BucketTable) -> int | None:
     if not multi:
         return None
     if all(b.run_s is not None for b in table.buckets):
-        return min(multi, key=lambda s: (min(b.run_s / b.tokens for b in table.at(s)), -s))
+        return min(multi, key=lambda s: (min(dispatch_s(b) / b.tokens for b in table.at(s)), -s))
     fitting = [s for s in multi if s <= UNTIMED_PACK_WIDTH]
     return max(fitting) if fitting else min(multi)
 
@@ -145,8 +145,9 @@ def pack_width(table: BucketTable) -> int | None:
 # ---- the cost of dispatches (used by the batcher to choose batch sizes) ----
 
 def dispatch_cost(bucket: Bucket, timed: bool) -> float:
-    """A dispatch's cost: its measured time once warmed, else its tokens plus a fixed overhead."""
-    return bucket.run_s if timed else bucket.tokens + DISPATCH_OVERHEAD_TOKENS
+    """A dispatch's cost: its measured time (at least the host's per dispatch) once warmed, else its tokens
+    plus a fixed overhead."""
+    return dispatch_s(bucket) if timed else bucket.tokens + DISPATCH_OVERHEAD_TOKENS
 
 
 def cost_model(table: BucketTable):
