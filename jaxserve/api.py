@@ -52,6 +52,16 @@ class ApiError(Exception):
         return status, {"error": self.message, "error_type": kind}
 
 
+def _show(value) -> str:
+    """A request's value in an error message: a scalar cut short, a container by its type only. Bodies hold
+    values nested up to orjson's 1024 levels (repr() raises RecursionError) and megabytes long."""
+    if isinstance(value, str):
+        return repr(value) if len(value) <= 60 else repr(value[:60]) + "..."
+    if value is None or isinstance(value, (bool, float)) or (isinstance(value, int) and value.bit_length() <= 64):
+        return repr(value)
+    return {list: "an array", dict: "an object"}.get(type(value), type(value).__name__)
+
+
 def empty(field: str) -> ApiError:
     return ApiError(400, f"`{field}` must not be empty", tei=(400, "Empty"))
 
@@ -110,7 +120,7 @@ def _inputs(value, field: str, limits: Limits, allow_tokens: bool) -> tuple[list
 def _long_mode(body: dict, default: str) -> str:
     long = body.get("long", default)
     if long not in LONG_MODES:
-        raise ApiError(400, f"`long` must be one of {', '.join(LONG_MODES)}, not {long!r}")
+        raise ApiError(400, f"`long` must be one of {', '.join(LONG_MODES)}, not {_show(long)}")
     return long
 
 
@@ -126,7 +136,7 @@ def _bool(body: dict, key: str, default):
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise ApiError(400, f"`{key}` must be true or false, not {value!r}")
+        raise ApiError(400, f"`{key}` must be true or false, not {_show(value)}")
     return value
 
 
@@ -153,7 +163,7 @@ def parse_openai_embeddings(body, limits: Limits, dim: int, default_long: str) -
     texts, ids = _inputs(body["input"], "input", limits, allow_tokens=True)
     fmt = body.get("encoding_format") or "float"
     if fmt not in ("float", "base64"):
-        raise ApiError(400, f"`encoding_format` must be 'float' or 'base64', not {fmt!r}")
+        raise ApiError(400, f"`encoding_format` must be 'float' or 'base64', not {_show(fmt)}")
     return EmbedRequest(texts, ids, _long_mode(body, default_long), True, _dimensions(body, dim), fmt,
                         *_prompt(body, limits), model=model)
 
@@ -161,7 +171,7 @@ def parse_openai_embeddings(body, limits: Limits, dim: int, default_long: str) -
 def _dimensions(body: dict, dim: int) -> int | None:
     dims = body.get("dimensions")
     if dims is not None and (not isinstance(dims, int) or isinstance(dims, bool) or not 1 <= dims <= dim):
-        raise ApiError(400, f"`dimensions` must be an integer from 1 to {dim}, not {dims!r}")
+        raise ApiError(400, f"`dimensions` must be an integer from 1 to {dim}, not {_show(dims)}")
     return dims
 
 
@@ -170,7 +180,7 @@ def _direction(body: dict) -> str:
     if direction is None:
         return "right"
     if not isinstance(direction, str) or direction.lower() not in ("left", "right"):
-        raise ApiError(400, f"`truncation_direction` must be Left or Right, not {direction!r}")
+        raise ApiError(400, f"`truncation_direction` must be Left or Right, not {_show(direction)}")
     return direction.lower()
 
 
@@ -313,7 +323,7 @@ def parse_predict(body, limits: Limits, default_truncate: bool) -> ClassifyReque
     params = body.get("parameters") or {}  # huggingface_hub's InferenceClient sends top_k there
     top_k = body.get("top_k", params.get("top_k") if isinstance(params, dict) else None)
     if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1):
-        raise ApiError(400, f"`top_k` must be a positive integer, not {top_k!r}")
+        raise ApiError(400, f"`top_k` must be a positive integer, not {_show(top_k)}")
     truncate = _bool(body, "truncate", default_truncate)
     return ClassifyRequest(inputs, single, _bool(body, "raw_scores", False), truncate, top_k, _direction(body))
 

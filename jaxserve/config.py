@@ -106,7 +106,8 @@ class EmbeddingConfig:
         known = dict(self.prompts)
         if name not in known:
             names = ", ".join(repr(k) for k in known) or "none"
-            raise InputError(f"unknown prompt_name {name!r}; this model's prompts: {names}")
+            shown = repr(name[:60]) + ("..." if len(name) > 60 else "")  # a request's value: bounded in the message
+            raise InputError(f"unknown prompt_name {shown}; this model's prompts: {names}")
         return known[name]
 
     @classmethod

@@ -15,3 +15,7 @@ class InputError(JaxserveError):
 
 class TooLongError(InputError):
     """A document is over the model's limit and neither truncation nor chunking was allowed."""
+
+
+class TokenizerError(InputError):
+    """The tokenizer could not read an input (it raised, or panicked): the input's fault, not the server's."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+import zlib
 
 import numpy as np
 import orjson
@@ -20,7 +21,7 @@ from jaxserve import api
 from jaxserve.api import ApiError, EmbedRequest
 from jaxserve.batcher import QueueFull, TooLarge
 from jaxserve.encoder import normalize_rows
-from jaxserve.errors import InputError, TooLongError
+from jaxserve.errors import InputError, TokenizerError
 from jaxserve.explain import explain
 from jaxserve.jobs import Job
 from jaxserve.planner import pack
@@ -34,16 +35,43 @@ def json_response(body, status: int = 200, headers=None) -> web.Response:
                         content_type="application/json")
 
 
+def inflate(raw: bytes, coding: str, limit: int) -> bytes:
+    """A gzip or deflate body inflated, to at most `limit` bytes (413 past it, 400 when it is not that coding)."""
+    wbits = 47 if coding != "deflate" or (raw[:1] and raw[0] & 0x0F == 8) else -15  # gzip/zlib; or raw deflate
+    inflater = zlib.decompressobj(wbits)
+    try:
+        out = inflater.decompress(raw, limit + 1)
+    except zlib.error as exc:
+        raise ApiError(400, f"the request body is not valid {coding}: {exc}") from None
+    if len(out) > limit:
+        raise ApiError(413, f"request body over {limit} bytes once inflated", "body_too_large")
+    if not inflater.eof:
+        raise ApiError(400, f"the request body is not valid {coding}: it ends early")
+    return out
+
+
 async def json_body(request: web.Request):
-    """The decoded body (a large one decoded on a thread); 400 for anything that is not strict UTF-8 JSON."""
+    """The decoded body (a large or compressed one decoded on a thread); 400 for anything that is not strict
+    UTF-8 JSON, 415 for a Content-Encoding other than gzip or deflate (server.create_app turns aiohttp's off)."""
     state = request.app[STATE]
     start = time.perf_counter()
-    raw = await request.read()  # raises 413 past client_max_size
     try:
-        if len(raw) > OFFLOAD_BODY_BYTES:
-            body = await asyncio.get_running_loop().run_in_executor(state.tokenizer_pool, orjson.loads, raw)
+        raw = await request.read()  # raises 413 past client_max_size
+    except web.RequestPayloadError as exc:  # e.g. broken chunked framing
+        raise ApiError(400, f"the request body could not be read: {exc}") from None
+    coding = request.headers.get("Content-Encoding", "").strip().lower()
+    if coding not in ("", "identity", "gzip", "x-gzip", "deflate"):
+        raise ApiError(415, f"Content-Encoding {coding[:40]!r} is not supported; send gzip, deflate or none")
+    packed = coding not in ("", "identity")
+
+    def decode():
+        return orjson.loads(inflate(raw, coding, state.config.max_body_bytes) if packed else raw)
+
+    try:
+        if packed or len(raw) > OFFLOAD_BODY_BYTES:
+            body = await asyncio.get_running_loop().run_in_executor(state.tokenizer_pool, decode)
         else:
-            body = orjson.loads(raw)
+            body = decode()
     except orjson.JSONDecodeError as exc:
         raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
     state.metrics.phase("parse", time.perf_counter() - start)
@@ -55,6 +83,31 @@ async def on_thread(state: AppState, fn, big: bool = True):
     if big:
         return await asyncio.get_running_loop().run_in_executor(state.respond_pool, fn)
     return fn()
+
+
+def tokenized(fn):
+    """fn(), the tokenizer at work on a request's texts: whatever it raises is the request's fault (TokenizerError)."""
+    try:
+        return fn()
+    except InputError:
+        raise
+    except Exception as exc:
+        raise TokenizerError(f"the tokenizer could not read an input: {type(exc).__name__}: {exc}") from None
+    except BaseException as exc:  # a Rust panic in the tokenizer: pyo3's PanicException is a BaseException
+        if type(exc).__name__ != "PanicException":
+            raise
+        raise TokenizerError(f"the tokenizer could not read an input (it panicked: {exc})") from None
+
+
+async def on_tokenizer(state: AppState, fn):
+    """fn() on a tokenizer thread; an InputError it raises (too long, an unknown prompt, the tokenizer refusing a
+    text: see `tokenized`) is the request's 400. Anything else is a bug, and stays a 500."""
+    try:
+        return await asyncio.get_running_loop().run_in_executor(state.tokenizer_pool, fn)
+    except TokenizerError as err:
+        raise ApiError(400, str(err), "tokenizer_error") from None
+    except InputError as err:
+        raise ApiError(400, str(err)) from None
 
 
 @dataclasses.dataclass
@@ -84,7 +137,7 @@ async def run_request(state: AppState, make_pieces, want_explain: bool = False, 
 
     def prepare():
         t0 = time.perf_counter()
-        pieces = make_pieces()
+        pieces = tokenized(make_pieces)
         t1 = time.perf_counter()
         rows = pack(pieces.lengths, table)
         width = enc.model_config.hidden_size if output == "tokens" else enc.out_dim
@@ -94,15 +147,7 @@ async def run_request(state: AppState, make_pieces, want_explain: bool = False, 
                             service.batches_in_flight, state.config.max_wait_ms / 1000) if want_explain else None
         return pieces, job, explained, {"tokenize_s": t1 - t0, "plan_s": t2 - t1}
 
-    try:
-        pieces, job, explained, phases = await asyncio.get_running_loop().run_in_executor(state.tokenizer_pool, prepare)
-    except TooLongError as err:
-        raise ApiError(400, str(err)) from None
-    except InputError as err:
-        raise ApiError(400, str(err)) from None
-    except Exception as exc:  # the tokenizer refused the text itself
-        raise ApiError(400, f"the tokenizer could not read an input: {type(exc).__name__}: {exc}",
-                       "tokenizer_error") from None
+    pieces, job, explained, phases = await on_tokenizer(state, prepare)
     timeout = state.config.request_timeout_s
     try:
         _, timing = await asyncio.wait_for(service.run(job), timeout)

@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import orjson
 from aiohttp import web
 
 from jaxserve import api
-from jaxserve.api import ApiError
-from jaxserve.errors import InputError
 from jaxserve.explain import explain
-from jaxserve.handling import (bytes_response, embedding_pieces, json_body, json_response, require_kind, respond,
-                               run_request, vectors_of)
+from jaxserve.handling import (bytes_response, embedding_pieces, json_body, json_response, on_tokenizer,
+                               require_kind, respond, run_request, tokenized, vectors_of)
 from jaxserve.planner import pack
 from jaxserve.state import STATE
 
@@ -52,18 +49,14 @@ async def plan(request: web.Request) -> web.Response:
     service = state.service
 
     def plan_only():
-        pieces = embedding_pieces(state, req, openai_ids=True)
+        pieces = tokenized(lambda: embedding_pieces(state, req, openai_ids=True))
         rows = pack(pieces.lengths, state.table)
         body = explain(rows, state.table, service.timings, pieces.doc, service.batcher.backlog(),
                        service.batches_in_flight, state.config.max_wait_ms / 1000)
         body.update(documents=req.count, sequences=pieces.count, usage={"prompt_tokens": rows.real_tokens})
         return orjson.dumps(body)
 
-    try:
-        body = await asyncio.get_running_loop().run_in_executor(state.tokenizer_pool, plan_only)
-    except InputError as err:
-        raise ApiError(400, str(err)) from None
-    return bytes_response(body)
+    return bytes_response(await on_tokenizer(state, plan_only))
 
 
 async def classify(request: web.Request) -> web.Response:

@@ -20,6 +20,7 @@ from jaxserve import compiles, ops_routes, openai_routes, tei_routes
 from jaxserve.api import ApiError
 from jaxserve.buckets import BucketTable
 from jaxserve.encoder import Encoder
+from jaxserve.errors import InputError
 from jaxserve.handling import json_response
 from jaxserve.service import EmbeddingService
 from jaxserve.state import (DRAIN_TIMEOUT_S, MAX_BODY_BYTES, MAX_CLIENT_BATCH, MAX_CONCURRENT_REQUESTS,  # noqa: F401
@@ -124,6 +125,8 @@ async def errors_middleware(request: web.Request, handler):
             state.active_bytes -= size
     except ApiError as err:
         response = _error(err, tei)
+    except InputError as err:  # the request's own fault wherever it was found (e.g. an unknown prompt_name)
+        response = _error(ApiError(400, str(err)), tei)
     except web.HTTPException as exc:
         kind = {404: "not_found_error", 405: "method_not_allowed", 413: "body_too_large"}.get(exc.status, "http_error")
         message = {404: f"no route {request.method} {request.path}",
@@ -146,7 +149,9 @@ def _authorize(request: web.Request, api_key: str | None) -> None:
         return
     given = request.headers.get("Authorization", "")
     scheme, _, token = given.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+    # aiohttp decodes header bytes that are not UTF-8 as lone surrogates: encode them back, do not fail on them
+    token = token.strip().encode("utf-8", "surrogateescape")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token, api_key.encode("utf-8", "surrogateescape")):
         raise ApiError(401, "missing or wrong API key (send `Authorization: Bearer KEY`)", "authentication_error",
                        {"WWW-Authenticate": "Bearer"})
 
@@ -161,7 +166,10 @@ def _error(err: ApiError, tei: bool) -> web.Response:
 
 def create_app(config: ServerConfig, encoder: Encoder | None = None) -> web.Application:
     """The aiohttp application. With `encoder` given (already loaded, maybe warmed), it is used as is."""
-    app = web.Application(client_max_size=config.max_body_bytes, middlewares=[errors_middleware])
+    # auto_decompress off: aiohttp would answer a body it cannot inflate with plain text, or fail mid-read and
+    # leave the connection broken; handling.json_body undoes Content-Encoding itself, with JSON errors.
+    app = web.Application(client_max_size=config.max_body_bytes, middlewares=[errors_middleware],
+                          handler_args={"auto_decompress": False})
     app[STATE] = AppState(config, encoder)
     app.cleanup_ctx.append(lifecycle)
     app.on_shutdown.append(on_shutdown)

@@ -11,16 +11,14 @@ Errors on these routes are TEI's `{"error", "error_type"}` with TEI's codes
 
 from __future__ import annotations
 
-import asyncio
-
 import numpy as np
 import orjson
 from aiohttp import web
 
 from jaxserve import api
 from jaxserve.api import ApiError
-from jaxserve.handling import (bytes_response, embedding_pieces, json_body, json_response, request_prompt,
-                               require_kind, respond, run_request, vectors_of)
+from jaxserve.handling import (bytes_response, embedding_pieces, json_body, json_response, on_tokenizer,
+                               request_prompt, require_kind, respond, run_request, tokenized, vectors_of)
 from jaxserve.state import STATE, AppState
 
 PATHS = ("/", "/invocations", "/embed", "/embed_all", "/similarity", "/predict", "/rerank", "/tokenize", "/decode")
@@ -110,14 +108,14 @@ async def _tokenize(state: AppState, body) -> web.Response:
             for text, e in zip(texts, tok.encode_batch(texts, add_special_tokens=add_special))
         ])
 
-    return bytes_response(await asyncio.get_running_loop().run_in_executor(state.tokenizer_pool, tokens))
+    return bytes_response(await on_tokenizer(state, lambda: tokenized(tokens)))
 
 
 async def _decode(state: AppState, body) -> web.Response:
     ids, skip_special = api.parse_decode(body, state.limits, state.encoder.model_config.vocab_size)
     tok = state.encoder.tokenizer.tokenizer
-    texts = await asyncio.get_running_loop().run_in_executor(
-        state.tokenizer_pool, lambda: tok.decode_batch(ids, skip_special_tokens=skip_special))
+    decode = lambda: tok.decode_batch(ids, skip_special_tokens=skip_special)
+    texts = await on_tokenizer(state, lambda: tokenized(decode))
     return json_response(texts)
 
 

@@ -144,7 +144,7 @@ def bench_plain_jit(enc, seqs: list[np.ndarray], batch: int = 32) -> dict:
     from jaxserve import compiles
     from jaxserve.encoder import embed_forward
 
-    fn = jax.jit(lambda params, b: embed_forward(enc.module, enc.embedding_config.pooling, 1, params, b))
+    fn = jax.jit(lambda params, b: embed_forward(enc.module, enc.embedding_config, 1, params, b))
     order = np.argsort([len(s) for s in seqs])
 
     def run():
