@@ -26,6 +26,7 @@ class DeviceInfo:
     batch_multiple: int  # batch sizes are rounded down to this
     max_batch_tokens: int  # default token budget per dispatch
     max_batch: int  # default cap on rows per dispatch
+    streams: int  # batches worth running at once from threads of their own
 
 
 def describe(memory_override: int | None = None) -> DeviceInfo:
@@ -35,12 +36,14 @@ def describe(memory_override: int | None = None) -> DeviceInfo:
     if platform == "cpu":
         # On CPU, big dispatches gain nothing over medium ones once both cores are
         # busy, and cost latency: cap the tokens per dispatch.
+        # Two batches at once, each from its own thread, keep both cores busy through XLA's
+        # single-threaded fusions (batches launched from one thread run one after another).
         return DeviceInfo(platform, "cpu", len(jax.devices()), memory, batch_multiple=1, max_batch_tokens=4096,
-                          max_batch=256)
+                          max_batch=256, streams=2)
     # An accelerator: no caps of our own; memory bounds each seqlen's batch, and the measured
     # throughput knee (buckets.throughput_knee) picks where the ladder stops.
     return DeviceInfo(platform, dev.device_kind, len(jax.devices()), memory, batch_multiple=8,
-                      max_batch_tokens=UNCAPPED, max_batch=UNCAPPED)
+                      max_batch_tokens=UNCAPPED, max_batch=UNCAPPED, streams=1)
 
 
 def _memory_limit(dev) -> int:

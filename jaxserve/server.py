@@ -16,7 +16,7 @@ import time
 
 from aiohttp import web
 
-from jaxserve import compiles, ops_routes, openai_routes, tei_routes
+from jaxserve import compiles, device, ops_routes, openai_routes, tei_routes
 from jaxserve.api import ApiError
 from jaxserve.buckets import BucketTable
 from jaxserve.encoder import Encoder
@@ -73,7 +73,8 @@ async def lifecycle(app: web.Application):
             log.error(state.failed)
             return
         state.service = EmbeddingService(state.encoder.engine, state.table, cfg.max_wait_ms / 1000, cfg.max_queue,
-                                         state.metrics, max_inflight=cfg.max_inflight)
+                                         state.metrics, max_inflight=cfg.max_inflight,
+                                         streams=cfg.streams or device.describe().streams)
         await state.service.start()
         state.ready = True
         log.info("ready: %d buckets, %d XLA compiles so far", len(state.table.buckets), compiles.xla_compiles_total())

@@ -8,7 +8,10 @@ Three threads, one stage each, with bounded hand-offs between them
   transfer); at most one prepared batch waits for the device;
 - device: launches prepared batches, at most `max_inflight` on the device at
   once. JAX dispatch is asynchronous, so batch i+1 is queued on the device
-  before anyone waits for batch i;
+  before anyone waits for batch i. On a CPU, batches launched from one thread
+  run one after another, but two threads that each launch and wait overlap
+  (XLA's CPU fusions leave cores idle): there `streams` device threads each
+  run their batch to the end;
 - respond: waits for each launched batch in order, copies its output to the
   host, scatters it into its jobs, and hands finished jobs to the event loop
   (`call_soon_threadsafe`).
@@ -22,7 +25,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import dataclasses
+import functools
 import itertools
 import logging
 import math
@@ -94,7 +99,7 @@ class _Entry:
 class EmbeddingService:
     def __init__(self, engine: Engine, table: BucketTable, max_wait_s: float, max_queued: int,
                  metrics: Metrics | None = None, max_inflight: int = MAX_INFLIGHT,
-                 max_failures: int = MAX_CONSECUTIVE_FAILURES):
+                 max_failures: int = MAX_CONSECUTIVE_FAILURES, streams: int = 1):
         self.engine = engine
         # One batcher per output: pooled vectors, and token vectors (/embed_all) where the engine has them.
         self.batchers = {"pooled": Batcher(table, max_wait_s, max_queued)}
@@ -103,6 +108,8 @@ class EmbeddingService:
         self.timings = LiveTimings(table)  # refreshed from every device step
         self.metrics = metrics or Metrics()
         self.max_inflight = max_inflight
+        self.streams = streams  # device threads: 1 launches for the device; >1 each runs its batch (CPU)
+        self._device_threads_left = streams
         self.max_failures = max_failures
         self._lock = threading.Condition()
         self._entries: dict[int, _Entry] = {}  # jobs submitted and not yet answered (guarded by _lock)
@@ -124,8 +131,9 @@ class EmbeddingService:
         self._loop = asyncio.get_running_loop()
         self._idle = asyncio.Event()
         self._idle.set()
+        stages = [self._prepare_loop] + [self._device_loop] * self.streams + [self._respond_loop]
         self._threads = [threading.Thread(target=self._guard, args=(f,), name=f"jaxserve-{f.__name__[1:]}", daemon=True)
-                         for f in (self._prepare_loop, self._device_loop, self._respond_loop)]
+                         for f in stages]
         for t in self._threads:
             t.start()
 
@@ -308,7 +316,8 @@ class EmbeddingService:
             self.metrics.phase("copy", copied - assembled)
             self.metrics.dispatched(d, real_tokens, time.monotonic() - d.oldest)
             self._ready.put((d, jobs, prepared))
-        self._ready.put(None)
+        for _ in range(self.streams):
+            self._ready.put(None)
 
     def _device_loop(self) -> None:
         while (item := self._ready.get()) is not None:
@@ -317,10 +326,16 @@ class EmbeddingService:
             launched = time.perf_counter()
             try:
                 result, error = self.engine.launch(prepared), None
+                if self.streams > 1:
+                    result = self.engine.fetch(result)
             except Exception as exc:
                 result, error = None, exc
             self._launched.put((d, jobs, result, error, launched))
-        self._launched.put(None)
+        with self._lock:
+            self._device_threads_left -= 1
+            last = self._device_threads_left == 0
+        if last:
+            self._launched.put(None)
 
     def _respond_loop(self) -> None:
         previous_done = 0.0
@@ -329,7 +344,8 @@ class EmbeddingService:
             try:
                 if error is not None:
                     raise error
-                out = self.engine.fetch(result)  # waits for the device, then copies to the host
+                # waits for the device, then copies to the host (device threads that ran their batch fetched it)
+                out = self.engine.fetch(result) if self.streams == 1 else result
             except Exception as exc:
                 self._on_device.release()
                 self._fail(d, jobs, exc)
@@ -368,12 +384,14 @@ class EmbeddingService:
             self._loop.call_soon_threadsafe(self._answer, jid, error)
 
 
-def run_jobs(engine: Engine, table: BucketTable, jobs: list[Job], max_inflight: int = MAX_INFLIGHT) -> list[Dispatch]:
-    """Run jobs (of one output, on its `table`) to completion in this thread, through a batcher of their own;
-    returns the dispatches that ran.
+def run_jobs(engine: Engine, table: BucketTable, jobs: list[Job], max_inflight: int = MAX_INFLIGHT,
+             streams: int = 1) -> list[Dispatch]:
+    """Run jobs (of one output, on its `table`) to completion, through a batcher of their own; returns the
+    dispatches that ran.
 
     The same steps as the server's pipeline: batch i+1 is assembled and
-    launched before batch i is waited on."""
+    launched before batch i is waited on; with `streams` > 1 (a CPU) that many
+    threads each run a batch to the end, as the server's device threads do."""
     output = jobs[0].output if jobs else "pooled"
     batcher = Batcher(table, math.inf, max(1, sum(int(j.rows.docs.sum()) for j in jobs)))
     by_id = dict(enumerate(jobs))
@@ -381,14 +399,23 @@ def run_jobs(engine: Engine, table: BucketTable, jobs: list[Job], max_inflight: 
         batcher.submit(jid, job.rows.seqlen, job.rows.docs, 0.0)
     inflight: collections.deque = collections.deque()
     ran = []
+    pool = _stream_pool(streams)
+    run = lambda prepared: engine.fetch(engine.launch(prepared))
     while True:
-        d = batcher.next_dispatch(0.0, device_idle=True) if len(inflight) < max_inflight else None
+        d = batcher.next_dispatch(0.0, device_idle=True) if len(inflight) < max(max_inflight, streams) else None
         if d is not None:
             inputs, _ = assemble(d.bucket, d.parts, by_id)
-            inflight.append((d, engine.launch(engine.put(d.bucket, inputs, output))))
+            prepared = engine.put(d.bucket, inputs, output)
+            inflight.append((d, pool.submit(run, prepared) if pool else engine.launch(prepared)))
             ran.append(d)
         elif inflight:
             done, result = inflight.popleft()
-            scatter(done.parts, engine.fetch(result), by_id)
+            scatter(done.parts, result.result() if pool else engine.fetch(result), by_id)
         else:
             return ran
+
+
+@functools.lru_cache(maxsize=None)
+def _stream_pool(streams: int) -> concurrent.futures.ThreadPoolExecutor | None:
+    """Threads that each run a batch to the end (made once per count; None for one stream)."""
+    return concurrent.futures.ThreadPoolExecutor(streams, thread_name_prefix="jaxserve-stream") if streams > 1 else None

@@ -54,6 +54,7 @@ class ServerConfig:
     cache_dir: str | None = None  # persistent compilation cache; None = default location
     use_cache: bool = True
     max_inflight: int = MAX_INFLIGHT  # batches on the device at once
+    streams: int | None = None  # device threads each running a batch (None: the device's; 2 on a CPU, else 1)
     devices: int | str = 1  # local devices sharing each batch (data parallel), or "all"
     token_ids: str = "openai"  # token-id inputs on /v1/embeddings: OpenAI's tokenizer's (tiktoken), or the model's
     embed_all: bool = True  # compile token outputs for TEI's /embed_all (one more shape per seqlen)

@@ -159,7 +159,7 @@ def serve(port: int, rate_flops: float, overhead_s: float, table_file: str | Non
     import dataclasses
 
     fields = {f.name for f in dataclasses.fields(ServerConfig)}
-    extra = {"streams": 1} if "streams" in fields else {}  # edcd6b3: one batch at a time on a GPU
+    extra = {"streams": 1} if "streams" in fields else {}  # a GPU runs one batch at a time
     extra.update({"embed_all": False} if "embed_all" in fields else {})  # no token outputs to simulate
     app = create_app(ServerConfig(use_cache=False, **extra), enc)
 
