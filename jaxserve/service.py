@@ -401,8 +401,10 @@ def run_jobs(engine: Engine, table: BucketTable, jobs: list[Job], max_inflight: 
     ran = []
     pool = _stream_pool(streams)
     run = lambda prepared: engine.fetch(engine.launch(prepared))
+    # with threads of their own, one batch more than they run waits ready, so none idles while this one scatters
+    most = streams + 1 if pool else max_inflight
     while True:
-        d = batcher.next_dispatch(0.0, device_idle=True) if len(inflight) < max(max_inflight, streams) else None
+        d = batcher.next_dispatch(0.0, device_idle=True) if len(inflight) < most else None
         if d is not None:
             inputs, _ = assemble(d.bucket, d.parts, by_id)
             prepared = engine.put(d.bucket, inputs, output)
