@@ -108,8 +108,7 @@ class Block(nn.Module):
     def __call__(self, x_bsd, masks: Masks, score_bias: attention.ScoreBias | None = None):
         c = self.cfg
         b, s, _ = x_bsd.shape
-        qkv = dense(3 * c.hidden_size, self.dtype, "qkv")(x_bsd)  # [B, S, 3D]
-        q, k, v = jnp.split(qkv.reshape(b, s, 3 * c.num_heads, c.head_dim), 3, axis=2)  # [B, S, N, H]
+        q, k, v = layers.qkv_heads(x_bsd, c.num_heads, c.num_heads, c.head_dim, self.dtype)  # [B, S, N, H]
         att = attention.attend(q, k, v, masks, score_bias=score_bias)  # [B, S, N, H]
         att = dense(c.hidden_size, self.dtype, "attn_out")(att.reshape(b, s, c.hidden_size))
         x_bsd = layer_norm(c.layer_norm_eps, self.dtype, "attn_ln")(x_bsd + att)

@@ -161,8 +161,7 @@ class Attention(nn.Module):
         c = self.cfg
         b, s, _ = x_bsd.shape
         n, kv, h = c.num_heads, c.num_kv_heads, c.head_dim
-        qkv = dense((n + 2 * kv) * h, self.dtype, "qkv", use_bias=c.qkv_bias)(x_bsd)  # [B, S, (N + 2KV) H]
-        q, k, v = jnp.split(qkv.reshape(b, s, n + 2 * kv, h), [n, n + kv], axis=2)  # [B, S, N or KV, H]
+        q, k, v = layers.qkv_heads(x_bsd, n, kv, h, self.dtype, use_bias=c.qkv_bias)  # [B, S, N or KV, H]
         if c.qk_norm:
             q = RMSNorm(c.rms_norm_eps, self.dtype, name="q_norm")(q)
             k = RMSNorm(c.rms_norm_eps, self.dtype, name="k_norm")(k)
@@ -183,10 +182,8 @@ class Block(nn.Module):
         c = self.cfg
         norm = lambda name: RMSNorm(c.rms_norm_eps, self.dtype, name=name)
         x_bsd = x_bsd + Attention(c, self.spec, self.dtype, name="attn")(norm("attn_norm")(x_bsd), positions, masks)
-        gate, up = jnp.split(dense(2 * c.intermediate_size, self.dtype, "gate_up", use_bias=False)(
-            norm("mlp_norm")(x_bsd)), 2, axis=-1)  # [B, S, F] each
-        h = layers.ACTIVATIONS[c.hidden_act](gate) * up
-        return x_bsd + dense(c.hidden_size, self.dtype, "down", use_bias=False)(h)  # [B, S, D]
+        return x_bsd + layers.gated_mlp(norm("mlp_norm")(x_bsd), c.intermediate_size, c.hidden_size, c.hidden_act,
+                                        self.dtype, ("gate_up", "down"), use_bias=False)  # [B, S, D]
 
 
 class Decoder(nn.Module):

@@ -216,8 +216,7 @@ class Attention(nn.Module):
         c = self.cfg
         b, s, _ = x_bsd.shape
         n, kv, h = c.num_heads, c.num_kv_heads, c.head_dim
-        qkv = dense((n + 2 * kv) * h, self.dtype, "qkv", use_bias=c.attention_bias)(x_bsd)  # [B, S, (N + 2KV) H]
-        q, k, v = jnp.split(qkv.reshape(b, s, n + 2 * kv, h), [n, n + kv], axis=2)  # [B, S, N or KV, H]
+        q, k, v = layers.qkv_heads(x_bsd, n, kv, h, self.dtype, use_bias=c.attention_bias)  # [B, S, N or KV, H]
         q = RMSNorm(c.rms_norm_eps, self.dtype, offset=1.0, name="q_norm")(q)
         k = RMSNorm(c.rms_norm_eps, self.dtype, offset=1.0, name="k_norm")(k)
         q, k = rope(q, positions, self.rope), rope(k, positions, self.rope)
@@ -239,10 +238,9 @@ class Block(nn.Module):
         norm = lambda name: RMSNorm(c.rms_norm_eps, self.dtype, offset=1.0, name=name)
         att = Attention(c, self.spec, self.rope, self.dtype, name="attn")(norm("attn_norm")(x_bsd), positions, masks)
         x_bsd = x_bsd + norm("post_attn_norm")(att)
-        gate, up = jnp.split(dense(2 * c.intermediate_size, self.dtype, "gate_up", use_bias=False)(
-            norm("mlp_norm")(x_bsd)), 2, axis=-1)  # [B, S, F] each
-        h = layers.ACTIVATIONS[c.hidden_act](gate) * up
-        return x_bsd + norm("post_mlp_norm")(dense(c.hidden_size, self.dtype, "down", use_bias=False)(h))  # [B, S, D]
+        mlp = layers.gated_mlp(norm("mlp_norm")(x_bsd), c.intermediate_size, c.hidden_size, c.hidden_act,
+                               self.dtype, ("gate_up", "down"), use_bias=False)  # [B, S, D]
+        return x_bsd + norm("post_mlp_norm")(mlp)
 
 
 class Encoder(nn.Module):

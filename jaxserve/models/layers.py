@@ -52,6 +52,23 @@ def layer_norm(eps: float, dtype, name: str, use_bias: bool = True) -> nn.LayerN
     return nn.LayerNorm(epsilon=eps, use_bias=use_bias, dtype=dtype, param_dtype=dtype, name=name)
 
 
+def qkv_heads(x_bsd, num_heads: int, num_kv_heads: int, head_dim: int, dtype, use_bias: bool = True):
+    """One fused projection `qkv` -> q [B, S, N, H], k and v [B, S, KV, H] (KV = N without grouped heads).
+
+    Call from a compact method: the projection is a submodule of the caller."""
+    b, s, _ = x_bsd.shape
+    n, kv = num_heads, num_kv_heads
+    qkv = dense((n + 2 * kv) * head_dim, dtype, "qkv", use_bias=use_bias)(x_bsd)  # [B, S, (N + 2KV) H]
+    return jnp.split(qkv.reshape(b, s, n + 2 * kv, head_dim), [n, n + kv], axis=2)
+
+
+def gated_mlp(x_bsd, intermediate: int, hidden: int, act: str, dtype, names: tuple[str, str], use_bias: bool):
+    """act(a) * b, with a and b the halves of one fused projection `names[0]`, then `names[1]` back to
+    `hidden` (SwiGLU, GeGLU). Call from a compact method: the projections are submodules of the caller."""
+    a, b = jnp.split(dense(2 * intermediate, dtype, names[0], use_bias=use_bias)(x_bsd), 2, axis=-1)  # [B, S, F] each
+    return dense(hidden, dtype, names[1], use_bias=use_bias)(ACTIVATIONS[act](a) * b)  # [B, S, D]
+
+
 class RMSNorm(nn.Module):
     """x / rms(x) * scale, computed in float32. `offset=1` for Gemma's (1 + weight) convention."""
 

@@ -176,8 +176,8 @@ class Attention(nn.Module):
     def __call__(self, x_bsd, positions, masks: Masks):
         c = self.cfg
         b, s, _ = x_bsd.shape
-        qkv = dense(3 * c.hidden_size, self.dtype, "qkv", use_bias=c.attention_bias)(x_bsd)  # [B, S, 3D]
-        q, k, v = jnp.split(qkv.reshape(b, s, 3 * c.num_heads, c.head_dim), 3, axis=2)  # [B, S, N, H]
+        q, k, v = layers.qkv_heads(x_bsd, c.num_heads, c.num_heads, c.head_dim, self.dtype,
+                                   use_bias=c.attention_bias)  # [B, S, N, H]
         q, k = rotary(q, positions, self.theta), rotary(k, positions, self.theta)
         att = attention.attend(q, k, v, masks, self.spec)  # [B, S, N, H]
         return dense(c.hidden_size, self.dtype, "out", use_bias=c.attention_bias)(att.reshape(b, s, c.hidden_size))
@@ -198,10 +198,8 @@ class Block(nn.Module):
         norm = lambda name: layer_norm(c.norm_eps, self.dtype, name, use_bias=c.norm_bias)
         h = norm("attn_norm")(x_bsd) if self.attn_norm else x_bsd
         x_bsd = x_bsd + Attention(c, self.spec, self.theta, self.dtype, name="attn")(h, positions, masks)
-        inp, gate = jnp.split(dense(2 * c.intermediate_size, self.dtype, "mlp_in", use_bias=c.mlp_bias)(
-            norm("mlp_norm")(x_bsd)), 2, axis=-1)  # [B, S, F] each
-        h = layers.ACTIVATIONS[c.hidden_act](inp) * gate
-        return x_bsd + dense(c.hidden_size, self.dtype, "mlp_out", use_bias=c.mlp_bias)(h)  # [B, S, D]
+        return x_bsd + layers.gated_mlp(norm("mlp_norm")(x_bsd), c.intermediate_size, c.hidden_size, c.hidden_act,
+                                        self.dtype, ("mlp_in", "mlp_out"), use_bias=c.mlp_bias)  # [B, S, D]
 
 
 class Encoder(nn.Module):
