@@ -101,6 +101,42 @@ def logits(model, ids: np.ndarray) -> np.ndarray:
     return out.logits[0].float().numpy()
 
 
+def assert_packed_equals_padded(enc, path: Path, texts: list[str], max_len: int) -> None:
+    """Rows shared by several documents give each the vectors it gets alone in a padded row."""
+    from jaxserve import Encoder
+    from jaxserve.buckets import fixed
+
+    texts = [texts[i % len(texts)] + " doc" * (i % 5) for i in range(24)]
+    assert enc.prepare(texts)[1].docs.max() > 1  # rows are shared
+    padded = Encoder.from_pretrained(str(path), buckets=fixed([(4, max_len)]))
+    np.testing.assert_allclose(enc.embed(texts), padded.embed(texts), atol=2e-5)
+
+
+def assert_bfloat16_close(enc, path: Path, texts: list[str], table) -> None:
+    """bfloat16 vectors within cosine 0.999 of `enc`'s float32 ones."""
+    from conftest import cosine_rows
+    from jaxserve import Encoder
+
+    bf16 = Encoder.from_pretrained(str(path), dtype="bfloat16", buckets=table)
+    cos = cosine_rows(bf16.embed(texts), enc.embed(texts))
+    assert cos.min() >= 0.999, cos
+
+
+def sentence_transformer_on_tokenizer_json(path: Path, pad_token: str, max_length: int):
+    """sentence-transformers' model of a checkpoint directory, tokenizing with its tokenizer.json.
+
+    For decoder families (qwen2/qwen3, gemma3_text) AutoTokenizer builds the family's own tokenizer
+    from the vocabulary alone; the tiny tokenizer.json (WordPiece) is what jaxserve and the reference
+    must both use."""
+    from sentence_transformers import SentenceTransformer
+    from transformers import PreTrainedTokenizerFast
+
+    st = SentenceTransformer(str(path), device="cpu")
+    st[0].processor = PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"), pad_token=pad_token,
+                                              model_max_length=max_length)
+    return st
+
+
 def sentence_transformers_dir(path: Path, pooling: str = "mean", max_seq_length: int | None = None,
                               normalize: bool = True, dense: list[dict] | None = None,
                               prompts: dict | None = None, default_prompt_name: str | None = None,

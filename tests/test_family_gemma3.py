@@ -113,30 +113,18 @@ def test_hidden_states_match_transformers(arch):
 
 def test_packed_equals_padded(arch):
     _, path, _, enc = arch
-    texts = [TEXTS[i % len(TEXTS)] + " doc" * (i % 5) for i in range(24)]
-    assert enc.prepare(texts)[1].docs.max() > 1  # rows are shared
-    padded = Encoder.from_pretrained(str(path), buckets=fixed([(4, MAX_LEN)]))
-    np.testing.assert_allclose(enc.embed(texts), padded.embed(texts), atol=2e-5)
+    hf_tiny.assert_packed_equals_padded(enc, path, TEXTS, MAX_LEN)
 
 
 def test_bfloat16_close_to_float32(arch):
     _, path, _, enc = arch
-    bf16 = Encoder.from_pretrained(str(path), dtype="bfloat16", buckets=ONE_BUCKET)
-    cos = cosine_rows(bf16.embed(TEXTS), enc.embed(TEXTS))
-    assert cos.min() >= 0.999, cos
+    hf_tiny.assert_bfloat16_close(enc, path, TEXTS, ONE_BUCKET)
 
 
 def test_matches_sentence_transformers_mean(arch):
     """Mean pooling as sentence-transformers', with left padding (GemmaTokenizer's default) and right."""
-    from sentence_transformers import SentenceTransformer
-    from transformers import PreTrainedTokenizerFast
-
     _, path, _, enc = arch
-    st = SentenceTransformer(str(path), device="cpu")
-    # For gemma3_text AutoTokenizer builds a GemmaTokenizer from the vocabulary alone; the tiny
-    # tokenizer.json (WordPiece) is what both sides must use.
-    st[0].processor = PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"), pad_token="<pad>",
-                                              model_max_length=MAX_LEN)
+    st = hf_tiny.sentence_transformer_on_tokenizer_json(path, "<pad>", MAX_LEN)
     assert st.max_seq_length == MAX_LEN and enc.embedding_config.pooling == "mean"
     assert len(full_ids(path, TEXTS)[-1]) > MAX_LEN  # truncated the same way on both sides
     assert st.tokenizer(TEXTS[1])["input_ids"] == enc.tokenizer.encode(TEXTS[1:2])[0].tolist()

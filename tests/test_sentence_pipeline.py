@@ -175,14 +175,9 @@ def decoder_checkpoint(path, family):
 
 @pytest.mark.parametrize("family", ["qwen3", "gemma3"])
 def test_decoder_embedder_pipelines_match_sentence_transformers(tmp_path, family):
-    from transformers import PreTrainedTokenizerFast
-
     path, pad = decoder_checkpoint(tmp_path / family, family)
     enc = Encoder.from_pretrained(str(path), buckets=TABLE)
-    st = sentence_transformer(path)
-    # transformers builds these families' tokenizers from a vocabulary alone: both sides must use tokenizer.json
-    st[0].processor = PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"), pad_token=pad,
-                                              model_max_length=64)
+    st = hf_tiny.sentence_transformer_on_tokenizer_json(path, pad, 64)
     for name in ("query", "document"):
         got, want = enc.embed(TEXTS, prompt_name=name), st.encode(TEXTS, prompt_name=name)
         assert got.shape == want.shape and cosine_rows(got, want).min() >= 0.99999, name
