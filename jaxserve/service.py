@@ -109,7 +109,6 @@ class EmbeddingService:
         self.metrics = metrics or Metrics()
         self.max_inflight = max_inflight
         self.streams = streams  # device threads: 1 launches for the device; >1 each runs its batch (CPU)
-        self._device_threads_left = streams
         self.max_failures = max_failures
         self._lock = threading.Condition()
         self._entries: dict[int, _Entry] = {}  # jobs submitted and not yet answered (guarded by _lock)
@@ -331,15 +330,15 @@ class EmbeddingService:
             except Exception as exc:
                 result, error = None, exc
             self._launched.put((d, jobs, result, error, launched))
-        with self._lock:
-            self._device_threads_left -= 1
-            last = self._device_threads_left == 0
-        if last:
-            self._launched.put(None)
+        self._launched.put(None)
 
     def _respond_loop(self) -> None:
         previous_done = 0.0
-        while (item := self._launched.get()) is not None:
+        running = self.streams  # device threads not yet stopped: each ends its stream with None
+        while running:
+            if (item := self._launched.get()) is None:
+                running -= 1
+                continue
             d, jobs, result, error, launched = item
             try:
                 if error is not None:
