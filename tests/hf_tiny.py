@@ -101,6 +101,53 @@ def logits(model, ids: np.ndarray) -> np.ndarray:
     return out.logits[0].float().numpy()
 
 
+def full_ids(path, texts):
+    """Untruncated model sequences (with the special tokens), longer than the encoder's cap."""
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    return [np.asarray(e.ids, np.int32) for e in tok.encode_batch(texts)]
+
+
+def hidden_states(module, params, docs, packed: bool, seqlen: int = 128):
+    """Each document's hidden states, from one packed row or from padded rows (one document each)."""
+    starts = np.cumsum([0] + [len(d) for d in docs])[:-1]
+    place = [(0, int(s)) for s in starts] if packed else [(k, 0) for k in range(len(docs))]  # (row, start)
+    ids, seg, pos = (np.zeros((1 if packed else len(docs), seqlen), np.int32) for _ in range(3))  # [B, S]
+    for k, (d, (r, s)) in enumerate(zip(docs, place)):
+        ids[r, s:s + len(d)] = d
+        seg[r, s:s + len(d)] = k + 1 if packed else 1
+        pos[r, s:s + len(d)] = np.arange(len(d))
+    h = np.asarray(module.apply({"params": params}, ids, seg, pos, np.zeros_like(ids), packed=packed))  # [B, S, D]
+    return [h[r, s:s + len(d)] for d, (r, s) in zip(docs, place)]
+
+
+def check_hidden(family, cfg, params, model, docs, atol=1e-4):
+    """Padded rows and one packed row (also through the blockwise kernel of long seqlens) against transformers."""
+    want = [hidden(model, d) for d in docs]
+    worst = 0.0
+    for impl, packed in [("dense", False), ("dense", True), ("blockwise", True)]:
+        got = hidden_states(family.encoder(cfg, attention=impl), params, docs, packed)
+        for g, ref in zip(got, want):
+            np.testing.assert_allclose(g, ref, atol=atol, rtol=1e-4, err_msg=f"{impl}, packed={packed}")
+            worst = max(worst, float(np.abs(g - ref).max()))
+    return want, worst
+
+
+def assert_matches_sentence_transformers(enc, path: Path, texts: list[str], pad_token: str, max_len: int) -> None:
+    """`enc.embed` equals sentence-transformers' `encode` (cosine 0.99999) with left and with right padding,
+    texts past `max_len` truncated the same way on both sides."""
+    from conftest import cosine_rows
+
+    st = sentence_transformer_on_tokenizer_json(path, pad_token, max_len)
+    assert st.max_seq_length == max_len
+    assert len(full_ids(path, texts)[-1]) > max_len  # truncated the same way on both sides
+    assert st.tokenizer(texts[1])["input_ids"] == enc.tokenizer.encode(texts[1:2])[0].tolist()
+    got = enc.embed(texts)
+    for side in ("left", "right"):
+        st.tokenizer.padding_side = side
+        cos = cosine_rows(got, st.encode(texts))
+        assert cos.min() >= 0.99999, (side, cos)
+
+
 def assert_packed_equals_padded(enc, path: Path, texts: list[str], max_len: int) -> None:
     """Rows shared by several documents give each the vectors it gets alone in a padded row."""
     from jaxserve import Encoder

@@ -10,10 +10,8 @@ import dataclasses
 
 import numpy as np
 import pytest
-from tokenizers import Tokenizer
 
 import hf_tiny
-from conftest import cosine_rows
 from jaxserve import Encoder
 from jaxserve.buckets import fixed
 from jaxserve.errors import CheckpointError
@@ -62,52 +60,21 @@ def arch(request, tmp_path_factory):
     return model_type, path, model, Encoder.from_pretrained(str(path), buckets=PACKED)
 
 
-def full_ids(path, texts):
-    """Untruncated model sequences (document + <|endoftext|>), longer than the encoder's cap."""
-    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
-    return [np.asarray(e.ids, np.int32) for e in tok.encode_batch(texts)]
-
-
-def forward(module, params, docs, packed: bool, seqlen: int = 128):
-    """Each document's hidden states, from one packed row or from padded rows (one document each)."""
-    starts = np.cumsum([0] + [len(d) for d in docs])[:-1]
-    place = [(0, int(s)) for s in starts] if packed else [(k, 0) for k in range(len(docs))]  # (row, start)
-    ids, seg, pos = (np.zeros((1 if packed else len(docs), seqlen), np.int32) for _ in range(3))  # [B, S]
-    for k, (d, (r, s)) in enumerate(zip(docs, place)):
-        ids[r, s:s + len(d)] = d
-        seg[r, s:s + len(d)] = k + 1 if packed else 1
-        pos[r, s:s + len(d)] = np.arange(len(d))
-    h = np.asarray(module.apply({"params": params}, ids, seg, pos, np.zeros_like(ids), packed=packed))  # [B, S, D]
-    return [h[r, s:s + len(d)] for d, (r, s) in zip(docs, place)]
-
-
 LONG_DOCS = ["x", "the model", "a batch of jax documents is the query " * 3,
              "the model is a document " * 6 + "hello, world! 42 " * 4]
-
-
-def check_hidden(family, cfg, params, model, docs, atol=1e-4):
-    """Padded rows and one packed row (also through the blockwise kernel of long seqlens) against transformers."""
-    want = [hf_tiny.hidden(model, d) for d in docs]
-    worst = 0.0
-    for impl, packed in [("dense", False), ("dense", True), ("blockwise", True)]:
-        got = forward(family.encoder(cfg, attention=impl), params, docs, packed)
-        for g, ref in zip(got, want):
-            np.testing.assert_allclose(g, ref, atol=atol, rtol=1e-4, err_msg=f"{impl}, packed={packed}")
-            worst = max(worst, float(np.abs(g - ref).max()))
-    return want, worst
 
 
 def test_hidden_states_match_transformers(arch):
     """Padded rows and one packed row equal transformers' states, documents longer than the window included."""
     model_type, path, model, enc = arch
-    docs = full_ids(path, LONG_DOCS)
+    docs = hf_tiny.full_ids(path, LONG_DOCS)
     assert len(docs[-1]) > 4 * WINDOW and sum(map(len, docs)) <= 128
-    want, worst = check_hidden(enc.family, enc.model_config, enc.params, model, docs)
+    want, worst = hf_tiny.check_hidden(enc.family, enc.model_config, enc.params, model, docs)
     print(f"{model_type}: max abs difference vs transformers {worst:.2e}")
     cfg = enc.model_config
     if any(cfg.windows):  # the window is exercised: without it the long document's states differ
         full = enc.family.encoder(dataclasses.replace(cfg, windows=(None,) * cfg.num_layers))
-        assert np.abs(forward(full, enc.params, docs[-1:], packed=False)[0] - want[-1]).max() > 1e-2
+        assert np.abs(hf_tiny.hidden_states(full, enc.params, docs[-1:], packed=False)[0] - want[-1]).max() > 1e-2
 
 
 def test_qwen3_with_biases_and_sliding_layers(tmp_path):
@@ -116,8 +83,8 @@ def test_qwen3_with_biases_and_sliding_layers(tmp_path):
                  layer_types=["sliding_attention", "full_attention"])
     enc = Encoder.from_pretrained(str(path))
     assert enc.model_config.windows == (WINDOW, None) and enc.model_config.out_bias
-    check_hidden(enc.family, enc.model_config, enc.params, hf_tiny.torch_model(path, "Qwen3Model"),
-                 full_ids(path, LONG_DOCS))
+    hf_tiny.check_hidden(enc.family, enc.model_config, enc.params, hf_tiny.torch_model(path, "Qwen3Model"),
+                 hf_tiny.full_ids(path, LONG_DOCS))
 
 
 def test_causal_lm_checkpoint_loads_without_its_lm_head(tmp_path):
@@ -129,8 +96,8 @@ def test_causal_lm_checkpoint_loads_without_its_lm_head(tmp_path):
         assert "lm_head.weight" in f.keys() and "model.norm.weight" in f.keys()
     enc = Encoder.from_pretrained(str(path))
     assert enc.head.kind == "embedding"
-    check_hidden(enc.family, enc.model_config, enc.params, hf_tiny.torch_model(path, "Qwen3Model"),
-                 full_ids(path, LONG_DOCS[:3]))
+    hf_tiny.check_hidden(enc.family, enc.model_config, enc.params, hf_tiny.torch_model(path, "Qwen3Model"),
+                 hf_tiny.full_ids(path, LONG_DOCS[:3]))
 
 
 def test_packed_equals_padded(arch):
@@ -146,15 +113,8 @@ def test_bfloat16_close_to_float32(arch):
 def test_matches_sentence_transformers_lasttoken(arch):
     """Last-token pooling as sentence-transformers', with left padding (as Qwen3-Embedding's tokenizer) or right."""
     _, path, _, enc = arch
-    st = hf_tiny.sentence_transformer_on_tokenizer_json(path, "<|endoftext|>", MAX_LEN)
-    assert st.max_seq_length == MAX_LEN and enc.embedding_config.pooling == "lasttoken"
-    assert len(full_ids(path, TEXTS)[-1]) > MAX_LEN  # truncated the same way on both sides
-    assert st.tokenizer(TEXTS[1])["input_ids"] == enc.tokenizer.encode(TEXTS[1:2])[0].tolist()
-    got = enc.embed(TEXTS)
-    for side in ("left", "right"):
-        st.tokenizer.padding_side = side
-        cos = cosine_rows(got, st.encode(TEXTS))
-        assert cos.min() >= 0.99999, (side, cos)
+    assert enc.embedding_config.pooling == "lasttoken"
+    hf_tiny.assert_matches_sentence_transformers(enc, path, TEXTS, "<|endoftext|>", MAX_LEN)
 
 
 @pytest.mark.parametrize("model_type", list(ARCHS))

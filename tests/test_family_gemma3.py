@@ -12,10 +12,8 @@ import dataclasses
 
 import numpy as np
 import pytest
-from tokenizers import Tokenizer
 
 import hf_tiny
-from conftest import cosine_rows
 from jaxserve import Encoder
 from jaxserve.buckets import fixed
 from jaxserve.errors import CheckpointError
@@ -64,50 +62,19 @@ def arch(request, tmp_path_factory):
     return request.param, path, model, Encoder.from_pretrained(str(path), buckets=PACKED)
 
 
-def full_ids(path, texts):
-    """Untruncated model sequences (<bos> document <eos>)."""
-    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
-    return [np.asarray(e.ids, np.int32) for e in tok.encode_batch(texts)]
-
-
-def forward(module, params, docs, packed: bool, seqlen: int = 128):
-    """Each document's hidden states, from one packed row or from padded rows (one document each)."""
-    starts = np.cumsum([0] + [len(d) for d in docs])[:-1]
-    place = [(0, int(s)) for s in starts] if packed else [(k, 0) for k in range(len(docs))]  # (row, start)
-    ids, seg, pos = (np.zeros((1 if packed else len(docs), seqlen), np.int32) for _ in range(3))  # [B, S]
-    for k, (d, (r, s)) in enumerate(zip(docs, place)):
-        ids[r, s:s + len(d)] = d
-        seg[r, s:s + len(d)] = k + 1 if packed else 1
-        pos[r, s:s + len(d)] = np.arange(len(d))
-    h = np.asarray(module.apply({"params": params}, ids, seg, pos, np.zeros_like(ids), packed=packed))  # [B, S, D]
-    return [h[r, s:s + len(d)] for d, (r, s) in zip(docs, place)]
-
-
-def check_hidden(enc, model, docs, atol=1e-4):
-    """Padded rows and one packed row (also through the blockwise kernel) against transformers."""
-    want = [hf_tiny.hidden(model, d) for d in docs]
-    worst = 0.0
-    for impl, packed in [("dense", False), ("dense", True), ("blockwise", True)]:
-        got = forward(enc.family.encoder(enc.model_config, attention=impl), enc.params, docs, packed)
-        for g, ref in zip(got, want):
-            np.testing.assert_allclose(g, ref, atol=atol, rtol=1e-4, err_msg=f"{impl}, packed={packed}")
-            worst = max(worst, float(np.abs(g - ref).max()))
-    return want, worst
-
-
 def test_hidden_states_match_transformers(arch):
     """Padded rows and one packed row equal transformers' states, documents longer than the window included;
     the window and the attention direction both matter (changing either changes the states)."""
     name, path, model, enc = arch
-    docs = full_ids(path, LONG_DOCS)
+    docs = hf_tiny.full_ids(path, LONG_DOCS)
     assert len(docs[-1]) > 4 * WINDOW and sum(map(len, docs)) <= 128
-    want, worst = check_hidden(enc, model, docs)
+    want, worst = hf_tiny.check_hidden(enc.family, enc.model_config, enc.params, model, docs)
     print(f"{name}: max abs difference vs transformers {worst:.2e}")
     cfg = enc.model_config
     assert cfg.bidirectional == (name == "embeddinggemma")
     for changed in (dataclasses.replace(cfg, layer_types=("full_attention",) * 3),
                     dataclasses.replace(cfg, bidirectional=not cfg.bidirectional)):
-        other = forward(enc.family.encoder(changed), enc.params, docs[-1:], packed=False)[0]
+        other = hf_tiny.hidden_states(enc.family.encoder(changed), enc.params, docs[-1:], packed=False)[0]
         assert np.abs(other - want[-1]).max() > 1e-2
 
 
@@ -124,15 +91,8 @@ def test_bfloat16_close_to_float32(arch):
 def test_matches_sentence_transformers_mean(arch):
     """Mean pooling as sentence-transformers', with left padding (GemmaTokenizer's default) and right."""
     _, path, _, enc = arch
-    st = hf_tiny.sentence_transformer_on_tokenizer_json(path, "<pad>", MAX_LEN)
-    assert st.max_seq_length == MAX_LEN and enc.embedding_config.pooling == "mean"
-    assert len(full_ids(path, TEXTS)[-1]) > MAX_LEN  # truncated the same way on both sides
-    assert st.tokenizer(TEXTS[1])["input_ids"] == enc.tokenizer.encode(TEXTS[1:2])[0].tolist()
-    got = enc.embed(TEXTS)
-    for side in ("left", "right"):
-        st.tokenizer.padding_side = side
-        cos = cosine_rows(got, st.encode(TEXTS))
-        assert cos.min() >= 0.99999, (side, cos)
+    assert enc.embedding_config.pooling == "mean"
+    hf_tiny.assert_matches_sentence_transformers(enc, path, TEXTS, "<pad>", MAX_LEN)
 
 
 def test_classifier_logits_match_transformers(tmp_path):
@@ -156,7 +116,8 @@ def test_causal_lm_checkpoint_loads_without_its_lm_head(tmp_path):
         assert "lm_head.weight" in f.keys() and "model.norm.weight" in f.keys()
     enc = Encoder.from_pretrained(str(path))
     assert enc.head.kind == "embedding"
-    check_hidden(enc, hf_tiny.torch_model(path, "Gemma3TextModel"), full_ids(path, LONG_DOCS[2:]))
+    hf_tiny.check_hidden(enc.family, enc.model_config, enc.params, hf_tiny.torch_model(path, "Gemma3TextModel"),
+                         hf_tiny.full_ids(path, LONG_DOCS[2:]))
 
 
 async def test_served_over_http(arch, make_server):
