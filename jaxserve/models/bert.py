@@ -147,6 +147,18 @@ class ClassificationHead(nn.Module):
 
 # ---- checkpoint names ----
 
+def block_weights(qkv: list[str], attn_out: str, attn_ln: str, mlp_in: str, mlp_out: str, mlp_ln: str) -> dict:
+    """One `Block`'s params from its tensors' prefixes (BERT's names, or MPNet's and DistilBERT's)."""
+    return {
+        "qkv": layers.fused_linear(qkv),
+        "attn_out": linear(attn_out),
+        "attn_ln": layers.layer_norm_weights(attn_ln),
+        "mlp_in": linear(mlp_in),
+        "mlp_out": linear(mlp_out),
+        "mlp_ln": layers.layer_norm_weights(mlp_ln),
+    }
+
+
 def weights(cfg: Config) -> dict:
     """Our params tree, each leaf as (source tensor names, how to turn them into the leaf)."""
     tree = {
@@ -159,14 +171,9 @@ def weights(cfg: Config) -> dict:
     }
     for i in range(cfg.num_layers):
         p = f"encoder.layer.{i}"
-        tree[f"layer_{i}"] = {
-            "qkv": layers.fused_linear([f"{p}.attention.self.{n}" for n in ("query", "key", "value")]),
-            "attn_out": linear(f"{p}.attention.output.dense"),
-            "attn_ln": layers.layer_norm_weights(f"{p}.attention.output.LayerNorm"),
-            "mlp_in": linear(f"{p}.intermediate.dense"),
-            "mlp_out": linear(f"{p}.output.dense"),
-            "mlp_ln": layers.layer_norm_weights(f"{p}.output.LayerNorm"),
-        }
+        tree[f"layer_{i}"] = block_weights([f"{p}.attention.self.{n}" for n in ("query", "key", "value")],
+                                           f"{p}.attention.output.dense", f"{p}.attention.output.LayerNorm",
+                                           f"{p}.intermediate.dense", f"{p}.output.dense", f"{p}.output.LayerNorm")
     return tree
 
 

@@ -17,7 +17,7 @@ from jaxserve.buckets import ModelDims
 from jaxserve.errors import CheckpointError
 from jaxserve.models import layers
 from jaxserve.models.attention import Masks
-from jaxserve.models.bert import Block, embedding_weight
+from jaxserve.models.bert import Block, block_weights, embedding_weight
 from jaxserve.models.family import Family
 from jaxserve.models.layers import dense, embedding, layer_norm, linear
 
@@ -124,14 +124,9 @@ def weights(cfg: Config) -> dict:
     }
     for i in range(cfg.num_layers):
         p = f"transformer.layer.{i}"
-        tree[f"layer_{i}"] = {
-            "qkv": layers.fused_linear([f"{p}.attention.{n}_lin" for n in ("q", "k", "v")]),
-            "attn_out": linear(f"{p}.attention.out_lin"),
-            "attn_ln": layers.layer_norm_weights(f"{p}.sa_layer_norm"),
-            "mlp_in": linear(f"{p}.ffn.lin1"),
-            "mlp_out": linear(f"{p}.ffn.lin2"),
-            "mlp_ln": layers.layer_norm_weights(f"{p}.output_layer_norm"),
-        }
+        tree[f"layer_{i}"] = block_weights([f"{p}.attention.{n}_lin" for n in ("q", "k", "v")],
+                                           f"{p}.attention.out_lin", f"{p}.sa_layer_norm",
+                                           f"{p}.ffn.lin1", f"{p}.ffn.lin2", f"{p}.output_layer_norm")
     return tree
 
 

@@ -20,7 +20,7 @@ from jaxserve.buckets import ModelDims
 from jaxserve.errors import CheckpointError
 from jaxserve.models import layers
 from jaxserve.models.attention import Masks
-from jaxserve.models.bert import Block, ClassificationHead, embedding_weight
+from jaxserve.models.bert import Block, ClassificationHead, block_weights, embedding_weight
 from jaxserve.models.family import Family
 from jaxserve.models.layers import embedding, layer_norm, linear
 
@@ -160,14 +160,9 @@ def weights(cfg: Config) -> dict:
     }
     for i in range(cfg.num_layers):
         p = f"encoder.layer.{i}"
-        tree[f"layer_{i}"] = {
-            "qkv": layers.fused_linear([f"{p}.attention.attn.{n}" for n in ("q", "k", "v")]),
-            "attn_out": linear(f"{p}.attention.attn.o"),
-            "attn_ln": layers.layer_norm_weights(f"{p}.attention.LayerNorm"),
-            "mlp_in": linear(f"{p}.intermediate.dense"),
-            "mlp_out": linear(f"{p}.output.dense"),
-            "mlp_ln": layers.layer_norm_weights(f"{p}.output.LayerNorm"),
-        }
+        tree[f"layer_{i}"] = block_weights([f"{p}.attention.attn.{n}" for n in ("q", "k", "v")],
+                                           f"{p}.attention.attn.o", f"{p}.attention.LayerNorm",
+                                           f"{p}.intermediate.dense", f"{p}.output.dense", f"{p}.output.LayerNorm")
     return tree
 
 
