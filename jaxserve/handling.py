@@ -129,6 +129,13 @@ class Ran:
         return int(self.pieces.lengths.sum())
 
 
+def explain_rows(state: AppState, rows, table, pieces) -> dict:
+    """The latency math of one request's rows on `table`, given what waits and runs ahead of it now."""
+    service = state.service
+    return explain(rows, table, service.timings, pieces.doc, service.batcher.backlog(), service.batches_in_flight,
+                   state.config.max_wait_ms / 1000)
+
+
 async def run_request(state: AppState, make_pieces, want_explain: bool = False, output: str = "pooled") -> Ran:
     """Tokenize (`make_pieces()`) and pack into a job on a thread, then through the batcher and the device."""
     enc = state.encoder
@@ -143,8 +150,7 @@ async def run_request(state: AppState, make_pieces, want_explain: bool = False, 
         width = enc.model_config.hidden_size if output == "tokens" else enc.out_dim
         job = Job(rows, pieces.ids, pieces.offsets, pieces.types, width, output)
         t2 = time.perf_counter()
-        explained = explain(rows, table, service.timings, pieces.doc, service.batcher.backlog(),
-                            service.batches_in_flight, state.config.max_wait_ms / 1000) if want_explain else None
+        explained = explain_rows(state, rows, table, pieces) if want_explain else None
         return pieces, job, explained, {"tokenize_s": t1 - t0, "plan_s": t2 - t1}
 
     pieces, job, explained, phases = await on_tokenizer(state, prepare)

@@ -8,9 +8,8 @@ import orjson
 from aiohttp import web
 
 from jaxserve import api
-from jaxserve.explain import explain
-from jaxserve.handling import (bytes_response, embedding_pieces, json_body, json_response, on_tokenizer,
-                               require_kind, respond, run_request, tokenized, vectors_of)
+from jaxserve.handling import (bytes_response, embedding_pieces, explain_rows, json_body, json_response,
+                               on_tokenizer, require_kind, respond, run_request, tokenized, vectors_of)
 from jaxserve.planner import pack
 from jaxserve.state import STATE
 
@@ -46,13 +45,11 @@ async def plan(request: web.Request) -> web.Response:
     state.require_ready()
     require_kind(state, "embedding", "/v1/plan")
     req = api.parse_openai_embeddings(await json_body(request), state.limits, state.encoder.dim, state.config.long)
-    service = state.service
 
     def plan_only():
         pieces = tokenized(lambda: embedding_pieces(state, req, openai_ids=True))
         rows = pack(pieces.lengths, state.table)
-        body = explain(rows, state.table, service.timings, pieces.doc, service.batcher.backlog(),
-                       service.batches_in_flight, state.config.max_wait_ms / 1000)
+        body = explain_rows(state, rows, state.table, pieces)
         body.update(documents=req.count, sequences=pieces.count, usage={"prompt_tokens": rows.real_tokens})
         return orjson.dumps(body)
 

@@ -265,7 +265,7 @@ class EmbeddingService:
 
     def _dispatch(self, now: float) -> tuple[str, Dispatch] | None:
         """The next dispatch of any output, the batcher with the oldest waiting row asked first."""
-        waiting = sorted((b.oldest(), lane) for lane, b in self.batchers.items() if b.oldest() is not None)
+        waiting = sorted((t, lane) for lane, b in self.batchers.items() if (t := b.oldest()) is not None)
         for _, lane in waiting:
             d = self.batchers[lane].next_dispatch(now, device_idle=self._pipeline < self.max_inflight)
             if d is not None:
