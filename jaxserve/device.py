@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 
 import jax
@@ -26,7 +27,6 @@ class DeviceInfo:
     batch_multiple: int  # batch sizes are rounded down to this
     max_batch_tokens: int  # default token budget per dispatch
     max_batch: int  # default cap on rows per dispatch
-    streams: int  # batches worth running at once from threads of their own
 
 
 def describe(memory_override: int | None = None) -> DeviceInfo:
@@ -36,14 +36,22 @@ def describe(memory_override: int | None = None) -> DeviceInfo:
     if platform == "cpu":
         # On CPU, big dispatches gain nothing over medium ones once both cores are
         # busy, and cost latency: cap the tokens per dispatch.
-        # Two batches at once, each from its own thread, keep both cores busy through XLA's
-        # single-threaded fusions (batches launched from one thread run one after another).
         return DeviceInfo(platform, "cpu", len(jax.devices()), memory, batch_multiple=1, max_batch_tokens=4096,
-                          max_batch=256, streams=2)
+                          max_batch=256)
     # An accelerator: no caps of our own; memory bounds each seqlen's batch, and the measured
     # throughput knee (buckets.throughput_knee) picks where the ladder stops.
     return DeviceInfo(platform, dev.device_kind, len(jax.devices()), memory, batch_multiple=8,
-                      max_batch_tokens=UNCAPPED, max_batch=UNCAPPED, streams=1)
+                      max_batch_tokens=UNCAPPED, max_batch=UNCAPPED)
+
+
+@functools.cache
+def streams() -> int:
+    """Batches worth running at once, each from a thread of its own (the service's device threads).
+
+    On a CPU two: batches launched from one thread run one after another there, and
+    XLA's single-threaded fusions leave a core idle that a second batch fills. On an
+    accelerator one thread launches for the device, which runs batches in order."""
+    return 2 if jax.devices()[0].platform == "cpu" else 1
 
 
 def _memory_limit(dev) -> int:

@@ -224,7 +224,7 @@ class Encoder:
         """
         rows = rows if rows is not None else pack(pieces.lengths, self.table)
         job = Job(rows, pieces.ids, pieces.offsets, pieces.types, self.out_dim)
-        self.last_dispatches = run_jobs(self.engine, self.table, [job], streams=device.describe().streams)
+        self.last_dispatches = run_jobs(self.engine, self.table, [job], streams=device.streams())
         return job.out
 
     def embed(self, texts: list[str], normalize: bool | None = None, long: str = "truncate",

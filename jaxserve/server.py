@@ -74,7 +74,7 @@ async def lifecycle(app: web.Application):
             return
         state.service = EmbeddingService(state.encoder.engine, state.table, cfg.max_wait_ms / 1000, cfg.max_queue,
                                          state.metrics, max_inflight=cfg.max_inflight,
-                                         streams=cfg.streams or device.describe().streams)
+                                         streams=cfg.streams or device.streams())
         await state.service.start()
         state.ready = True
         log.info("ready: %d buckets, %d XLA compiles so far", len(state.table.buckets), compiles.xla_compiles_total())
