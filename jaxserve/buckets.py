@@ -248,6 +248,31 @@ def blockwise_block(seqlen: int, block: int) -> int:
     return next((b for b in (block, block // 2, block // 4, block // 8) if b and seqlen % b == 0), block)
 
 
+def upper_bound(seqlen: int, slots: int, dims: ModelDims, weights_bytes: int, budget_bytes: int,
+                max_batch_tokens: int, max_batch: int, devices: int = 1) -> tuple[int, str]:
+    """The largest batch a seqlen may have before anything is compiled, and what limits it: the analytic
+    memory estimate, the token cap (it batches rows, never splits one) or the row cap."""
+    per_row = dims.activation_bytes(1, seqlen, slots)
+    free = budget_bytes - weights_bytes
+    limits = {
+        "memory": devices * (free // per_row) if free > 0 else 0,
+        "tokens": devices * max(1, max_batch_tokens // seqlen),
+        "max_batch": devices * max_batch,
+    }
+    limited_by = min(limits, key=limits.get)
+    return limits[limited_by], limited_by
+
+
+def batch_fitter(multiple: int, devices: int) -> Callable[[int], int]:
+    """Rounds a batch down to the batch multiple; 0 where it cannot split evenly over the devices."""
+    multiple = multiple * devices // math.gcd(multiple, devices)
+
+    def fit(n: int) -> int:
+        b = round_down(n, multiple)
+        return b if b % devices == 0 else 0
+    return fit
+
+
 def round_down(n: int, multiple: int) -> int:
     return n if n < multiple else n - n % multiple
 
@@ -279,23 +304,14 @@ def derive(
     device, `measure` reports one device's bytes, and every batch is a multiple of
     the device count.
     """
-    multiple = multiple * devices // math.gcd(multiple, devices)
-
-    def fit(n: int) -> int:
-        """Round down to the batch multiple; a batch must split evenly over the devices."""
-        b = round_down(n, multiple)
-        return b if b % devices == 0 else 0
-
+    fit = batch_fitter(multiple, devices)
     buckets, dropped = [], []
     for seqlen in seqlens:
         slots = slots_for(seqlen, layout)
-        per_row = dims.activation_bytes(1, seqlen, slots)
-        free = budget_bytes - weights_bytes
-        by_memory = devices * (free // per_row) if free > 0 else 0
-        by_tokens = devices * max(1, max_batch_tokens // seqlen)  # the token cap batches rows, never splits one
-        limits = {"memory": by_memory, "tokens": by_tokens, "max_batch": devices * max_batch}
-        limited_by = min(limits, key=limits.get)
-        batch = fit(limits[limited_by])
+        batch, limited_by = upper_bound(seqlen, slots, dims, weights_bytes, budget_bytes, max_batch_tokens, max_batch,
+                                        devices)
+        batch = fit(batch)
+        by_tokens = devices * max(1, max_batch_tokens // seqlen)
         compiled = 0
         while batch >= 1:
             compiled = (measure(batch, seqlen, slots) if measure

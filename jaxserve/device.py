@@ -16,6 +16,10 @@ CPU_MEMORY_SHARE = 0.5
 # allocator fragmentation and the runtime's own buffers).
 DEFAULT_HEADROOM = 0.9
 UNCAPPED = 2**40  # a cap that never binds
+# Tokens per dispatch on an accelerator: the climb to the throughput knee never proposes more. A bucket
+# this size keeps an H200 busy for tens of ms with MiniLM and seconds with an 8B model, long past the
+# knee; without a cap, memory alone proposed multi-million-token buckets that took seconds to compile.
+ACCELERATOR_MAX_BATCH_TOKENS = 2**18
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,10 +42,10 @@ def describe(memory_override: int | None = None) -> DeviceInfo:
         # busy, and cost latency: cap the tokens per dispatch.
         return DeviceInfo(platform, "cpu", len(jax.devices()), memory, batch_multiple=1, max_batch_tokens=4096,
                           max_batch=256)
-    # An accelerator: no caps of our own; memory bounds each seqlen's batch, and the measured
-    # throughput knee (buckets.throughput_knee) picks where the ladder stops.
+    # An accelerator: memory and the token cap bound each seqlen's batch, and the measured
+    # throughput knee (jaxserve.derivation) picks where the ladder stops.
     return DeviceInfo(platform, dev.device_kind, len(jax.devices()), memory, batch_multiple=8,
-                      max_batch_tokens=UNCAPPED, max_batch=UNCAPPED)
+                      max_batch_tokens=ACCELERATOR_MAX_BATCH_TOKENS, max_batch=UNCAPPED)
 
 
 @functools.cache

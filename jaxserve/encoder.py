@@ -14,8 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve import buckets, checkpoint, device
+from jaxserve import buckets, checkpoint, derivation, device
 from jaxserve.buckets import BucketTable, ModelDims
+from jaxserve.derivation import TableOptions
 from jaxserve.config import EmbeddingConfig, HeadConfig, read_head_config, read_model_config
 from jaxserve.device import DEFAULT_HEADROOM
 from jaxserve.engine import Engine
@@ -161,38 +162,58 @@ class Encoder:
         max_batch_tokens: int | None = None, max_batch: int | None = None, seqlens: list[int] | None = None,
         batch_multiple: int | None = None, batch_ladder: bool = True,
     ) -> BucketTable:
-        """The bucket table for this model on this device (compiles each candidate to measure it).
+        """The bucket table for this model on this device, untimed (compiles each seqlen's largest batch to
+        check its memory): what `jaxserve buckets` prints. Serving derives by climbing instead (`warmup`).
 
         With `device_memory` given, the table is derived for a device of that
         size, still with this backend's compiler doing the memory analysis.
         `batch_ladder` adds batches 1, 4, 16, ... below each seqlen's largest.
-        Caps left as None are the device's (on an accelerator: none, memory alone bounds the batch).
+        Caps left as None are the device's (on an accelerator: memory and a token cap bound the batch).
         """
-        info = device.describe(device_memory)
-        label = info.kind if device_memory is None else f"{info.kind} compiler, {device_memory} bytes given"
-        return buckets.derive(
-            seqlens or buckets.ladder(ladder, self.embedding_config.max_seq_length),
-            self.dims, self.engine.weights_bytes, int(headroom * info.memory_bytes), self.engine.measure,
-            max_batch_tokens=max_batch_tokens or info.max_batch_tokens, max_batch=max_batch or info.max_batch,
-            multiple=batch_multiple or info.batch_multiple, ladder=ladder, layout=layout, device=label,
-            batch_ladder=batch_ladder, devices=self.engine.devices,
-            device_memory=info.memory_bytes,
+        opts = TableOptions(ladder, layout, tuple(seqlens) if seqlens else None, device_memory, headroom,
+                            max_batch_tokens, max_batch, batch_multiple, batch_ladder)
+        bounds, fields = self._derivation(opts)
+        return buckets.derive(bounds.pop("seqlens"), self.dims, self.engine.weights_bytes, measure=self.engine.measure,
+                              batch_ladder=batch_ladder, **bounds, **fields)
+
+    def climb_table(self, options: TableOptions = TableOptions(), progress: bool = False) -> BucketTable:
+        """Derive and warm the table by climbing each seqlen's batch ladder to its throughput knee
+        (`jaxserve.derivation`): only the kept buckets and one step past each knee are compiled."""
+        bounds, fields = self._derivation(options)
+        seqlens = bounds.pop("seqlens")
+        ladders = derivation.climbs(seqlens, self.dims, self.engine.weights_bytes, **bounds,
+                                    batch_ladder=options.batch_ladder, knee=options.knee)
+        self.engine.climb(ladders, progress=progress)
+        table = derivation.table_of(ladders, self.dims, self.engine.weights_bytes, bounds["devices"],
+                                    budget_bytes=bounds["budget_bytes"], max_batch_tokens=bounds["max_batch_tokens"],
+                                    layout=options.layout, **fields)
+        return self.engine.install(table)
+
+    def _derivation(self, o: TableOptions) -> tuple[dict, dict]:
+        """The derivation's bounds (seqlens, budget, caps; the device's defaults where `o` leaves None) and the
+        table's descriptive fields."""
+        info = device.describe(o.device_memory)
+        label = info.kind if o.device_memory is None else f"{info.kind} compiler, {o.device_memory} bytes given"
+        bounds = dict(
+            seqlens=list(o.seqlens) if o.seqlens else buckets.ladder(o.ladder, self.embedding_config.max_seq_length),
+            budget_bytes=int((DEFAULT_HEADROOM if o.headroom is None else o.headroom) * info.memory_bytes),
+            max_batch_tokens=o.max_batch_tokens or info.max_batch_tokens, max_batch=o.max_batch or info.max_batch,
+            multiple=o.batch_multiple or info.batch_multiple, layout=o.layout, devices=self.engine.devices,
         )
+        fields = dict(ladder="custom" if o.seqlens else o.ladder, device=label, device_memory=info.memory_bytes)
+        return bounds, fields
 
-    def warmup(self, table: BucketTable | None = None, progress: bool = False, knee: bool | None = None) -> BucketTable:
-        """Compile and time every bucket of `table` (default: derived for this device).
-
-        `knee` (default: for a derived table) then keeps each seqlen's batches up to its
-        throughput knee (`buckets.throughput_knee`): memory bounds the batch, measured time picks it.
-        """
-        derived = table is None
-        table = table or self.derive_table()
+    def warmup(self, table: BucketTable | TableOptions | None = None, progress: bool = False) -> BucketTable:
+        """Compile and time the buckets: a given `table` as it is, or one derived for this device (by climbing
+        each seqlen's ladder to its throughput knee; `TableOptions` say how, default: the device's)."""
+        if not isinstance(table, BucketTable):
+            return self.climb_table(table or TableOptions(), progress)
         if table.max_seqlen < self.embedding_config.max_seq_length:
             raise ValueError(
                 f"bucket table stops at seqlen {table.max_seqlen}, below the model's "
                 f"max_seq_length {self.embedding_config.max_seq_length}"
             )
-        return self.engine.use(table, progress=progress, knee=derived if knee is None else knee)
+        return self.engine.use(table, progress=progress)
 
     @property
     def table(self) -> BucketTable:

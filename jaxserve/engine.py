@@ -23,7 +23,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxserve import compiles  # noqa: F401  (installs the compile counter)
-from jaxserve.buckets import Bucket, BucketTable, pays
+from jaxserve import derivation
+from jaxserve.buckets import Bucket, BucketTable
 from jaxserve.jobs import INPUT_NAMES
 
 TIMED_RUNS = 1  # timed runs per bucket at warmup, after one burn-in (live timings refine it later)
@@ -82,6 +83,7 @@ class Engine:
         self._compile_s: dict[tuple[int, int, int, str], float] = {}
         self._lock = threading.Lock()
         self.tables: dict[str, BucketTable] = {}  # per output, the warmed table
+        self.spent = {"compile": 0.0, "timing": 0.0}  # wall seconds of warming up (start-up's phases)
         self._table_keys: frozenset = frozenset()
 
     @property
@@ -119,47 +121,81 @@ class Engine:
     def measure(self, batch: int, seqlen: int, slots: int) -> int:
         return compiled_bytes(self.compile(batch, seqlen, slots))
 
-    def use(self, table: BucketTable, progress: bool = False, output: str = "pooled", knee: bool = False) -> BucketTable:
-        """Warm up one output's table: compile every bucket, run each, record compile and run times.
-
-        Executables of this output compiled for other shapes (rejected
-        candidates of the derivation) are dropped. Returns the table with the
-        timings filled in. With `knee`, each seqlen's batches are timed from the
-        smallest and the ladder stops at its throughput knee (`buckets.pays`):
-        the larger batches are never run (on a big device they are the ones
-        that take seconds and most of the memory) and are dropped.
-        """
+    def use(self, table: BucketTable, progress: bool = False, output: str = "pooled") -> BucketTable:
+        """Warm up one output's table as given: compile every bucket (in parallel), then run each, one at a
+        time, recording compile and run times. Returns the table with the timings filled in."""
         from tqdm import tqdm
 
-        keep = {(b.batch, b.seqlen, b.slots, output) for b in table.buckets}
-        with self._lock:
-            self._compiled = {k: v for k, v in self._compiled.items() if k in keep or k[3] != output}
-        # XLA compiles release the GIL: compile on every core, then time one bucket at a time.
-        with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
-            jobs = [pool.submit(self.compile, *key) for key in sorted(keep)]
+        keys = sorted({(b.batch, b.seqlen, b.slots) for b in table.buckets})
+        start = time.perf_counter()
+        with self._pool() as pool:
+            jobs = [pool.submit(self.compile, *key, output) for key in keys]
             for job in tqdm(concurrent.futures.as_completed(jobs), total=len(jobs), desc="compile",
                             unit="bucket", disable=not progress):
                 job.result()
-        warmed: list[Bucket] = []
-        stopped: set[int] = set()  # seqlens past their knee
-        for bucket in tqdm(table.buckets, desc="run", unit="bucket", disable=not progress):
-            if bucket.seqlen in stopped:
-                continue
-            timed = self._time(bucket, output)
-            if knee and warmed and warmed[-1].seqlen == bucket.seqlen and not pays(timed, warmed[-1]):
-                warmed[-1] = _with(warmed[-1], limited_by="throughput")
-                stopped.add(bucket.seqlen)
-                continue
-            warmed.append(timed)
-        kept = {(b.batch, b.seqlen, b.slots, output) for b in warmed}
+        self.spent["compile"] += time.perf_counter() - start
+        timed = [self._time(b, output) for b in tqdm(table.buckets, desc="run", unit="bucket", disable=not progress)]
+        return self.install(_with(table, buckets=tuple(timed)), output)
+
+    def climb(self, ladders: list[derivation.Climb], progress: bool = False, output: str = "pooled") -> None:
+        """Climb each seqlen's batch ladder to its knee (`jaxserve.derivation`): this engine compiles
+        (each round's candidates in parallel) and times; `install` the table made of the result."""
+        from tqdm import tqdm
+
+        with self._pool() as pool, tqdm(desc="derive", unit="compile", disable=not progress) as bar:
+            def compile_many(shapes):
+                start = time.perf_counter()
+                jobs = [pool.submit(self.compile, *shape, output) for shape in shapes]
+                sizes = [compiled_bytes(job.result()) for job in jobs]
+                self.spent["compile"] += time.perf_counter() - start
+                return sizes
+
+            def time_one(bucket: Bucket) -> float:
+                return self._time(bucket, output).run_s
+
+            def on_round(compiled: int, active: int):
+                bar.update(compiled - bar.n)
+                bar.set_postfix(seqlens_climbing=active)
+
+            derivation.climb(ladders, compile_many, time_one, lambda shape: self._compile_s.get((*shape, output)),
+                             on_round)
+
+    def install(self, table: BucketTable, output: str = "pooled") -> BucketTable:
+        """Serve `table` for `output`: its executables (compiled, or loaded from a warm artifact) stay,
+        this output's others (the climb's rejected candidates, an older table's) are dropped."""
+        kept = {(b.batch, b.seqlen, b.slots, output) for b in table.buckets}
         with self._lock:
+            missing = kept - self._compiled.keys()
+            if missing:
+                raise ShapeError(f"no executable for {sorted(missing)}")
             self._compiled = {k: v for k, v in self._compiled.items() if k in kept or k[3] != output}
-        self.tables[output] = _with(table, buckets=tuple(warmed))
+        self.tables[output] = table
         self._table_keys = frozenset(k for k in self._table_keys if k[3] != output) | kept
-        return self.tables[output]
+        return table
+
+    def executables(self, output: str = "pooled") -> dict[tuple[int, int, int], jax.stages.Compiled]:
+        """The served table's executables of one output, by (batch, seqlen, slots)."""
+        return {(b, s, k): self._compiled[(b, s, k, o)].result() for (b, s, k, o) in self._table_keys if o == output}
+
+    def add_executable(self, batch: int, seqlen: int, slots: int, output: str, exe: jax.stages.Compiled) -> None:
+        """An executable built elsewhere (a warm artifact's), for `install`."""
+        future = concurrent.futures.Future()
+        future.set_result(exe)
+        with self._lock:
+            self._compiled[(batch, seqlen, slots, output)] = future
+
+    @property
+    def device_list(self) -> list:
+        return list(self._replicated.mesh.devices.flat)
+
+    @staticmethod
+    def _pool() -> concurrent.futures.ThreadPoolExecutor:
+        """XLA compiles release the GIL: one per core at once."""
+        return concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1)
 
     def _time(self, bucket: Bucket, output: str) -> Bucket:
         """One burn-in run and TIMED_RUNS timed runs of a compiled bucket."""
+        began = time.perf_counter()
         exe = self.compile(bucket.batch, bucket.seqlen, bucket.slots, output)
         inputs = self._place(dummy_batch(bucket))
         times = []
@@ -168,7 +204,8 @@ class Engine:
             exe(self.params, inputs).block_until_ready()
             times.append(time.perf_counter() - start)
         key = (bucket.batch, bucket.seqlen, bucket.slots, output)
-        return _with(bucket, compiled_bytes=compiled_bytes(exe), compile_s=self._compile_s[key],
+        self.spent["timing"] += time.perf_counter() - began
+        return _with(bucket, compiled_bytes=compiled_bytes(exe), compile_s=self._compile_s.get(key),
                      run_s=statistics.median(times[1:]))
 
     def put(self, bucket: Bucket, inputs: np.ndarray, output: str = "pooled") -> Prepared:

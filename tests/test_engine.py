@@ -88,23 +88,32 @@ def test_results_equal_across_buckets(tiny_checkpoint):
     np.testing.assert_allclose(enc.embed(texts), ladder, atol=1e-5)
 
 
-def test_warmup_stops_each_seqlen_at_its_throughput_knee(tiny_checkpoint, monkeypatch):
-    """Batches past the knee are never run, and dropped with their executables; nothing else is lost."""
+def test_derived_table_climbs_each_ladder_and_compiles_one_step_past_its_knee(tiny_checkpoint, monkeypatch):
+    """Batches above the knee's next step are never compiled; the one past it is dropped with its executable."""
     import dataclasses
 
-    enc = Encoder.from_pretrained(str(tiny_checkpoint()))
-    rates = {1: 1e3, 4: 4e3, 16: 4.1e3, 64: 9e3}  # tokens/s: 16 rows gain < 5% over 4, so 64 is never tried
-    ran = []
+    from jaxserve import compiles
+    from jaxserve.derivation import TableOptions
 
-    def fake_time(bucket, output):
+    enc = Encoder.from_pretrained(str(tiny_checkpoint()))
+    rates = {1: 1e3, 4: 4e3, 16: 4.1e3, 64: 9e3}  # tokens/s: 16 rows gain < 5% over 4, so 64 is never compiled
+    ran, built = [], []
+
+    def fake_time(bucket, output):  # the clock injected: the knee is decided from these, not from wall time
         ran.append(bucket.shape)
         return dataclasses.replace(bucket, run_s=bucket.tokens / rates[bucket.batch])
 
+    compile = enc.engine.compile
     monkeypatch.setattr(enc.engine, "_time", fake_time)
-    table = enc.warmup(fixed([(b, s) for s in (16, 64) for b in (1, 4, 16, 64)], layout="packed"), knee=True)
+    monkeypatch.setattr(enc.engine, "compile", lambda *key: built.append(key[:2]) or compile(*key))
+    before = compiles.xla_compiles_total()
+    table = enc.warmup(TableOptions(seqlens=(16, 64), max_batch=64))
     assert [b.shape for b in table.buckets] == [(1, 16), (4, 16), (1, 64), (4, 64)]
-    assert (64, 16) not in ran and (64, 64) not in ran
-    assert table.at(16)[-1].limited_by == "throughput"
+    assert sorted(set(built)) == [(1, 16), (1, 64), (4, 16), (4, 64), (16, 16), (16, 64)]
+    assert compiles.xla_compiles_total() - before == 6
+    assert sorted(ran) == sorted(set(built))
+    assert table.at(16)[-1].limited_by == "throughput" and table.at(16)[0].limited_by == "ladder"
+    assert all(0 < b.compiled_bytes <= table.budget_bytes for b in table.buckets)
     pieces = enc.tokenizer.documents(["the model"])
     with pytest.raises(ShapeError):
         enc.engine.put(fixed([(16, 16)], layout="packed").buckets[0], np.zeros((4, 16, 16), np.int32))

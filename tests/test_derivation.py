@@ -1,0 +1,96 @@
+"""The lazy derivation as pure code: each seqlen's ladder climbed to its knee, with fake compilers and clocks."""
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jaxserve.buckets import Bucket, BucketTable, ModelDims, batch_sizes, pays, throughput_knee
+from jaxserve.derivation import Climb, climb, climbs, table_of
+
+DIMS = ModelDims(hidden=64, intermediate=256, heads=4)
+WEIGHTS = 10_000
+
+
+def fake_bytes(batch, seqlen, slots):
+    return WEIGHTS + DIMS.activation_bytes(batch, seqlen, slots)
+
+
+def run(ladders, rate, bytes_of=fake_bytes):
+    """Climb with a clock from `rate(batch, seqlen)` (tokens/s); returns (ladders, compiled shapes, timed shapes)."""
+    compiled, timed = [], []
+
+    def compile_many(shapes):
+        compiled.extend(shapes)
+        return [bytes_of(*s) for s in shapes]
+
+    def time_one(bucket):
+        timed.append(bucket.shape)
+        return bucket.tokens / rate(bucket.batch, bucket.seqlen)
+
+    return climb(ladders, compile_many, time_one), compiled, timed
+
+
+rates = st.dictionaries(st.sampled_from([1, 4, 16, 64, 256]), st.floats(1.0, 1e6), min_size=5, max_size=5)
+
+
+@settings(max_examples=200, deadline=None)
+@given(rates=rates, seqlens=st.lists(st.sampled_from([16, 32, 64, 128]), min_size=1, max_size=4, unique=True))
+def test_climb_keeps_what_the_knee_keeps_and_compiles_at_most_one_more(rates, seqlens):
+    seqlens = sorted(seqlens)
+    rate = lambda b, s: rates[b] * (1 + s / 1000)
+    ladders = climbs(seqlens, DIMS, WEIGHTS, budget_bytes=2**40, max_batch_tokens=2**40, max_batch=256)
+    ladders, compiled, timed = run(ladders, rate)
+    table = table_of(ladders, DIMS, WEIGHTS, budget_bytes=2**40)
+    # the knee of the whole ladder, every batch timed, is what the climb kept
+    full = BucketTable(tuple(Bucket(b, s, run_s=b * s / rate(b, s)) for s in seqlens for b in batch_sizes(256)))
+    assert [b.shape for b in table.buckets] == [b.shape for b in throughput_knee(full).buckets]
+    for s in seqlens:
+        kept = table.at(s)
+        assert all(pays(big, small) for small, big in zip(kept, kept[1:]))
+        built = [b for b, seqlen, _ in compiled if seqlen == s]
+        assert built == sorted(built) and len(built) <= len(kept) + 1
+        if len(built) > len(kept):  # stopped at the knee: the one compile past it is not kept
+            assert kept[-1].limited_by == "throughput" and not pays(Bucket(built[-1], s, run_s=built[-1] * s / rate(built[-1], s)), kept[-1])
+        else:
+            assert kept[-1].batch == 256 and kept[-1].limited_by == "max_batch"
+    assert sorted(timed) == sorted((b, s) for b, s, _ in compiled)  # nothing over budget here: all timed
+
+
+@settings(max_examples=100, deadline=None)
+@given(budget_rows=st.integers(0, 300), true_over_estimate=st.floats(0.5, 3.0))
+def test_memory_bounds_the_climb_and_an_over_budget_batch_is_never_run(budget_rows, true_over_estimate):
+    """The analytic estimate bounds the candidates, XLA's figure (here off by a factor) checks each one:
+    a batch over the budget is never timed, and nothing kept is over it."""
+    seqlen = 64
+    per_row = DIMS.activation_bytes(1, seqlen, 8)
+    budget = WEIGHTS + budget_rows * per_row
+    bytes_of = lambda b, s, k: WEIGHTS + int(true_over_estimate * DIMS.activation_bytes(b, s, k))
+    ladders = climbs([seqlen], DIMS, WEIGHTS, budget, max_batch_tokens=2**40, max_batch=2**20, layout="packed")
+    (ladder,), compiled, timed = run(ladders, lambda b, s: float(b), bytes_of)  # throughput grows with the batch
+    assert all(bytes_of(b, s, k) <= budget for b, s, k in compiled if (b, s) in timed)
+    assert all(b.compiled_bytes <= budget for b in ladder.kept)
+    if ladder.kept:
+        # memory ends the climb; a batch shrunk to fit just above the last kept one may not pay for itself
+        assert ladder.kept[-1].limited_by in ("memory", "throughput") and ladder.dropped_reason is None
+        assert len([c for c in compiled if (c[0], c[1]) not in timed]) <= 2  # over budget once, shrunk once at most
+    else:
+        assert "batch 1 needs more than the budget" in ladder.dropped_reason
+
+
+def test_the_same_timings_give_the_same_table():
+    rate = lambda b, s: {1: 1.0, 4: 3.9, 16: 4.0, 64: 4.1, 256: 4.2}[b]
+    tables = [table_of(run(climbs([16, 64], DIMS, WEIGHTS, 2**40, 2**40, 256), rate)[0], DIMS, WEIGHTS)
+              for _ in range(2)]
+    assert tables[0] == tables[1] and [b.batch for b in tables[0].at(16)] == [1, 4]
+
+
+def test_climb_state_machine_by_hand():
+    c = Climb(32, 4, [1, 4, 16], "tokens", budget_bytes=1000, fit=lambda n: n)
+    assert c.next() == 1 and c.measured(1, 100)
+    c.timed(0.001)
+    assert c.next() == 4 and c.measured(4, 400)
+    c.timed(0.002)  # 2x the rate: pays
+    assert c.next() == 16 and not c.measured(16, 1600)  # over the budget: shrunk to 16 * 1000 / 1600 = 10
+    assert c.next() == 10 and c.measured(10, 990)
+    c.timed(0.004)  # 10 rows in 4 ms (2500 rows/s) against 4 in 2 ms (2000): pays
+    assert c.done and [b.batch for b in c.kept] == [1, 4, 10] and c.kept[-1].limited_by == "memory"
+    assert c.compiled == [1, 4, 16, 10]
