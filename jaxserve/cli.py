@@ -28,31 +28,38 @@ def cmd_demo(args) -> int:
 
 
 def table_for(enc, args):
-    """The bucket table named by --buckets: a JSON file, or `auto` (derived with the ladder and layout flags)."""
+    """What --buckets names: a table from its JSON file, or (`auto`) the options to derive one with."""
     from jaxserve.buckets import BucketTable
 
     if args.buckets and args.buckets != "auto":
         return BucketTable.load(args.buckets)
-    seqlens = [int(x) for x in args.seqlens.split(",")] if args.seqlens else None
-    return enc.derive_table(
-        ladder=args.ladder, layout=args.layout, device_memory=args.device_memory, headroom=args.headroom,
-        max_batch_tokens=args.max_batch_tokens, max_batch=args.max_batch, seqlens=seqlens,
-        batch_multiple=args.batch_multiple, batch_ladder=args.batch_ladder == "on",
+    return table_options(args)
+
+
+def table_options(args):
+    """The table flags as the derivation's options."""
+    from jaxserve.derivation import TableOptions
+
+    return TableOptions(
+        ladder=args.ladder, layout=args.layout,
+        seqlens=tuple(int(x) for x in args.seqlens.split(",")) if args.seqlens else None,
+        device_memory=args.device_memory, headroom=args.headroom, max_batch_tokens=args.max_batch_tokens,
+        max_batch=args.max_batch, batch_multiple=args.batch_multiple, batch_ladder=args.batch_ladder == "on",
+        knee=args.throughput_knee == "on",
     )
-
-
-def derived_knee(args) -> bool:
-    """Whether to cut a derived table at each seqlen's throughput knee once timed (never a table from a file)."""
-    return (not args.buckets or args.buckets == "auto") and args.throughput_knee == "on"
 
 
 def cmd_buckets(args) -> int:
     """Derive a bucket table and print it with its memory math."""
     from jaxserve import Encoder
-    from jaxserve.buckets import format_table
+    from jaxserve.buckets import BucketTable, format_table
 
     enc = Encoder.from_pretrained(args.model, dtype=args.dtype)
     table = table_for(enc, args)
+    if not isinstance(table, BucketTable):
+        o = table
+        table = enc.derive_table(o.ladder, o.layout, o.device_memory, o.headroom, o.max_batch_tokens, o.max_batch,
+                                 o.seqlens, o.batch_multiple, o.batch_ladder)
     print(format_table(table))
     if args.write:
         table.save(args.write)
@@ -61,25 +68,25 @@ def cmd_buckets(args) -> int:
 
 
 def cmd_warmup(args) -> int:
-    """Compile and run every bucket, fill the persistent cache, record the timings."""
-    import time
-
-    from jaxserve import Encoder, compiles
+    """Compile and time the buckets and save the warm artifact (what `serve` then starts from in seconds)."""
+    from jaxserve import Encoder, compiles, startup
     from jaxserve.buckets import format_table
 
-    start = time.perf_counter()
-    if not args.no_cache:
-        cache = compiles.enable_persistent_cache(args.cache_dir)
-        print(f"persistent compilation cache: {cache}")
-    enc = Encoder.from_pretrained(args.model, dtype=args.dtype)
-    loaded = time.perf_counter()
-    table = enc.warmup(table_for(enc, args), progress=True, knee=derived_knee(args))
-    done = time.perf_counter()
+    started = startup.Startup()
+    started.add("import", startup.since_process_start())
+    with started.phase("weights"):
+        enc = Encoder.from_pretrained(args.model, dtype=args.dtype)
+    cache = None if args.no_cache else startup.cache_root(args.cache_dir)
+    table = startup.warm(enc, table_for(enc, args), tokens=args.embed_all, cache=cache, startup=started,
+                         progress=True)
     print(format_table(table))
-    print(
-        f"load {loaded - start:.1f} s, buckets {done - loaded:.1f} s, total {done - start:.1f} s; "
-        f"{compiles.xla_compiles_total()} executables built, {compiles.cache_hits_total()} from the persistent cache"
-    )
+    source = started.source
+    print(f"table: {source.get('source')}" + (f" ({source['artifact']}, made {source['created']})"
+                                             if source.get("source") == "artifact" else "")
+          + (f"; artifact skipped: {source['artifact_skipped']}" if "artifact_skipped" in source else "")
+          + (f"; saved {source['artifact_saved']}" if "artifact_saved" in source else ""))
+    print(f"start-up: {started.summary()}; "
+          f"{compiles.xla_compiles_total()} executables built, {compiles.cache_hits_total()} from the persistent cache")
     if args.write:
         table.save(args.write)
         print(f"wrote {args.write}")
@@ -98,7 +105,7 @@ def cmd_serve(args) -> int:
         cache_dir=args.cache_dir, use_cache=not args.no_cache, max_concurrent=args.max_concurrent_requests,
         request_timeout_s=args.request_timeout_s, devices=args.devices, max_inflight_bytes=args.max_inflight_bytes,
         default_prompt_name=args.default_prompt_name, default_prompt=args.default_prompt,
-        token_ids=args.token_ids, embed_all=args.embed_all,
+        token_ids=args.token_ids, embed_all=args.embed_all, table=table_options(args),
     )
     serve(config, args.host, args.port)
     return 0
@@ -132,7 +139,7 @@ def cmd_embed(args) -> int:
     from jaxserve.offline import embed_corpus, open_sink
 
     enc = Encoder.from_pretrained(args.model, dtype=args.dtype)
-    enc.warmup(table_for(enc, args), progress=True, knee=derived_knee(args))
+    enc.warmup(table_for(enc, args), progress=True)
     total = sum(1 for _ in iter_documents(args.input))  # a counting pass: nothing is held in memory
     sink = open_sink(args.output, total, enc.dim, os.path.abspath(args.input))
     done = sink.resume()
@@ -153,7 +160,7 @@ def cmd_explain(args) -> int:
     from jaxserve.explain import LiveTimings, explain, format_report
 
     enc = Encoder.from_pretrained(args.model, dtype=args.dtype)
-    table = enc.warmup(table_for(enc, args), progress=True, knee=derived_knee(args))
+    table = enc.warmup(table_for(enc, args), progress=True)
     docs = read_documents(args.file)
     pieces, rows = enc.prepare(docs, long=args.long)
     measured = None
@@ -180,11 +187,15 @@ def build_parser() -> argparse.ArgumentParser:
     buckets.add_argument("--write", metavar="FILE", help="save the table as JSON")
     buckets.set_defaults(func=cmd_buckets)
 
-    warmup = sub.add_parser("warmup", help="compile and time every bucket; fill the persistent compilation cache")
+    warmup = sub.add_parser("warmup", help="compile and time the buckets and save the warm artifact `serve` starts from")
     _model_args(warmup)
     _table_args(warmup)
-    warmup.add_argument("--cache-dir", help="persistent compilation cache (default $JAXSERVE_CACHE_DIR or ~/.cache/jaxserve/xla)")
-    warmup.add_argument("--no-cache", action="store_true", help="do not use the persistent compilation cache")
+    warmup.add_argument("--cache-dir", help="where the warm artifact (warm/) and JAX's compilation cache (xla/) go "
+                        "(default $JAXSERVE_CACHE_DIR or ~/.cache/jaxserve); `serve` with the same flags starts from it")
+    warmup.add_argument("--no-cache", action="store_true", help="neither read nor write the warm artifact or "
+                        "the compilation cache")
+    warmup.add_argument("--embed-all", default=True, action=argparse.BooleanOptionalAction,
+                        help="also warm token outputs for TEI's /embed_all (as `serve` does by default)")
     warmup.add_argument("--write", metavar="FILE", help="save the table, with measured times, as JSON")
     warmup.set_defaults(func=cmd_warmup)
 
@@ -211,9 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(serve)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8080)
-    serve.add_argument("--buckets", default="auto", metavar="FILE|auto", help="a bucket table JSON file, or auto")
-    serve.add_argument("--ladder", default="default", choices=["default", "max", "pow2", "fine"])
-    serve.add_argument("--layout", default="packed", choices=["padded", "packed"])
+    _table_args(serve)
     serve.add_argument("--max-wait-ms", type=float, default=server.MAX_WAIT_MS,
                        help="batch window: how long a partial batch waits while the device is busy")
     serve.add_argument("--max-queue", type=int, default=server.MAX_QUEUE, help="sequences waiting before 429")
@@ -241,8 +250,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--devices", default="1", type=lambda v: v if v == "all" else int(v),
                        help="local devices sharing each batch (data parallel): a number, or all")
     serve.add_argument("--served-model-name", help="model name reported in responses")
-    serve.add_argument("--cache-dir", help="persistent compilation cache directory")
-    serve.add_argument("--no-cache", action="store_true", help="do not use the persistent compilation cache")
+    serve.add_argument("--cache-dir", help="warm artifacts (warm/) and JAX's compilation cache (xla/) "
+                       "(default $JAXSERVE_CACHE_DIR or ~/.cache/jaxserve)")
+    serve.add_argument("--no-cache", action="store_true", help="neither start from a warm artifact nor save one "
+                       "(and no compilation cache)")
     serve.set_defaults(func=cmd_serve)
     return parser
 
@@ -256,7 +267,7 @@ def _table_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layout", default="packed", choices=LAYOUTS, help="one document per row, or several packed")
     p.add_argument("--seqlens", help="explicit seqlen ladder, comma-separated (overrides --ladder's)")
     p.add_argument("--device-memory", type=int, metavar="BYTES", help="derive for a device of this memory (default: this device's)")
-    p.add_argument("--headroom", type=float, default=DEFAULT_HEADROOM, help="fraction of device memory the buckets may use")
+    p.add_argument("--headroom", type=float, help=f"fraction of device memory the buckets may use (default {DEFAULT_HEADROOM})")
     p.add_argument("--max-batch-tokens", type=int, help="cap on batch*seqlen per dispatch (default: the device's)")
     p.add_argument("--max-batch", type=int, help="cap on rows per dispatch (default: 256 on CPU, none on GPU)")
     p.add_argument("--batch-ladder", default="on", choices=["on", "off"],

@@ -55,12 +55,13 @@ def cache_hits_total() -> int:
 
 
 def default_cache_dir() -> Path:
-    return Path(os.environ.get("JAXSERVE_CACHE_DIR", Path.home() / ".cache" / "jaxserve" / "xla"))
+    """jaxserve's cache root (warm artifacts in warm/, JAX's persistent compilation cache in xla/)."""
+    return Path(os.environ.get("JAXSERVE_CACHE_DIR", Path.home() / ".cache" / "jaxserve"))
 
 
 def enable_persistent_cache(directory: Path | str | None = None) -> Path:
     """Store every compiled executable on disk, however quick its compile (CPU compiles are < 1 s)."""
-    path = Path(directory) if directory else default_cache_dir()
+    path = Path(directory) if directory else default_cache_dir() / "xla"
     path.mkdir(parents=True, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)

@@ -52,6 +52,9 @@ class ServerMetrics(Metrics):
                                          ["outcome"], registry=r)
         for outcome in ("submitted", "dispatched", "dropped"):
             self.sequence_outcomes.labels(outcome)  # present from the start, zero until counted
+        self.startup_seconds = Gauge("jaxserve_startup_seconds", "Start-up time by phase (jaxserve.startup): "
+                                     "import, weights, deserialize, table, compile, timing, save", ["phase"],
+                                     registry=r)
         r.register(_Compiles())
         self._children: dict[tuple, object] = {}
 
@@ -77,6 +80,10 @@ class ServerMetrics(Metrics):
         self.child(self.phases, name).observe(seconds)
         if name == "device":
             self.device_seconds.inc(seconds)
+
+    def startup(self, phases: dict[str, float]) -> None:
+        for name, seconds in phases.items():
+            self.startup_seconds.labels(name).set(seconds)
 
     def queue_depth(self, sequences: int) -> None:
         self.depth.set(sequences)

@@ -15,7 +15,10 @@ async def health(request: web.Request) -> web.Response:
     if state.service is not None and state.service.draining:
         return json_response({"status": "draining"}, status=503)
     if not state.ready:
-        return json_response({"status": state.failed or "warming"}, status=503)
+        if state.failed:
+            return json_response({"status": state.failed}, status=503)
+        return json_response({"status": "warming", "doing": state.startup.doing,
+                              "phases": {k: round(v, 3) for k, v in state.startup.phases.items()}}, status=503)
     if (why := state.service.healthy) is not None:
         return json_response({"status": "unhealthy", "reason": why}, status=503)
     return json_response({"status": "ok"})
@@ -68,6 +71,8 @@ async def info(request: web.Request) -> web.Response:
                           "count": len(jax.devices()), "memory_bytes": state.table.device_memory}
         body["buckets"] = state.table.to_json()
         body["xla_compiles_total"] = compiles.xla_compiles_total()
+    body["startup"] = {"table": state.startup.source, "doing": state.startup.doing,
+                       "phases": {k: round(v, 3) for k, v in state.startup.phases.items()}}
     return json_response(body)
 
 

@@ -16,7 +16,7 @@ import time
 
 from aiohttp import web
 
-from jaxserve import compiles, device, ops_routes, openai_routes, tei_routes
+from jaxserve import compiles, device, ops_routes, openai_routes, startup, tei_routes
 from jaxserve.api import ApiError
 from jaxserve.buckets import BucketTable
 from jaxserve.encoder import Encoder
@@ -43,19 +43,21 @@ def check_prompt(config: ServerConfig, encoder: Encoder) -> None:
 
 
 def warm(state: AppState) -> BucketTable:
-    """Compile and time every bucket (blocking; runs in a thread while /health says 503)."""
+    """Warm the engine (blocking; runs in a thread while /health says 503): from the warm artifact when one
+    matches, else compiled and timed, then saved. An encoder the caller warmed (tests, scripts) is used as is."""
     enc, cfg = state.encoder, state.config
     check_prompt(cfg, enc)
-    if cfg.use_cache:
-        compiles.enable_persistent_cache(cfg.cache_dir)
-    if enc.engine.table is None or cfg.buckets != "auto":  # else warmed by the caller (tests, embedding scripts)
-        if cfg.buckets != "auto":
-            enc.warmup(BucketTable.load(cfg.buckets), progress=True)
-        else:
-            enc.warmup(enc.derive_table(cfg.ladder, cfg.layout), progress=True, knee=True)
-    if cfg.embed_all and enc.head.kind == "embedding" and "tokens" not in enc.engine.tables:
-        enc.warmup_tokens(progress=True)
-    return enc.engine.table
+    tokens = cfg.embed_all and enc.head.kind == "embedding"
+    if enc.engine.table is not None and cfg.buckets == "auto":
+        state.startup.source = {"source": "given"}
+        if tokens and "tokens" not in enc.engine.tables:
+            enc.warmup_tokens(progress=True)
+        return enc.engine.table
+    spec = BucketTable.load(cfg.buckets) if cfg.buckets != "auto" else cfg.table_options
+    cache = startup.cache_root(cfg.cache_dir) if cfg.use_cache else None
+    table = startup.warm(enc, spec, tokens, cache, state.startup, progress=True)
+    log.info("start-up: %s; table %s", state.startup.summary(), state.startup.source.get("source"))
+    return table
 
 
 async def lifecycle(app: web.Application):
@@ -77,6 +79,8 @@ async def lifecycle(app: web.Application):
                                          streams=cfg.streams or device.streams())
         await state.service.start()
         state.ready = True
+        state.startup.doing = "ready"
+        state.metrics.startup(state.startup.phases)
         log.info("ready: %d buckets, %d XLA compiles so far", len(state.table.buckets), compiles.xla_compiles_total())
 
     starting = asyncio.create_task(start())
@@ -165,13 +169,15 @@ def _error(err: ApiError, tei: bool) -> web.Response:
     return response
 
 
-def create_app(config: ServerConfig, encoder: Encoder | None = None) -> web.Application:
-    """The aiohttp application. With `encoder` given (already loaded, maybe warmed), it is used as is."""
+def create_app(config: ServerConfig, encoder: Encoder | None = None,
+               started: startup.Startup | None = None) -> web.Application:
+    """The aiohttp application. With `encoder` given (already loaded, maybe warmed), it is used as is;
+    `started` carries the phases timed before the app existed (import, weights)."""
     # auto_decompress off: aiohttp would answer a body it cannot inflate with plain text, or fail mid-read and
     # leave the connection broken; handling.json_body undoes Content-Encoding itself, with JSON errors.
     app = web.Application(client_max_size=config.max_body_bytes, middlewares=[errors_middleware],
                           handler_args={"auto_decompress": False})
-    app[STATE] = AppState(config, encoder)
+    app[STATE] = AppState(config, encoder, started)
     app.cleanup_ctx.append(lifecycle)
     app.on_shutdown.append(on_shutdown)
     openai_routes.add_routes(app)
@@ -183,8 +189,12 @@ def create_app(config: ServerConfig, encoder: Encoder | None = None) -> web.Appl
 def serve(config: ServerConfig, host: str, port: int) -> None:
     """Load the model (errors end the process at once), then serve; warmup runs while /health says 503."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    encoder = load_encoder(config)
+    started = startup.Startup()
+    started.add("import", startup.since_process_start())
+    with started.phase("weights", "loading weights"):
+        encoder = load_encoder(config)
     check_prompt(config, encoder)
-    log.info("loaded %s (%s, dim %d); warming up", encoder.path, encoder.model_config.model_type, encoder.dim)
-    web.run_app(create_app(config, encoder), host=host, port=port, handler_cancellation=True,
+    log.info("loaded %s (%s, dim %d) in %s; warming up", encoder.path, encoder.model_config.model_type, encoder.dim,
+             started.summary())
+    web.run_app(create_app(config, encoder, started), host=host, port=port, handler_cancellation=True,
                 shutdown_timeout=DRAIN_TIMEOUT_S, print=lambda msg: log.info(msg))

@@ -10,9 +10,11 @@ from aiohttp import web
 from jaxserve import checkpoint
 from jaxserve.api import ApiError, Limits
 from jaxserve.buckets import BucketTable
+from jaxserve.derivation import TableOptions
 from jaxserve.encoder import Encoder
 from jaxserve.metrics import ServerMetrics
 from jaxserve.service import MAX_INFLIGHT, EmbeddingService
+from jaxserve.startup import Startup
 
 # Limits, each with its reason.
 MAX_BODY_BYTES = 16 * 2**20  # 1024 inputs of ~16 k characters; larger bodies are refused before parsing (413)
@@ -51,13 +53,18 @@ class ServerConfig:
     max_concurrent: int = MAX_CONCURRENT_REQUESTS
     max_inflight_bytes: int = MAX_INFLIGHT_BODY_BYTES
     request_timeout_s: float = REQUEST_TIMEOUT_S
-    cache_dir: str | None = None  # persistent compilation cache; None = default location
-    use_cache: bool = True
+    cache_dir: str | None = None  # warm artifacts (warm/) and JAX's compilation cache (xla/); None = default location
+    use_cache: bool = True  # start from a matching warm artifact, and save one after a cold start
     max_inflight: int = MAX_INFLIGHT  # batches on the device at once
     streams: int | None = None  # device threads each running a batch (None: the device's; 2 on a CPU, else 1)
     devices: int | str = 1  # local devices sharing each batch (data parallel), or "all"
     token_ids: str = "openai"  # token-id inputs on /v1/embeddings: OpenAI's tokenizer's (tiktoken), or the model's
     embed_all: bool = True  # compile token outputs for TEI's /embed_all (one more shape per seqlen)
+    table: TableOptions | None = None  # all of the derivation's options (default: `ladder` and `layout`, else the device's)
+
+    @property
+    def table_options(self) -> TableOptions:
+        return self.table or TableOptions(ladder=self.ladder, layout=self.layout)
 
     def __post_init__(self):
         if self.token_ids not in TOKEN_ID_MODES:
@@ -71,9 +78,10 @@ class ServerConfig:
 class AppState:
     """Everything the handlers share; `ready` once the buckets are warm."""
 
-    def __init__(self, config: ServerConfig, encoder: Encoder | None):
+    def __init__(self, config: ServerConfig, encoder: Encoder | None, started: Startup | None = None):
         self.config = config
         self.encoder = encoder
+        self.startup = started or Startup()
         self.metrics = ServerMetrics()
         self.service: EmbeddingService | None = None
         self.table: BucketTable | None = None

@@ -10,6 +10,10 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Unnamed models are the bundled MiniLM here, whatever the shell exports.
 os.environ.pop("JAXSERVE_MODEL", None)
+# Warm artifacts and compilation caches of this run only: a test never starts from an earlier run's.
+import tempfile  # noqa: E402
+
+os.environ["JAXSERVE_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxserve-test-cache-")
 
 
 def _offline_tiktoken() -> None:

@@ -29,17 +29,48 @@ def test_buckets_prints_memory_math_and_writes_table(tiny_checkpoint, tmp_path):
         assert largest.slots == s // 8 and smaller and all(b.limited_by == "ladder" for b in smaller)
 
 
-def test_warmup_fills_persistent_cache_and_second_start_hits_it(tiny_checkpoint, tmp_path):
+def test_warmup_saves_the_artifact_that_every_later_start_serves_unchanged(tiny_checkpoint, tmp_path):
+    """The knee is decided once, at the cold start, from its own timings, and recorded: later starts (warmup or
+    serve) load that table and its executables, and compile nothing, however busy the machine is."""
+    import asyncio
+
+    import aiohttp
+
+    from jaxserve.launch import free_port, served, wait_ready
+
     model = str(tiny_checkpoint())
     cache = tmp_path / "cache"
-    args = ["warmup", "--model", model, "--seqlens", "16,64", "--max-batch", "4", "--cache-dir", str(cache)]
-    first = jaxserve(*args, "--write", str(tmp_path / "warm.json"))
+    args = ["warmup", "--model", model, "--seqlens", "16,64", "--max-batch", "16", "--cache-dir", str(cache)]
+    first = jaxserve(*args, "--write", str(tmp_path / "cold.json"))
     built, hits = map(int, re.search(r"(\d+) executables built, (\d+) from the persistent cache", first).groups())
-    assert built >= 4 and hits == 0
-    assert len(list(cache.iterdir())) >= 4
-    table = json.loads((tmp_path / "warm.json").read_text())
-    assert [(b["batch"], b["seqlen"]) for b in table["buckets"]] == [(1, 16), (4, 16), (1, 64), (4, 64)]
-    assert all(b["run_s"] > 0 and b["compile_s"] > 0 for b in table["buckets"])
-    second = jaxserve(*args[:-2], "--cache-dir", str(cache), "--buckets", str(tmp_path / "warm.json"))
-    built2, hits2 = map(int, re.search(r"(\d+) executables built, (\d+) from the persistent cache", second).groups())
-    assert hits2 >= 4 and hits2 == built2  # every executable of the second start came from the cache
+    assert built >= 4 and hits == 0 and "table: derived" in first and "saved" in first
+    assert len(list((cache / "warm").iterdir())) == 1 and len(list((cache / "xla").iterdir())) >= 4
+    cold = json.loads((tmp_path / "cold.json").read_text())
+    assert all(b["run_s"] > 0 and b["compile_s"] > 0 for b in cold["buckets"])
+    second = jaxserve(*args, "--write", str(tmp_path / "warm.json"))
+    assert "table: artifact" in second and "0 executables built" in second
+    assert json.loads((tmp_path / "warm.json").read_text()) == cold  # shapes and timings
+
+    async def serve_info():
+        port = free_port()
+        with served(port, "--model", model, "--cache-dir", str(cache), "--seqlens", "16,64", "--max-batch", "16"):
+            async with aiohttp.ClientSession() as session:
+                await wait_ready(session, f"http://127.0.0.1:{port}")
+                async with session.get(f"http://127.0.0.1:{port}/info") as r:
+                    info = await r.json()
+                async with session.get(f"http://127.0.0.1:{port}/metrics") as r:
+                    metrics = await r.text()
+                async with session.post(f"http://127.0.0.1:{port}/embed", json={"inputs": "the model"}) as r:
+                    assert r.status == 200
+                async with session.post(f"http://127.0.0.1:{port}/embed_all", json={"inputs": "the model"}) as r:
+                    assert r.status == 200
+                async with session.get(f"http://127.0.0.1:{port}/metrics") as r:
+                    after = await r.text()
+        return info, metrics, after
+
+    info, metrics, after = asyncio.run(serve_info())
+    assert info["startup"]["table"]["source"] == "artifact" and info["startup"]["table"]["created"]
+    assert info["buckets"]["buckets"] == cold["buckets"] and info["xla_compiles_total"] == 0
+    assert "jaxserve_xla_compiles_total 0.0" in metrics and "jaxserve_xla_compiles_total 0.0" in after
+    assert re.search(r'jaxserve_startup_seconds\{phase="deserialize"\} \d', metrics)
+    assert 'phase="compile"' not in metrics
