@@ -215,6 +215,14 @@ class Encoder:
             )
         return self.engine.use(table, progress=progress)
 
+    def warm_start(self, table: BucketTable | TableOptions | None = None, cache: str | Path | None = None,
+                   tokens: bool = False, progress: bool = False) -> BucketTable:
+        """`warmup` through the warm artifact in `cache` (default $JAXSERVE_CACHE_DIR or ~/.cache/jaxserve), as
+        `jaxserve serve` starts: the matching artifact's table and executables, no compile; else built and saved."""
+        from jaxserve import startup
+
+        return startup.warm(self, table or TableOptions(), tokens, startup.cache_root(cache), progress=progress)
+
     @property
     def table(self) -> BucketTable:
         if self.engine.table is None:

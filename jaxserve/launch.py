@@ -31,14 +31,17 @@ def served(port: int, *flags: str, quiet: bool = True):
         proc.wait(timeout=60)
 
 
-async def wait_ready(session: aiohttp.ClientSession, url: str, timeout_s: float = 120.0) -> None:
-    """Poll /health until it answers 200 (the server warms up first)."""
-    for _ in range(int(timeout_s / 0.1)):
+async def wait_ready(session: aiohttp.ClientSession, url: str, timeout_s: float = 120.0, poll_s: float = 0.1,
+                     proc: subprocess.Popen | None = None) -> None:
+    """Poll /health until it answers 200 (the server warms up first); fail at once if `proc` exits."""
+    for _ in range(int(timeout_s / poll_s)):
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"jaxserve serve exited with {proc.returncode}")
         try:
             async with session.get(url + "/health") as r:
                 if r.status == 200:
                     return
         except aiohttp.ClientError:
             pass
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(poll_s)
     raise TimeoutError(f"{url} was not ready within {timeout_s:.0f} s")

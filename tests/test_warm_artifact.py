@@ -127,3 +127,12 @@ def test_an_artifact_of_a_table_file_is_keyed_by_the_tables_content(tiny_checkpo
     with pytest.raises(artifact.Skipped, match="differs in table"):
         artifact.load(cache / "warm", enc2, artifact.key_fields(enc2, TINY_TABLE.__class__(
             TINY_TABLE.buckets[:2], layout="packed"), ("pooled",)))
+
+
+def test_encoder_warm_start_uses_the_artifact_the_server_would(tiny_checkpoint, tmp_path):
+    path, cache = tiny_checkpoint(), tmp_path / "cache"
+    first = Encoder.from_pretrained(str(path))
+    table = first.warm_start(OPTIONS, cache=cache)
+    second = Encoder.from_pretrained(str(path))
+    before = compiles.xla_compiles_total()
+    assert second.warm_start(OPTIONS, cache=cache) == table and compiles.xla_compiles_total() == before
