@@ -53,7 +53,7 @@ def embed_forward(module, emb: EmbeddingConfig, num_segments: int, params, batch
 
 def tokens_forward(module, num_segments: int, params, batch: dict) -> jax.Array:
     """Pure forward: packed rows -> [B, S, D] float32 last hidden states, every token (TEI's /embed_all)."""
-    encoder_params = {k: v for k, v in params.items() if k not in ("dense", "head")}
+    encoder_params = {k: v for k, v in params.items() if k not in ("dense", "head", "mlm")}
     hidden = module.apply(
         {"params": encoder_params}, batch["token_ids"], batch["segment_ids"], batch["positions"], batch["type_ids"],
         packed=num_segments > 1,

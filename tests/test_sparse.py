@@ -118,3 +118,48 @@ def test_compact_unit():
     np.testing.assert_array_equal(out[0, 1], np.zeros(7))
     cfg = sparse.SparseConfig(6, cap=3)
     assert sparse.decode(out[0], cfg) == [[{"index": 1, "value": 0.5}, {"index": 4, "value": 2.0}], []]
+
+
+async def test_embed_sparse_route(make_server, splade):
+    """TEI's /embed_sparse on loopback: SparseEncoder's weights, one list per input, batched with others."""
+    import asyncio
+
+    path, enc = splade
+    client = await make_server(enc)
+    single, many = await asyncio.gather(client.post("/embed_sparse", json={"inputs": TEXTS[1]}),
+                                        client.post("/embed_sparse", json={"inputs": TEXTS, "truncate": True}))
+    assert single.status == 200 and many.status == 200
+    want = reference(path, TEXTS)
+    assert_same_sparse(await many.json(), want)
+    assert_same_sparse(await single.json(), want[1:2])
+    root = await client.post("/", json={"inputs": TEXTS[:2]})  # TEI's root: the model kind's route
+    assert_same_sparse(await root.json(), want[:2])
+    info = await (await client.get("/info")).json()
+    assert info["model_type"] == {"embedding": {"pooling": "splade"}} and info["kind"] == "sparse"
+    assert info["dimensions"] == enc.model_config.vocab_size and info["sparse"]["pooling_strategy"] == "max"
+    spec = await (await client.get("/openapi.json")).json()
+    assert "/embed_sparse" in spec["paths"]
+
+
+async def test_dense_routes_on_a_sparse_model_and_the_reverse(make_server, splade, tmp_path):
+    """Each side refuses the other's route in TEI's error shape (422 Validation, as TEI codes a bad request) or
+    OpenAI's (400), and keeps serving."""
+    import tiny
+    from conftest import TINY_TABLE
+
+    _, enc = splade
+    client = await make_server(enc)
+    resp = await client.post("/embed", json={"inputs": TEXTS})
+    assert resp.status == 422
+    body = await resp.json()
+    assert body["error_type"] == "Validation" and "sparse (SPLADE)" in body["error"]
+    assert (await client.post("/v1/embeddings", json={"input": TEXTS})).status == 400
+    chunk = await client.post("/embed_sparse", json={"inputs": TEXTS, "long": "chunk"})
+    assert chunk.status == 422 and "chunk" in (await chunk.json())["error"]
+    assert (await client.post("/embed_sparse", json={"inputs": TEXTS[:1]})).status == 200
+    dense = Encoder.from_pretrained(str(tiny.write_checkpoint(tmp_path / "dense")), buckets=TINY_TABLE)
+    dense_client = await make_server(dense)
+    resp = await dense_client.post("/embed_sparse", json={"inputs": TEXTS})
+    assert resp.status == 422
+    body = await resp.json()
+    assert body["error_type"] == "Validation" and "needs a sparse (SPLADE) embedding model" in body["error"]
