@@ -187,3 +187,23 @@ def decode(out: np.ndarray, sparse: SparseConfig) -> list[list[dict]]:
         indices = row[1 + sparse.cap : 1 + sparse.cap + n].astype(np.int64)
         result.append([{"index": int(i), "value": float(v)} for i, v in zip(indices, values)])
     return result
+
+
+def write_jsonl(documents, embed, output: str, chunk: int) -> int:
+    """`jaxserve embed` for a SPLADE model: `chunk` documents at a time through `embed`, one JSON line per
+    document (its [{"index", "value"}] list), in input order. Returns the rows written."""
+    import itertools
+
+    import orjson
+
+    if not output.endswith(".jsonl"):
+        raise InputError(f"a sparse model's embeddings are written as JSON Lines: --output must end in .jsonl, "
+                         f"not {output!r}")
+    rows = 0
+    docs = iter(documents)
+    with open(output, "wb") as f:
+        while batch := list(itertools.islice(docs, chunk)):
+            for weights in embed(batch):
+                f.write(orjson.dumps(weights) + b"\n")
+            rows += len(batch)
+    return rows

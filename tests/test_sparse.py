@@ -163,3 +163,22 @@ async def test_dense_routes_on_a_sparse_model_and_the_reverse(make_server, splad
     assert resp.status == 422
     body = await resp.json()
     assert body["error_type"] == "Validation" and "needs a sparse (SPLADE) embedding model" in body["error"]
+
+
+def test_jaxserve_embed_writes_sparse_jsonl(splade, tmp_path, capsys):
+    """`jaxserve embed` with a SPLADE model: one JSON line per document, in input order."""
+    import json
+
+    from jaxserve.cli import main
+
+    path, _ = splade
+    table = tmp_path / "t.json"
+    PACKED.save(table)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(TEXTS) + "\n")
+    out = tmp_path / "weights.jsonl"
+    args = ["embed", "--input", str(corpus), "--model", str(path), "--buckets", str(table), "--chunk", "2"]
+    assert main(args + ["--output", str(out)]) == 0
+    assert_same_sparse([json.loads(line) for line in out.read_text().splitlines()], reference(path, TEXTS))
+    assert main(args + ["--output", str(tmp_path / "weights.npy")]) == 2
+    assert "--output must end in .jsonl" in capsys.readouterr().err
