@@ -10,8 +10,8 @@ Two things keep it cheap on a device:
   [B, S, BLOCK] at a time and the pooled [B, K, vocab];
 - the device compacts each sequence's non-zeros to the front (index order) and
   ships [B, K, 1 + 2 * cap] (count, values, indices) instead of [B, K, vocab].
-  `cap` is the vocabulary unless `JAXSERVE_SPARSE_CAP` sets fewer: then a
-  sequence with more non-zeros than the cap is an error, never a silent cut.
+  Below the cap that is lossless; a sequence with more non-zeros than the cap
+  is an error naming `JAXSERVE_SPARSE_CAP`, never a silent cut.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ from jaxserve.errors import CheckpointError, InputError
 from jaxserve.models import layers
 
 BLOCK = 4096  # vocabulary entries projected at a time
-CAP_ENV = "JAXSERVE_SPARSE_CAP"  # non-zeros shipped per sequence (default: the whole vocabulary, exact)
+CAP_ENV = "JAXSERVE_SPARSE_CAP"  # non-zeros shipped per sequence
+DEFAULT_CAP = 2048  # (or the vocabulary, if smaller): trained SPLADE models keep far fewer (docs/models.md)
 STRATEGIES = ("max", "sum")
 ACTIVATIONS = ("relu", "log1p_relu")
 
@@ -55,7 +56,7 @@ class SparseConfig:
             raise CheckpointError(f"SpladePooling {raw}: pooling_strategy must be one of {STRATEGIES}, "
                                   f"activation_function one of {ACTIVATIONS}")
         if cap is None:
-            cap = int(os.environ.get(CAP_ENV) or vocab_size)
+            cap = int(os.environ.get(CAP_ENV) or DEFAULT_CAP)
         return cls(vocab_size, strategy, activation, max(1, min(int(cap), vocab_size)))
 
 
