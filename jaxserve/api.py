@@ -201,6 +201,15 @@ def parse_tei_embed(body, limits: Limits, dim: int, default_long: str) -> EmbedR
                         _dimensions(body, dim), "float", *_prompt(body, limits), direction=_direction(body))
 
 
+def parse_tei_embed_sparse(body, limits: Limits, default_long: str) -> EmbedRequest:
+    """TEI /embed_sparse: /embed's `inputs`, `truncate`, `truncation_direction` and prompt; one output per input
+    (`long: chunk` has no sparse meaning)."""
+    req = parse_tei_embed(body, limits, 1, default_long)
+    if req.long == "chunk":
+        raise ApiError(400, "/embed_sparse gives each input's own weights: `long: chunk` does not apply")
+    return req
+
+
 def parse_similarity(body, limits: Limits, default_long: str) -> tuple[EmbedRequest, int]:
     """TEI /similarity: `inputs` {source_sentence, sentences}, `parameters` {truncate, truncation_direction,
     prompt_name} -> (an embed request of source then sentences, how many sentences)."""

@@ -171,5 +171,11 @@ def load_dense(path: Path, layers) -> tuple[dict, ...]:
             if bias is None or bias.shape != (layer.out_features,):
                 raise CheckpointError(f"Dense module {layer.path}: linear.bias missing or not ({layer.out_features},)")
             p["bias"] = bias.astype(np.float32)
+        if layer.residual and layer.in_features != layer.out_features:
+            residual = tensors.get("residual.weight")
+            if residual is None or residual.shape != (layer.out_features, layer.in_features):
+                raise CheckpointError(f"Dense module {layer.path}: use_residual with in != out needs residual.weight "
+                                      f"({layer.out_features}, {layer.in_features})")
+            p["residual"] = np.ascontiguousarray(residual.T.astype(np.float32))
         out.append(p)
     return tuple(out)

@@ -140,6 +140,13 @@ def cmd_embed(args) -> int:
 
     enc = Encoder.from_pretrained(args.model, dtype=args.dtype)
     enc.warmup(table_for(enc, args), progress=True)
+    if enc.head.kind == "sparse":  # SPLADE: JSON Lines of {"index", "value"} lists (jaxserve.sparse)
+        from jaxserve.sparse import write_jsonl
+
+        rows = write_jsonl(iter_documents(args.input), lambda docs: enc.embed_sparse(docs, long=args.long),
+                           args.output, args.chunk)
+        print(f"wrote {args.output}: {rows} sparse rows")
+        return 0
     total = sum(1 for _ in iter_documents(args.input))  # a counting pass: nothing is held in memory
     sink = open_sink(args.output, total, enc.dim, os.path.abspath(args.input))
     done = sink.resume()
@@ -209,7 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     embed = sub.add_parser("embed", help="embed a corpus file into .npy or .parquet, streaming and resumable")
     embed.add_argument("--input", required=True, help="documents: one per line, or JSONL with a `text` field")
-    embed.add_argument("--output", required=True, help=".npy ([rows, dim] float32) or .parquet (columns row, embedding), rows in input order")
+    embed.add_argument("--output", required=True, help=".npy ([rows, dim] float32) or .parquet (columns row, embedding), rows in input order; "
+                       "a SPLADE model: .jsonl, per row its [{index, value}] list")
     embed.add_argument("--chunk", type=int, default=1024, help="documents per step (and per progress checkpoint)")
     embed.add_argument("--long", default="truncate", choices=["truncate", "chunk", "error"])
     _model_args(embed)

@@ -31,8 +31,9 @@ LEGACY_POOLING_FLAGS = {
 class HeadConfig:
     """What the model's output is: pooled embeddings, or a sequence-classification head's logits."""
 
-    kind: str = "embedding"  # embedding | classifier
+    kind: str = "embedding"  # embedding | classifier | sparse (SPLADE)
     labels: tuple[str, ...] = ()  # classifier: label of each logit (id2label order)
+    sparse: dict | None = None  # sparse: its SpladePooling config
 
     @property
     def num_labels(self) -> int:
@@ -68,6 +69,7 @@ class DenseLayer:
     out_features: int
     bias: bool
     activation: str  # identity, tanh, relu, gelu, sigmoid, silu
+    residual: bool = False  # sentence-transformers 6's use_residual: + x (or + x @ residual, in != out)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,13 +132,12 @@ class EmbeddingConfig:
                 dense.append(dense_layer(_read_module_config(folder, "Dense"), module.get("path", "")))
             elif kind == "Normalize":
                 normalize = True
-            elif kind != "Transformer":
+            elif kind == "SpladePooling":  # a sparse head (HeadConfig.sparse): no dense pooling
+                continue
+            elif kind not in ("Transformer", "MLMTransformer"):
                 raise CheckpointError(f"modules.json lists a {module.get('type')!r} module, which jaxserve cannot run "
                                       "(it runs Transformer, Pooling, Dense and Normalize)")
-        max_len = model.max_positions
-        sbert = path / "sentence_bert_config.json"
-        if sbert.exists():
-            max_len = min(max_len, int(_read_json(sbert).get("max_seq_length") or max_len))
+        max_len = max_seq_length(path, model)
         st = path / "config_sentence_transformers.json"
         st_config = _read_json(st) if st.exists() else {}
         prompts = tuple((str(k), str(v)) for k, v in (st_config.get("prompts") or {}).items())
@@ -145,6 +146,49 @@ class EmbeddingConfig:
             raise CheckpointError(f"default_prompt_name {default!r} is not one of the checkpoint's prompts")
         return cls(pooling=pooling, max_seq_length=max_len, normalize=normalize, dense=tuple(dense),
                    prompts=prompts, default_prompt_name=default)
+
+
+# sentence-transformers' Transformer module config, under its current and its legacy names, first found wins
+SBERT_CONFIG_FILES = ("sentence_bert_config.json", "sentence_roberta_config.json", "sentence_distilbert_config.json",
+                      "sentence_camembert_config.json", "sentence_albert_config.json",
+                      "sentence_xlm-roberta_config.json", "sentence_xlnet_config.json")
+
+
+def transformer_module_config(path: Path) -> dict:
+    """The Transformer module's saved config (`sentence_bert_config.json` or a legacy name), or {}."""
+    for name in SBERT_CONFIG_FILES:
+        if (path / name).exists():
+            return _read_json(path / name) or {}
+    return {}
+
+
+def max_seq_length(path: Path, model: ArchConfig) -> int:
+    """The truncation length, resolved as sentence-transformers' Transformer module resolves it.
+
+    In order: `model_max_length` among the module's processor (tokenizer) kwargs; else its
+    `max_seq_length` (what sentence-transformers < 6 saved); else the tokenizer's own
+    `model_max_length` (tokenizer_config.json: where 6.x keeps it), capped at config.json's
+    `max_position_embeddings`. Only the last is capped there by sentence-transformers; jaxserve caps
+    every answer at the positions the model can index, beyond which sentence-transformers fails.
+    """
+    sbert = transformer_module_config(path)
+    kwargs = sbert.get("processor_kwargs") or sbert.get("tokenizer_args") or {}
+    limit = kwargs.get("model_max_length")
+    if limit is None:
+        limit = sbert.get("max_seq_length")
+    if limit is None:
+        tok_file = path / "tokenizer_config.json"
+        limit = (_read_json(tok_file) if tok_file.exists() else {}).get("model_max_length")
+        positions = _read_config(path).get("max_position_embeddings")
+        if isinstance(positions, int) and positions != -1:
+            limit = positions if limit is None else min(int(limit), positions)
+    try:
+        limit = int(limit) if limit is not None else model.max_positions
+    except (TypeError, ValueError):
+        raise CheckpointError(f"{path}: max sequence length {limit!r} is not an integer") from None
+    if limit < 1:
+        raise CheckpointError(f"{path}: max sequence length {limit} is not positive")
+    return min(limit, model.max_positions)
 
 
 def _read_module_config(folder: Path, kind: str) -> dict:
@@ -175,9 +219,13 @@ def dense_layer(raw: dict, folder: str) -> DenseLayer:
     if activation not in DENSE_ACTIVATIONS:
         raise CheckpointError(f"Dense module {folder} uses activation {activation!r}; supported: "
                               f"{', '.join(DENSE_ACTIVATIONS)}")
+    source = raw.get("module_input_name", "sentence_embedding")
+    if source != "sentence_embedding":
+        raise CheckpointError(f"Dense module {folder} reads {source!r}; jaxserve runs Dense layers on the "
+                              "pooled sentence embedding only")
     try:
         return DenseLayer(folder, int(raw["in_features"]), int(raw["out_features"]), bool(raw.get("bias", True)),
-                          DENSE_ACTIVATIONS[activation])
+                          DENSE_ACTIVATIONS[activation], bool(raw.get("use_residual", False)))
     except (KeyError, TypeError, ValueError) as exc:
         raise CheckpointError(f"Dense module {folder}: config.json lacks in_features/out_features ({exc})") from None
 
@@ -190,6 +238,12 @@ def read_model_config(path: Path) -> tuple[Family, ArchConfig]:
 
 
 def read_head_config(path: Path) -> HeadConfig:
+    """The model's head: a SPLADE pooling module in `modules.json` (sentence-transformers' SparseEncoder), else
+    what config.json's architecture says."""
+    modules = _read_json(path / "modules.json") if (path / "modules.json").exists() else []
+    for module in modules:
+        if module.get("type", "").rsplit(".", 1)[-1] == "SpladePooling":
+            return HeadConfig("sparse", sparse=_read_module_config(path / module.get("path", ""), "SpladePooling"))
     return HeadConfig.from_dict(_read_config(path))
 
 

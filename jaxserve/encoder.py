@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve import buckets, checkpoint, derivation, device
+from jaxserve import buckets, checkpoint, derivation, device, sparse
 from jaxserve.buckets import BucketTable, ModelDims
 from jaxserve.derivation import TableOptions
 from jaxserve.config import EmbeddingConfig, HeadConfig, read_head_config, read_model_config
@@ -54,7 +54,7 @@ def embed_forward(module, emb: EmbeddingConfig, num_segments: int, params, batch
 
 def tokens_forward(module, num_segments: int, params, batch: dict) -> jax.Array:
     """Pure forward: packed rows -> [B, S, D] float32 last hidden states, every token (TEI's /embed_all)."""
-    encoder_params = {k: v for k, v in params.items() if k not in ("dense", "head")}
+    encoder_params = {k: v for k, v in params.items() if k not in ("dense", "head", "mlm")}
     hidden = module.apply(
         {"params": encoder_params}, batch["token_ids"], batch["segment_ids"], batch["positions"], batch["type_ids"],
         packed=num_segments > 1,
@@ -87,7 +87,8 @@ class Encoder:
     tokenizer: TextTokenizer
     engine: Engine  # weights on device; compiled buckets
     dtype: str
-    head: HeadConfig = HeadConfig()  # embedding, or a classifier's labels
+    head: HeadConfig = HeadConfig()  # embedding, a classifier's labels, or sparse
+    splade: sparse.SparseConfig | None = None  # a SPLADE checkpoint's pooling (jaxserve.sparse)
     last_dispatches: list = dataclasses.field(default_factory=list, repr=False)  # the batches the last `run` ran
 
     @classmethod
@@ -113,6 +114,9 @@ class Encoder:
         params = checkpoint.load_params(path, family, cfg, shapes, dtype=jdtype)
         if emb.dense and head.kind == "embedding":
             params["dense"] = checkpoint.load_dense(path, emb.dense)
+        splade = sparse.SparseConfig.from_module(head.sparse, cfg.vocab_size) if head.kind == "sparse" else None
+        if splade is not None:
+            params["mlm"] = sparse.load_head(path, family.name, cfg, jdtype)
         params = jax.device_put(params)
         platform = jax.devices()[0].platform
 
@@ -120,6 +124,8 @@ class Encoder:
             module = family.encoder(cfg, jdtype, attention=attention.choose(platform, seqlen))
             if output == "tokens":
                 return partial(tokens_forward, module, slots)
+            if splade is not None:
+                return partial(sparse.sparse_forward, module, cfg, splade, slots)
             if head.kind == "classifier":
                 head_module = family.head(cfg, head.num_labels, jdtype)
                 return partial(classify_forward, module, head_module, family.pooling_for_head(cfg), slots)
@@ -129,7 +135,7 @@ class Encoder:
         if not 1 <= count <= len(local):
             raise ValueError(f"devices must be 'all' or 1..{len(local)}, not {devices!r}")
         engine = Engine(forward, params, local[:count])
-        enc = cls(path, family, cfg, emb, tokenizer, engine, dtype, head)
+        enc = cls(path, family, cfg, emb, tokenizer, engine, dtype, head, splade)
         if buckets is not None:
             enc.warmup(buckets if isinstance(buckets, BucketTable) else BucketTable.load(buckets))
         return enc
@@ -142,6 +148,8 @@ class Encoder:
     @property
     def out_dim(self) -> int:
         """Width of one sequence's output: the embedding, or the classifier's logits."""
+        if self.splade is not None:
+            return self.splade.out_dim
         return self.head.num_labels if self.head.kind == "classifier" else self.dim
 
     @property
@@ -282,6 +290,16 @@ class Encoder:
                   self.model_config.hidden_size, output="tokens")
         self.last_dispatches = run_jobs(self.engine, self.token_table, [job])
         return [job.token_vectors(p) for p in range(pieces.count)]
+
+    def embed_sparse(self, texts: list[str], long: str = "truncate", prompt_name: str | None = None,
+                     prompt: str | None = None) -> list[list[dict]]:
+        """Texts -> per text its non-zero weights [{"index", "value"}] in index order, as SparseEncoder's
+        `encode` (a SPLADE checkpoint; `long`: truncate or error)."""
+        self._require("sparse")
+        if long == "chunk":
+            raise InputError("sparse embeddings are per sequence: `long: chunk` does not apply")
+        pieces, rows = self.prepare(texts, long, self.embedding_config.prompt(prompt_name, prompt))
+        return sparse.decode(self.run(pieces, rows), self.splade)
 
     def classify(self, inputs: list, truncate: bool = True) -> np.ndarray:
         """Texts, or (text, text) pairs, mixed -> [N, num_labels] logits (a classifier checkpoint)."""

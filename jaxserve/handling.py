@@ -178,7 +178,8 @@ async def run_request(state: AppState, make_pieces, want_explain: bool = False, 
 def require_kind(state: AppState, kind: str, route: str) -> None:
     head = state.encoder.head
     if head.kind != kind:
-        what = {"embedding": "an embedding model", "classifier": "a sequence-classification or cross-encoder model"}
+        what = {"embedding": "an embedding model", "classifier": "a sequence-classification or cross-encoder model",
+                "sparse": "a sparse (SPLADE) embedding model"}
         raise ApiError(400, f"{route} needs {what[kind]}; this server serves {what[head.kind]} ({state.model_name})")
 
 

@@ -113,6 +113,12 @@ def spec(version: str) -> dict:
             "/embed": _tei("TEI /embed", EMBED_BODY, MATRIX),
             "/embed_all": _tei("TEI /embed_all: every token's last hidden state", EMBED_BODY,
                                {"type": "array", "items": MATRIX}),
+            "/embed_sparse": _tei("TEI /embed_sparse (SPLADE models): per input its non-zero weights, index order",
+                                  {**EMBED_BODY, "properties": {k: v for k, v in EMBED_BODY["properties"].items()
+                                                                if k not in ("normalize", "dimensions")}},
+                                  {"type": "array", "items": {"type": "array", "items": {
+                                      "type": "object", "required": ["index", "value"], "properties": {
+                                          "index": {"type": "integer", "minimum": 0}, "value": {"type": "number"}}}}}),
             "/similarity": _tei("TEI /similarity: cosine of source_sentence to each of sentences", {
                 "type": "object", "required": ["inputs"], "properties": {
                     "inputs": {"type": "object", "required": ["source_sentence", "sentences"], "properties": {
@@ -137,7 +143,7 @@ def spec(version: str) -> dict:
                                            "raw_scores": {"type": "boolean"}, "return_text": {"type": "boolean"},
                                            "truncate": {"type": "boolean"}, "truncation_direction": DIRECTION}},
                             {"type": "array", "items": {"type": "object", "required": ["index", "score"]}}),
-            "/": {**_tei("TEI's root: the model kind's route (/embed, /similarity, /predict or /rerank)",
+            "/": {**_tei("TEI's root: the model kind's route (/embed, /embed_sparse, /similarity, /predict or /rerank)",
                          {"type": "object"}, {"type": "array"}),
                   **_get("health (as TEI's GET /)")},
             "/invocations": _tei("SageMaker's route: as POST /", {"type": "object"}, {"type": "array"}),

@@ -28,6 +28,8 @@ def tei_model_type(enc) -> dict:
     """TEI's `model_type`: {"embedding": {"pooling"}}, or {"classifier" | "reranker": {"id2label", "label2id"}}."""
     if enc.head.kind == "embedding":
         return {"embedding": {"pooling": enc.embedding_config.pooling}}
+    if enc.head.kind == "sparse":  # TEI names SPLADE as an embedding model's pooling
+        return {"embedding": {"pooling": "splade"}}
     labels = enc.head.labels
     kind = "reranker" if len(labels) == 1 else "classifier"
     return {kind: {"id2label": {str(i): label for i, label in enumerate(labels)},
@@ -63,6 +65,10 @@ async def info(request: web.Request) -> web.Response:
             "default_prompt": cfg.default_prompt,
             "kind": enc.head.kind, "labels": list(enc.head.labels),
         })
+        if enc.splade is not None:  # dimensions: the vocabulary; cap: non-zeros shipped per input
+            body.update(dimensions=c.vocab_size, pooling="splade",
+                        sparse={"pooling_strategy": enc.splade.strategy, "activation_function": enc.splade.activation,
+                                "cap": enc.splade.cap})
     if state.table is not None:
         import jax
 

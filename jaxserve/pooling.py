@@ -59,8 +59,11 @@ def _pool_one(mode: str, h, member, count, positions, num_segments: int) -> jax.
 def dense_layers(layers, params, x):
     """sentence-transformers' Dense modules in turn on pooled vectors [B, K, D] (float32)."""
     for layer, p in zip(layers, params):
-        x = x @ p["kernel"]
+        y = x @ p["kernel"]
         if "bias" in p:
-            x = x + p["bias"]
-        x = DENSE_ACTIVATIONS[layer.activation](x)
+            y = y + p["bias"]
+        y = DENSE_ACTIVATIONS[layer.activation](y)
+        if layer.residual:
+            y = y + (x @ p["residual"] if "residual" in p else x)
+        x = y
     return x

@@ -2,7 +2,7 @@
 
 `POST /` (and SageMaker's `/invocations`) dispatches by the served model's
 kind, as TEI does: a classifier's `/predict`, a cross-encoder's (one label)
-`/rerank`, an embedding model's `/embed`, or `/similarity` when the body's
+`/rerank`, a SPLADE model's `/embed_sparse`, an embedding model's `/embed`, or `/similarity` when the body's
 `inputs` is a {source_sentence, sentences} object (huggingface_hub's
 `sentence_similarity`, which TEI serves only under TASK=sentence-similarity).
 Errors on these routes are TEI's `{"error", "error_type"}` with TEI's codes
@@ -15,20 +15,22 @@ import numpy as np
 import orjson
 from aiohttp import web
 
-from jaxserve import api
+from jaxserve import api, sparse
 from jaxserve.api import ApiError
+from jaxserve.errors import InputError
 from jaxserve.handling import (bytes_response, embedding_pieces, json_body, json_response, on_tokenizer,
                                request_prompt, require_kind, respond, run_request, tokenized, vectors_of)
 from jaxserve.state import STATE, AppState
 
-PATHS = ("/", "/invocations", "/embed", "/embed_all", "/similarity", "/predict", "/rerank", "/tokenize", "/decode")
+PATHS = ("/", "/invocations", "/embed", "/embed_all", "/embed_sparse", "/similarity", "/predict", "/rerank",
+         "/tokenize", "/decode")
 
 
 def kind(state: AppState) -> str:
-    """TEI's model kind: embedding, classifier, or reranker (a classifier with one label)."""
+    """TEI's model kind: embedding, sparse (SPLADE), classifier, or reranker (a classifier with one label)."""
     head = state.encoder.head
-    if head.kind == "embedding":
-        return "embedding"
+    if head.kind in ("embedding", "sparse"):
+        return head.kind
     return "reranker" if head.num_labels == 1 else "classifier"
 
 
@@ -38,6 +40,19 @@ async def _embed(state: AppState, body) -> web.Response:
     ran = await run_request(state, lambda: embedding_pieces(state, req))
     encoded, _ = await respond(state, lambda: orjson.dumps(vectors_of(ran, req), option=orjson.OPT_SERIALIZE_NUMPY),
                                ran.out.size)
+    return bytes_response(encoded)
+
+
+async def _embed_sparse(state: AppState, body) -> web.Response:
+    """Per input its non-zero SPLADE weights [{"index", "value"}], index order (TEI's EmbedSparseResponse)."""
+    require_kind(state, "sparse", "/embed_sparse")
+    req = api.parse_tei_embed_sparse(body, state.limits, state.config.long)
+    ran = await run_request(state, lambda: embedding_pieces(state, req))
+    try:
+        weights = sparse.decode(ran.out, state.encoder.splade)
+    except InputError as err:
+        raise ApiError(422, str(err)) from None
+    encoded, _ = await respond(state, lambda: orjson.dumps(weights), ran.out.size)
     return bytes_response(encoded)
 
 
@@ -95,7 +110,7 @@ async def _tokenize(state: AppState, body) -> web.Response:
     texts, add_special, prompt_name = api.parse_tokenize(body, state.limits)
     tok = state.encoder.tokenizer.tokenizer
     prompt = (request_prompt(state, api.EmbedRequest(texts, None, "truncate", prompt_name=prompt_name))
-              if state.encoder.head.kind == "embedding" else None)
+              if state.encoder.head.kind in ("embedding", "sparse") else None)
     texts = [prompt + t for t in texts] if prompt else texts
 
     def tokens() -> bytes:  # per token Python objects: on a tokenizer thread
@@ -119,7 +134,7 @@ async def _decode(state: AppState, body) -> web.Response:
     return json_response(texts)
 
 
-HANDLERS = {"/embed": _embed, "/embed_all": _embed_all, "/similarity": _similarity, "/predict": _predict,
+HANDLERS = {"/embed": _embed, "/embed_all": _embed_all, "/embed_sparse": _embed_sparse, "/similarity": _similarity, "/predict": _predict,
             "/rerank": _rerank, "/tokenize": _tokenize, "/decode": _decode}
 
 
@@ -142,6 +157,8 @@ async def root(request: web.Request) -> web.Response:
         return await _predict(state, body)
     if model == "reranker":
         return await _rerank(state, body)
+    if model == "sparse":
+        return await _embed_sparse(state, body)
     if isinstance(body, dict) and isinstance(body.get("inputs"), dict):
         return await _similarity(state, body)
     return await _embed(state, body)

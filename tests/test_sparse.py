@@ -1,0 +1,184 @@
+"""SPLADE checkpoints as sentence-transformers' SparseEncoder saves them, against its own `encode`.
+
+Tiny masked-LM checkpoints (BERT, DistilBERT) are written by transformers,
+wrapped in Transformer(fill-mask) + SpladePooling and saved by
+sentence-transformers with max_seq_length 128. Parity: the same non-zero
+indices, values within 1e-4 relative.
+"""
+
+import numpy as np
+import pytest
+
+import hf_tiny
+from jaxserve import Encoder, sparse
+from jaxserve.buckets import fixed
+from jaxserve.errors import InputError
+
+MAX_LEN = 128
+PACKED = fixed([(4, MAX_LEN)], layout="packed")
+TEXTS = ["x", "the model", "a batch of jax documents is the query " * 3, "hello, world! 42",
+         "the query of the model " * 40]  # past 128 tokens: truncated
+SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             max_position_embeddings=512)
+MODELS = {
+    "bert": ("BertForMaskedLM", "BertConfig", SMALL),
+    "distilbert": ("DistilBertForMaskedLM", "DistilBertConfig",
+                   dict(dim=32, n_layers=2, n_heads=4, hidden_dim=64, max_position_embeddings=512)),
+}
+
+
+def splade_checkpoint(root, model: str = "bert", strategy: str = "max", activation: str = "relu"):
+    """A tiny masked LM saved by sentence-transformers as a SparseEncoder (Transformer fill-mask + SpladePooling)."""
+    import transformers
+    from sentence_transformers import SparseEncoder
+    from sentence_transformers.base.modules.transformer import Transformer
+    from sentence_transformers.sparse_encoder.modules import SpladePooling
+    from transformers import PreTrainedTokenizerFast
+
+    model_class, config_class, fields = MODELS[model]
+    config = getattr(transformers, config_class)(vocab_size=len(hf_tiny.vocab("bert")), pad_token_id=0, **fields)
+    raw = hf_tiny.write(root / "hf", model_class, config, kind="bert", seed=2, scale=0.3)
+    transformer = Transformer(str(raw), transformer_task="fill-mask")
+    transformer.processor = PreTrainedTokenizerFast(tokenizer_file=str(raw / "tokenizer.json"), pad_token="[PAD]")
+    st = SparseEncoder(modules=[transformer, SpladePooling(strategy, activation_function=activation)], device="cpu")
+    st.max_seq_length = MAX_LEN
+    st.save(str(root / "st"))
+    return root / "st"
+
+
+def reference(path, texts):
+    from sentence_transformers import SparseEncoder
+
+    st = SparseEncoder(str(path), device="cpu")
+    assert st.max_seq_length == MAX_LEN
+    return st.encode(texts, convert_to_sparse_tensor=False, convert_to_tensor=False)
+
+
+def assert_same_sparse(got: list[list[dict]], want) -> None:
+    for g, w in zip(got, want, strict=True):
+        w = np.asarray(w, np.float32)
+        idx = np.flatnonzero(w)
+        assert [e["index"] for e in g] == idx.tolist()
+        np.testing.assert_allclose([e["value"] for e in g], w[idx], rtol=1e-4, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def splade(tmp_path_factory):
+    path = splade_checkpoint(tmp_path_factory.mktemp("splade"))
+    return path, Encoder.from_pretrained(str(path), buckets=PACKED)
+
+
+def test_matches_sparse_encoder(splade):
+    path, enc = splade
+    assert enc.head.kind == "sparse" and enc.splade.cap == enc.model_config.vocab_size
+    assert enc.embedding_config.max_seq_length == MAX_LEN
+    assert enc.prepare(TEXTS)[1].docs.max() > 1  # rows shared by several texts
+    got = enc.embed_sparse(TEXTS)
+    assert all(0 < len(g) < enc.model_config.vocab_size for g in got)
+    assert_same_sparse(got, reference(path, TEXTS))
+
+
+@pytest.mark.parametrize("model, strategy, activation", [("distilbert", "max", "relu"), ("bert", "sum", "log1p_relu")])
+def test_other_heads_and_poolings(tmp_path, model, strategy, activation):
+    path = splade_checkpoint(tmp_path, model, strategy, activation)
+    enc = Encoder.from_pretrained(str(path), buckets=PACKED)
+    assert_same_sparse(enc.embed_sparse(TEXTS), reference(path, TEXTS))
+
+
+def test_vocabulary_blocks_and_cap(splade, monkeypatch):
+    """Blocks that do not divide the vocabulary give the same weights; a cap below a text's non-zeros is an error."""
+    path, _ = splade
+    monkeypatch.setattr(sparse, "BLOCK", 10)  # 152 entries: 16 blocks, the last one padded
+    blocked = Encoder.from_pretrained(str(path), buckets=PACKED)
+    assert_same_sparse(blocked.embed_sparse(TEXTS), reference(path, TEXTS))
+    monkeypatch.setenv(sparse.CAP_ENV, "8")
+    capped = Encoder.from_pretrained(str(path), buckets=PACKED)
+    assert capped.out_dim == 17
+    with pytest.raises(InputError, match="over this server's cap of 8"):
+        capped.embed_sparse(TEXTS)
+
+
+def test_dense_routes_refuse(splade):
+    _, enc = splade
+    with pytest.raises(InputError, match="sparse model"):
+        enc.embed(TEXTS)
+    with pytest.raises(InputError, match="chunk"):
+        enc.embed_sparse(TEXTS, long="chunk")
+
+
+def test_compact_unit():
+    """The device's compaction: count, values and indices in index order, the rest zeros."""
+    import jax.numpy as jnp
+
+    w = np.zeros((1, 2, 6), np.float32)
+    w[0, 0, [1, 4]] = [0.5, 2.0]
+    out = np.asarray(sparse.compact(jnp.asarray(w), cap=3))
+    assert out.shape == (1, 2, 7)
+    np.testing.assert_array_equal(out[0, 0], [2, 0.5, 2.0, 0, 1, 4, 0])
+    np.testing.assert_array_equal(out[0, 1], np.zeros(7))
+    cfg = sparse.SparseConfig(6, cap=3)
+    assert sparse.decode(out[0], cfg) == [[{"index": 1, "value": 0.5}, {"index": 4, "value": 2.0}], []]
+
+
+async def test_embed_sparse_route(make_server, splade):
+    """TEI's /embed_sparse on loopback: SparseEncoder's weights, one list per input, batched with others."""
+    import asyncio
+
+    path, enc = splade
+    client = await make_server(enc)
+    single, many = await asyncio.gather(client.post("/embed_sparse", json={"inputs": TEXTS[1]}),
+                                        client.post("/embed_sparse", json={"inputs": TEXTS, "truncate": True}))
+    assert single.status == 200 and many.status == 200
+    want = reference(path, TEXTS)
+    assert_same_sparse(await many.json(), want)
+    assert_same_sparse(await single.json(), want[1:2])
+    root = await client.post("/", json={"inputs": TEXTS[:2]})  # TEI's root: the model kind's route
+    assert_same_sparse(await root.json(), want[:2])
+    info = await (await client.get("/info")).json()
+    assert info["model_type"] == {"embedding": {"pooling": "splade"}} and info["kind"] == "sparse"
+    assert info["dimensions"] == enc.model_config.vocab_size and info["sparse"]["pooling_strategy"] == "max"
+    spec = await (await client.get("/openapi.json")).json()
+    assert "/embed_sparse" in spec["paths"]
+
+
+async def test_dense_routes_on_a_sparse_model_and_the_reverse(make_server, splade, tmp_path):
+    """Each side refuses the other's route in TEI's error shape (422 Validation, as TEI codes a bad request) or
+    OpenAI's (400), and keeps serving."""
+    import tiny
+    from conftest import TINY_TABLE
+
+    _, enc = splade
+    client = await make_server(enc)
+    resp = await client.post("/embed", json={"inputs": TEXTS})
+    assert resp.status == 422
+    body = await resp.json()
+    assert body["error_type"] == "Validation" and "sparse (SPLADE)" in body["error"]
+    assert (await client.post("/v1/embeddings", json={"input": TEXTS})).status == 400
+    chunk = await client.post("/embed_sparse", json={"inputs": TEXTS, "long": "chunk"})
+    assert chunk.status == 422 and "chunk" in (await chunk.json())["error"]
+    assert (await client.post("/embed_sparse", json={"inputs": TEXTS[:1]})).status == 200
+    dense = Encoder.from_pretrained(str(tiny.write_checkpoint(tmp_path / "dense")), buckets=TINY_TABLE)
+    dense_client = await make_server(dense)
+    resp = await dense_client.post("/embed_sparse", json={"inputs": TEXTS})
+    assert resp.status == 422
+    body = await resp.json()
+    assert body["error_type"] == "Validation" and "needs a sparse (SPLADE) embedding model" in body["error"]
+
+
+def test_jaxserve_embed_writes_sparse_jsonl(splade, tmp_path, capsys):
+    """`jaxserve embed` with a SPLADE model: one JSON line per document, in input order."""
+    import json
+
+    from jaxserve.cli import main
+
+    path, _ = splade
+    table = tmp_path / "t.json"
+    PACKED.save(table)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(TEXTS) + "\n")
+    out = tmp_path / "weights.jsonl"
+    args = ["embed", "--input", str(corpus), "--model", str(path), "--buckets", str(table), "--chunk", "2"]
+    assert main(args + ["--output", str(out)]) == 0
+    assert_same_sparse([json.loads(line) for line in out.read_text().splitlines()], reference(path, TEXTS))
+    assert main(args + ["--output", str(tmp_path / "weights.npy")]) == 2
+    assert "--output must end in .jsonl" in capsys.readouterr().err
