@@ -36,16 +36,16 @@ def load(out) -> np.ndarray:
 
 
 @pytest.mark.parametrize("suffix", [".npy", ".parquet"])
-def test_embed_streams_in_order_and_resumes_after_kill(tmp_path, suffix):
+def test_embed_streams_in_order_and_resumes_after_kill_with_ids(tmp_path, suffix):
     path = tiny.write_checkpoint(tmp_path / "ckpt")
     table = tmp_path / "t.json"
     TINY_TABLE.save(table)
     docs = [f"the model {i} " + "jax " * (i % 13) for i in range(3000)]
     corpus = tmp_path / "corpus.jsonl"
-    corpus.write_text("\n".join(json.dumps({"text": d}) for d in docs) + "\n")
+    corpus.write_text("\n".join(json.dumps({"body": d, "key": f"k{i}"}) for i, d in enumerate(docs)) + "\n")
     out = tmp_path / f"vectors{suffix}"
     cmd = [sys.executable, "-m", "jaxserve.cli", "embed", "--input", str(corpus), "--output", str(out),
-           "--model", str(path), "--buckets", str(table), "--chunk", "100"]
+           "--model", str(path), "--buckets", str(table), "--chunk", "100", "--field", "body", "--id-field", "key"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and rows_done(out) < 500:
@@ -57,7 +57,16 @@ def test_embed_streams_in_order_and_resumes_after_kill(tmp_path, suffix):
     resumed = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert f"resuming at row {done} of 3000" in resumed.stdout
-    assert sorted(os.listdir(tmp_path)) == sorted(["ckpt", "t.json", "corpus.jsonl", out.name])  # no leftovers
+    extra = ["vectors.summary.json"] + (["vectors.ids.jsonl"] if suffix == ".npy" else [])
+    assert sorted(os.listdir(tmp_path)) == sorted(["ckpt", "t.json", "corpus.jsonl", out.name] + extra)  # no leftovers
+    if suffix == ".npy":
+        got_ids = [json.loads(line) for line in (tmp_path / "vectors.ids.jsonl").read_text().splitlines()]
+    else:
+        import pyarrow.parquet as pq
+
+        got_ids = pq.read_table(out)["id"].to_pylist()
+    assert got_ids == [f"k{i}" for i in range(3000)]  # each id once, in row order, across the kill
+    assert json.loads((tmp_path / "vectors.summary.json").read_text())["documents"] == 3000 - done
     got = load(out)
     want = Encoder.from_pretrained(str(path), buckets=TINY_TABLE).embed(docs)
     assert got.shape == (3000, 32)
