@@ -143,9 +143,8 @@ def cmd_explain(args) -> int:
     import time
 
     from jaxserve import Encoder
-    from jaxserve.explain import LiveTimings, explain, format_report
-
     from jaxserve.corpus import Corpus
+    from jaxserve.explain import LiveTimings, explain, format_report
 
     corpus = Corpus(args.file, args.field)
     corpus.check()  # before any compile

@@ -93,12 +93,13 @@ class Corpus:
 
     def _parquet_file(self):
         try:
+            import pyarrow as pa
             import pyarrow.parquet as pq
         except ImportError:
             raise CorpusError("parquet input needs pyarrow: pip install 'jaxserve[parquet]'") from None
         try:
             return pq.ParquetFile(self.path)
-        except Exception as exc:  # pyarrow raises ArrowInvalid / OSError variants for a file it cannot parse
+        except (pa.ArrowException, OSError) as exc:  # not Parquet, or cut short
             raise CorpusError(f"input {self.path!r} is not a readable Parquet file: {exc}") from None
 
     def _columns(self) -> list[str]:

@@ -72,7 +72,7 @@ class NpySink(Sink):
     def resume(self) -> int:
         """Rows already written by an interrupted run of the same arguments (0 when starting fresh)."""
         saved = self._saved()
-        if saved is not None and saved["state"] == self.state:
+        if saved is not None and saved["state"] == self.state and (not self.ids or os.path.exists(self.ids_path)):
             self.out = np.lib.format.open_memmap(self.path, mode="r+")
             if self.ids:
                 with open(self.ids_path, "r+b") as f:
