@@ -111,51 +111,52 @@ def cmd_serve(args) -> int:
     return 0
 
 
-def iter_documents(path: str):
-    """One document per line, or JSONL with a `text` (or `input`) field per line; blank lines skipped."""
-    import json
-
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            line = line.rstrip("\n")
-            if not line.strip():
-                continue
-            if line.lstrip().startswith("{"):
-                obj = json.loads(line)
-                yield obj.get("text", obj.get("input"))
-            else:
-                yield line
-
-
-def read_documents(path: str) -> list[str]:
-    return list(iter_documents(path))
-
-
 def cmd_embed(args) -> int:
-    """Stream a corpus through the buckets into .npy or .parquet; resumable (see jaxserve/offline.py)."""
+    """Stream a corpus through the buckets into .npy or .parquet; resumable (see jaxserve/offline.py).
+
+    Every input check (the corpus, the output, a partial run's arguments) runs
+    before warmup, so a bad input fails in seconds, not after compiling.
+    """
     from tqdm import tqdm
 
-    from jaxserve import Encoder
-    from jaxserve.offline import embed_corpus, open_sink
+    from jaxserve.corpus import Corpus
+    from jaxserve.offline import encoder_embed, open_sink, sink_class, write_summary
 
-    enc = Encoder.from_pretrained(args.model, dtype=args.dtype)
-    enc.warmup(table_for(enc, args), progress=True)
-    if enc.head.kind == "sparse":  # SPLADE: JSON Lines of {"index", "value"} lists (jaxserve.sparse)
+    from jaxserve.errors import JaxserveError
+
+    corpus = Corpus(args.input, args.field, args.id_field)
+    sparse_output = args.output.endswith(".jsonl")
+    if not sparse_output:
+        sink_class(args.output)
+    total = corpus.check()  # a streaming pass: nothing is held in memory
+    from jaxserve import Encoder
+
+    enc = Encoder.from_pretrained(args.model, dtype=args.dtype)  # loads weights; compiles nothing
+    if sparse_output or enc.head.kind == "sparse":  # SPLADE: JSON Lines of {"index", "value"} lists
+        if not (sparse_output and enc.head.kind == "sparse"):
+            raise JaxserveError("a sparse (SPLADE) model writes --output FILE.jsonl (per row its [{index, value}] "
+                                "list); a dense model writes .npy or .parquet")
         from jaxserve.sparse import write_jsonl
 
-        rows = write_jsonl(iter_documents(args.input), lambda docs: enc.embed_sparse(docs, long=args.long),
-                           args.output, args.chunk)
+        enc.warmup(table_for(enc, args), progress=True)
+        rows = write_jsonl(corpus.texts(), lambda docs: enc.embed_sparse(docs, long=args.long), args.output,
+                           args.chunk)
         print(f"wrote {args.output}: {rows} sparse rows")
         return 0
-    total = sum(1 for _ in iter_documents(args.input))  # a counting pass: nothing is held in memory
-    sink = open_sink(args.output, total, enc.dim, os.path.abspath(args.input))
+    state = {"input": os.path.abspath(args.input), "rows": total, "dim": enc.dim, "field": args.field,
+             "id_field": args.id_field}
+    sink = open_sink(args.output, state, ids=args.id_field is not None)
+    sink.check()
+    enc.warmup(table_for(enc, args), progress=True)
     done = sink.resume()
     if done:
         print(f"resuming at row {done} of {total}", flush=True)
+    from jaxserve.offline import embed_corpus
+
     with tqdm(total=total, initial=done, unit="doc", desc="embed") as bar:
-        embed_corpus(iter_documents(args.input), lambda docs: enc.embed(docs, long=args.long), sink, done,
-                     args.chunk, bar.update)
+        summary = embed_corpus(corpus.records(), encoder_embed(enc, args.long), sink, done, args.chunk, bar.update)
     print(f"wrote {args.output}: {total} x {enc.dim} float32")
+    print(f"{summary.line()}; summary in {write_summary(args.output, summary)}")
     return 0
 
 
@@ -164,11 +165,14 @@ def cmd_explain(args) -> int:
     import time
 
     from jaxserve import Encoder
+    from jaxserve.corpus import Corpus
     from jaxserve.explain import LiveTimings, explain, format_report
 
+    corpus = Corpus(args.file, args.field)
+    corpus.check()  # before any compile
+    docs = list(corpus.texts())
     enc = Encoder.from_pretrained(args.model, dtype=args.dtype)
     table = enc.warmup(table_for(enc, args), progress=True)
-    docs = read_documents(args.file)
     pieces, rows = enc.prepare(docs, long=args.long)
     measured = None
     if args.run:
@@ -179,6 +183,11 @@ def cmd_explain(args) -> int:
     print(f"{len(docs)} documents from {args.file}; model {enc.path}; device {table.device}")
     print(format_report(explain(rows, table, LiveTimings(table), pieces.doc), measured))
     return 0
+
+
+CORPUS_HELP = ("documents: one per line (UTF-8), JSONL (.jsonl, or lines starting with `{`) or Parquet (.parquet, "
+               "read a row group at a time); checked in full before any compile")
+FIELD_HELP = "the text field of JSONL (default: `text`, else `input`) or the text column of Parquet (required there)"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -207,7 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
     warmup.set_defaults(func=cmd_warmup)
 
     explain = sub.add_parser("explain", help="the plan, padding, memory and predicted time for a file of documents")
-    explain.add_argument("file", help="documents: one per line, or JSONL with a `text` field")
+    explain.add_argument("file", help=CORPUS_HELP)
+    explain.add_argument("--field", default=None, help=FIELD_HELP)
     _model_args(explain)
     _table_args(explain)
     explain.add_argument("--long", default="truncate", choices=["truncate", "chunk", "error"])
@@ -215,9 +225,15 @@ def build_parser() -> argparse.ArgumentParser:
     explain.set_defaults(func=cmd_explain)
 
     embed = sub.add_parser("embed", help="embed a corpus file into .npy or .parquet, streaming and resumable")
-    embed.add_argument("--input", required=True, help="documents: one per line, or JSONL with a `text` field")
-    embed.add_argument("--output", required=True, help=".npy ([rows, dim] float32) or .parquet (columns row, embedding), rows in input order; "
-                       "a SPLADE model: .jsonl, per row its [{index, value}] list")
+    embed.add_argument("--input", required=True, help=CORPUS_HELP)
+    embed.add_argument("--field", default=None, help=FIELD_HELP)
+    embed.add_argument("--id-field", default=None,
+                       help="JSONL field or Parquet column carried into the output: an `id` column in .parquet, "
+                            "FILE.ids.jsonl (one JSON value per row) beside .npy")
+    embed.add_argument("--output", required=True,
+                       help=".npy ([rows, dim] float32) or .parquet (columns row, embedding[, id]), rows in input "
+                            "order; a sparse (SPLADE) model: .jsonl, per row its [{index, value}] list; a summary (documents, tokens, seconds, docs/s, tokens/s, padding) lands in "
+                            "FILE.summary.json")
     embed.add_argument("--chunk", type=int, default=1024, help="documents per step (and per progress checkpoint)")
     embed.add_argument("--long", default="truncate", choices=["truncate", "chunk", "error"])
     _model_args(embed)

@@ -1,0 +1,49 @@
+"""jaxserve.corpus without JAX: formats, field lookup, and the errors the checking pass names."""
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from jaxserve.corpus import Corpus, CorpusError
+
+
+def test_plain_lines_and_jsonl_lines_mix_and_blank_lines_are_skipped(tmp_path):
+    path = tmp_path / "c.txt"
+    path.write_text('plain one\n\n{"text": "json two"}\n{"input": "json three"}\n')
+    assert Corpus(str(path)).check() == 3
+    assert list(Corpus(str(path)).texts()) == ["plain one", "json two", "json three"]
+
+
+def test_named_field_and_ids(tmp_path):
+    path = tmp_path / "c.jsonl"
+    path.write_text('{"content": "a", "id": 7}\n{"content": "b", "id": "x"}\n')
+    assert list(Corpus(str(path), "content", "id").records()) == [(7, "a"), ("x", "b")]
+    with pytest.raises(CorpusError, match=r"c.jsonl:1: no field 'text' or 'input' \(it has 'content', 'id'\)"):
+        Corpus(str(path)).check()
+    with pytest.raises(CorpusError, match="c.jsonl:1: no id field 'key'"):
+        Corpus(str(path), "content", "key").check()
+
+
+def test_a_non_text_field_and_a_non_object_line_are_named(tmp_path):
+    path = tmp_path / "c.jsonl"
+    path.write_text('{"text": 3}\n')
+    with pytest.raises(CorpusError, match="c.jsonl:1: field 'text' is a int, not text"):
+        Corpus(str(path)).check()
+    path.write_text('[1, 2]\n')
+    with pytest.raises(CorpusError, match="c.jsonl:1: a JSON list"):
+        Corpus(str(path)).check()
+
+
+def test_parquet_reads_every_row_group_in_order_and_names_nulls(tmp_path):
+    path = tmp_path / "c.parquet"
+    texts = [f"doc {i}" for i in range(25)]
+    pq.write_table(pa.table({"t": texts, "k": list(range(25))}), path, row_group_size=4)
+    assert pq.ParquetFile(path).num_row_groups == 7
+    corpus = Corpus(str(path), "t", "k")
+    assert corpus.check() == 25
+    assert list(corpus.records()) == list(zip(range(25), texts))
+    pq.write_table(pa.table({"t": ["a", None]}), path)
+    with pytest.raises(CorpusError, match="row 1: column 't' is null"):
+        Corpus(str(path), "t").check()
+    with pytest.raises(CorpusError, match="needs --field NAME"):
+        Corpus(str(path)).check()
