@@ -8,7 +8,8 @@ import orjson
 from aiohttp import web
 
 from jaxserve import api
-from jaxserve.classes import ask_of
+from jaxserve.batcher import BULK, CLASSES
+from jaxserve.classes import ask_of, class_of
 from jaxserve.handling import (bytes_response, embedding_pieces, explain_rows, json_body, json_response,
                                on_tokenizer, require_kind, respond, run_request, tokenized, vectors_of)
 from jaxserve.planner import pack
@@ -47,13 +48,19 @@ async def plan(request: web.Request) -> web.Response:
     state = request.app[STATE]
     state.require_ready()
     require_kind(state, "embedding", "/v1/plan")
-    req = api.parse_openai_embeddings(await json_body(request), state.limits, state.encoder.dim, state.config.long)
+    body = await json_body(request)
+    req = api.parse_openai_embeddings(body, state.limits, state.encoder.dim, state.config.long)
+    ask = ask_of(body, request.headers)
 
     def plan_only():
         pieces = tokenized(lambda: embedding_pieces(state, req, openai_ids=True))
         rows = pack(pieces.lengths, state.table)
         body = explain_rows(state, rows, state.table, pieces)
-        body.update(documents=req.count, sequences=pieces.count, usage={"prompt_tokens": rows.real_tokens})
+        cls = class_of(ask, int(rows.docs.sum()), state.config.default_priority, state.config.interactive_max_sequences)
+        waiting = state.service.batcher.waiting()
+        body.update(documents=req.count, sequences=pieces.count, usage={"prompt_tokens": rows.real_tokens},
+                    request_class=CLASSES[cls],
+                    would_wait_behind={c: n for c, n in waiting.items() if c == CLASSES[0] or cls == BULK})
         return orjson.dumps(body)
 
     return bytes_response(await on_tokenizer(state, plan_only))
