@@ -31,7 +31,6 @@ import numpy as np
 from jaxserve.buckets import Bucket, BucketTable
 from jaxserve.planner import cheapest_covers, cost_model
 
-
 INTERACTIVE, BULK = 0, 1  # request classes, in the order they are served
 CLASSES = ("interactive", "bulk")
 
@@ -47,7 +46,7 @@ class Run:
     cls: int = INTERACTIVE
     deadline: float = math.inf  # when its request wants its answer (absolute); EDF within a class
 
-    def split(self, k: int) -> tuple["Run", "Run"]:
+    def split(self, k: int) -> tuple[Run, Run]:
         return (dataclasses.replace(self, rows=self.rows[:k], docs=self.docs[:k]),
                 dataclasses.replace(self, rows=self.rows[k:], docs=self.docs[k:]))
 
@@ -207,17 +206,15 @@ class Batcher:
                     self._rows[INTERACTIVE][s] += len(r.rows)
 
     def next_dispatch(self, now: float, device_idle: bool) -> Dispatch | None:
-        """Interactive rows first (earliest deadline first), their spare rows filled with bulk rows; bulk rows
-        alone by window, full or idle, but only into an idle device slot while interactive work is likely."""
+        """Interactive rows first, at once (earliest deadline first), their spare rows filled with bulk rows; bulk
+        rows alone by window, full or idle, but only into an idle device slot while interactive work is likely."""
         self._age(now)
         first = lambda hs: min(hs, key=lambda h: (h[0], -h[1]))  # earliest; ties: larger seqlen
         inter = [(q[0].key, s) for s, q in self._queues[INTERACTIVE].items() if q]
-        if inter and device_idle:
-            # an interactive row never waits for a window: it goes into the next free device slot
-            key, seqlen = first(inter)
-            return self._form(seqlen, INTERACTIVE, "interactive", now)
         if inter:
-            return None  # the device is busy: the next free slot is the interactive rows'
+            # an interactive row never waits for a window: it is prepared for the next device slot at once
+            _, seqlen = first(inter)
+            return self._form(seqlen, INTERACTIVE, "interactive", now)
         heads = [(q[0].enqueued, s) for s, q in self._queues[BULK].items() if q]
         if not heads:
             return None

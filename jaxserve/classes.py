@@ -30,6 +30,9 @@ class Ask:
     deadline_ms: float | None = None
 
 
+NO_ASK = Ask()
+
+
 def _class(value, where: str) -> int:
     if isinstance(value, bool):
         raise ApiError(400, f"`{where}` must be an integer or one of {list(CLASSES)}, not {value!r}")

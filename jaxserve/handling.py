@@ -20,14 +20,20 @@ from aiohttp import web
 from jaxserve import api
 from jaxserve.api import ApiError, EmbedRequest
 from jaxserve.batcher import CLASSES, QueueFull, TooLarge
-from jaxserve.classes import Ask, class_of
+from jaxserve.classes import NO_ASK, Ask, class_of
 from jaxserve.encoder import normalize_rows
 from jaxserve.errors import InputError, TokenizerError
 from jaxserve.explain import explain
 from jaxserve.jobs import Job
 from jaxserve.planner import pack
 from jaxserve.service import DeviceError, Draining
-from jaxserve.state import OFFLOAD_BODY_BYTES, OFFLOAD_FLOATS, RETRY_AFTER_S, STATE, AppState
+from jaxserve.state import (
+    OFFLOAD_BODY_BYTES,
+    OFFLOAD_FLOATS,
+    RETRY_AFTER_S,
+    STATE,
+    AppState,
+)
 from jaxserve.tokenize import openai_token_texts
 
 
@@ -138,7 +144,7 @@ def explain_rows(state: AppState, rows, table, pieces) -> dict:
 
 
 async def run_request(state: AppState, make_pieces, want_explain: bool = False, output: str = "pooled",
-                      ask: Ask = Ask()) -> Ran:
+                      ask: Ask = NO_ASK) -> Ran:
     """Tokenize (`make_pieces()`) and pack into a job on a thread, then through the batcher and the device."""
     enc = state.encoder
     service = state.service
@@ -162,7 +168,7 @@ async def run_request(state: AppState, make_pieces, want_explain: bool = False, 
                        state.config.interactive_max_sequences)
         deadline_s = None if ask.deadline_ms is None else ask.deadline_ms / 1000
         _, timing = await asyncio.wait_for(service.run(job, cls, deadline_s), timeout)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         raise ApiError(503, f"the request did not finish within {timeout:g} s; its waiting rows were dropped",
                        "timeout", {"Retry-After": str(RETRY_AFTER_S)}) from None
     except TooLarge as err:

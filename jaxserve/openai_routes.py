@@ -10,8 +10,19 @@ from aiohttp import web
 from jaxserve import api
 from jaxserve.batcher import BULK, CLASSES
 from jaxserve.classes import ask_of, class_of
-from jaxserve.handling import (bytes_response, embedding_pieces, explain_rows, json_body, json_response,
-                               on_tokenizer, require_kind, respond, run_request, tokenized, vectors_of)
+from jaxserve.handling import (
+    bytes_response,
+    embedding_pieces,
+    explain_rows,
+    json_body,
+    json_response,
+    on_tokenizer,
+    require_kind,
+    respond,
+    run_request,
+    tokenized,
+    vectors_of,
+)
 from jaxserve.planner import pack
 from jaxserve.state import STATE
 
@@ -74,7 +85,8 @@ async def classify(request: web.Request) -> web.Response:
     body = await json_body(request)
     texts = api.parse_classify(body, state.limits)
     truncate = state.config.long != "error"
-    ran = await run_request(state, lambda: state.encoder.prepare_pairs(texts, truncate), ask=ask_of(body, request.headers))
+    ran = await run_request(state, lambda: state.encoder.prepare_pairs(texts, truncate),
+                            ask=ask_of(body, request.headers))
     labels = state.encoder.head.labels
     probs = api.scores(ran.out, raw=False)
     return json_response({

@@ -149,7 +149,7 @@ class EmbeddingService:
         try:
             await asyncio.wait_for(self._idle.wait(), timeout)
             return True
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return False
 
     async def stop(self) -> None:
@@ -268,7 +268,7 @@ class EmbeddingService:
         """A pipeline thread that dies makes the service unhealthy and fails what is waiting."""
         try:
             loop_fn()
-        except BaseException as exc:  # noqa: BLE001 - recorded, reported by /health
+        except BaseException as exc:
             self.broken = f"the {loop_fn.__name__[1:]} thread died: {type(exc).__name__}: {exc}"
             log.exception(self.broken)
             with self._lock:
@@ -429,7 +429,7 @@ def run_jobs(engine: Engine, table: BucketTable, jobs: list[Job], max_inflight: 
             return ran
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _stream_pool(streams: int) -> concurrent.futures.ThreadPoolExecutor | None:
     """Threads that each run a batch to the end (made once per count; None for one stream)."""
     return concurrent.futures.ThreadPoolExecutor(streams, thread_name_prefix="jaxserve-stream") if streams > 1 else None

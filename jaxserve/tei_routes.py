@@ -16,10 +16,21 @@ import orjson
 from aiohttp import web
 
 from jaxserve import api
-from jaxserve.classes import ask_of
 from jaxserve.api import ApiError
-from jaxserve.handling import (bytes_response, embedding_pieces, json_body, json_response, on_tokenizer,
-                               request_prompt, require_kind, respond, run_request, tokenized, vectors_of)
+from jaxserve.classes import ask_of
+from jaxserve.handling import (
+    bytes_response,
+    embedding_pieces,
+    json_body,
+    json_response,
+    on_tokenizer,
+    request_prompt,
+    require_kind,
+    respond,
+    run_request,
+    tokenized,
+    vectors_of,
+)
 from jaxserve.state import STATE, AppState
 
 PATHS = ("/", "/invocations", "/embed", "/embed_all", "/similarity", "/predict", "/rerank", "/tokenize", "/decode")
@@ -70,7 +81,8 @@ async def _predict(state: AppState, body) -> web.Response:
     """Labels with scores, best first (softmax, or sigmoid for one logit; `raw_scores`: logits)."""
     require_kind(state, "classifier", "/predict")
     req = api.parse_predict(body, state.limits, state.config.long != "error")
-    ran = await run_request(state, lambda: state.encoder.prepare_pairs(req.inputs, req.truncate, req.direction), ask=ask_of(body, {}))
+    ran = await run_request(state, lambda: state.encoder.prepare_pairs(req.inputs, req.truncate, req.direction),
+                            ask=ask_of(body, {}))
     labels = state.encoder.head.labels
     results = []
     for row in api.scores(ran.out, req.raw_scores):
@@ -87,7 +99,8 @@ async def _rerank(state: AppState, body) -> web.Response:
     if state.encoder.head.num_labels != 1:
         raise ApiError(400, f"/rerank needs a cross-encoder with one output; this model has "
                             f"{state.encoder.head.num_labels} labels (use /predict)")
-    ran = await run_request(state, lambda: state.encoder.prepare_pairs([(query, t) for t in texts], truncate, direction), ask=ask_of(body, {}))
+    ran = await run_request(state, lambda: state.encoder.prepare_pairs([(query, t) for t in texts], truncate, direction),
+                            ask=ask_of(body, {}))
     ranked = sorted(enumerate(api.scores(ran.out, raw)[:, 0].tolist()), key=lambda t: -t[1])
     return json_response([{"index": i, "score": s, **({"text": texts[i]} if return_text else {})} for i, s in ranked])
 

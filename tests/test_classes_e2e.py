@@ -6,11 +6,10 @@ Order is read from the batches the engine was handed (SlowEngine.seen, in dispat
 import asyncio
 import dataclasses
 
-import numpy as np
 import pytest
-
 import tiny
 from conftest import TINY_TABLE, SlowEngine
+
 from jaxserve import Encoder
 from jaxserve.server import STATE
 
