@@ -21,14 +21,18 @@ smaller ones. The caller passes `now`.
 
 from __future__ import annotations
 
-import collections
+import bisect
 import dataclasses
 import functools
+import math
 
 import numpy as np
 
 from jaxserve.buckets import Bucket, BucketTable
 from jaxserve.planner import cheapest_covers, cost_model
+
+INTERACTIVE, BULK = 0, 1  # request classes, in the order they are served
+CLASSES = ("interactive", "bulk")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,10 +43,16 @@ class Run:
     rows: np.ndarray  # the job's row indices
     docs: np.ndarray  # sequences in each of those rows
     enqueued: float
+    cls: int = INTERACTIVE
+    deadline: float = math.inf  # when its request wants its answer (absolute); EDF within a class
 
-    def split(self, k: int) -> tuple["Run", "Run"]:
-        return (Run(self.job, self.rows[:k], self.docs[:k], self.enqueued),
-                Run(self.job, self.rows[k:], self.docs[k:], self.enqueued))
+    def split(self, k: int) -> tuple[Run, Run]:
+        return (dataclasses.replace(self, rows=self.rows[:k], docs=self.docs[:k]),
+                dataclasses.replace(self, rows=self.rows[k:], docs=self.docs[k:]))
+
+    @property
+    def key(self) -> tuple[float, float, int]:
+        return (self.deadline, self.enqueued, self.job)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +61,7 @@ class Dispatch:
     parts: tuple[tuple[int, np.ndarray], ...]  # (job, its row indices) in batch-row order
     reason: str  # window, full or idle
     oldest: float  # when its oldest row was queued
+    classes: tuple[int, ...] = (0,)  # the request classes of its rows
 
     @property
     def rows(self) -> int:
@@ -77,98 +88,184 @@ class TooLarge(Exception):
     """A job with more sequences than the whole queue holds: retrying cannot help."""
 
 
+@dataclasses.dataclass(frozen=True)
+class Classes:
+    """How the batcher treats request classes (see docs/design.md, "Request classes").
+
+    `max_bulk_wait_s`: a bulk row that has waited this long is served as interactive (aging: nothing starves).
+    `likely_s`: after an interactive row arrived, this long counts as "interactive work likely": bulk
+    batches then leave only for an idle device slot, never prepared ahead of it.
+    `bulk_share`: the part of the queue bulk rows may fill; the rest is kept for interactive ones.
+    """
+
+    max_bulk_wait_s: float = 30.0
+    likely_s: float = 1.0
+    bulk_share: float = 1.0
+
+
 class Batcher:
-    def __init__(self, table: BucketTable, max_wait_s: float, max_queued: int):
+    def __init__(self, table: BucketTable, max_wait_s: float, max_queued: int, classes: Classes = Classes()):
         self.table = table
         self.max_wait_s = max_wait_s
         self.max_queued = max_queued  # sequences (documents, or chunks of one) waiting
-        self._queues: dict[int, collections.deque[Run]] = {s: collections.deque() for s in table.seqlens}
-        self._rows = dict.fromkeys(table.seqlens, 0)  # rows waiting per seqlen
+        self.classes = classes
+        # per class, per seqlen: runs in (deadline, enqueued) order
+        self._queues: list[dict[int, list[Run]]] = [{s: [] for s in table.seqlens} for _ in CLASSES]
+        self._rows = [dict.fromkeys(table.seqlens, 0) for _ in CLASSES]  # rows waiting per class, seqlen
         self._largest = {s: table.at(s)[-1].batch for s in table.seqlens}
         self.covers = covers(table)
         self.queued = 0
+        self.queued_by = [0, 0]  # sequences waiting per class (a promoted bulk row still counts as bulk)
+        self.last_interactive = -math.inf  # when an interactive job last arrived
 
     @property
     def queued_rows(self) -> int:
-        return sum(self._rows.values())
+        return sum(sum(r.values()) for r in self._rows)
 
-    def submit(self, job: int, seqlens: np.ndarray, docs: np.ndarray, now: float) -> None:
+    def bulk_limit(self) -> int:
+        return max(1, int(self.max_queued * self.classes.bulk_share))
+
+    def submit(self, job: int, seqlens: np.ndarray, docs: np.ndarray, now: float, cls: int = BULK,
+               deadline: float = math.inf) -> None:
         """Queue one job's rows (their seqlens and sequences per row), all or nothing."""
         n = int(docs.sum())
         if n > self.max_queued:
             raise TooLarge(f"the request has {n} sequences; the queue holds at most {self.max_queued}")
         if self.queued + n > self.max_queued:
             raise QueueFull(f"{self.queued} sequences are waiting; {n} more would pass the limit of {self.max_queued}")
+        if cls == BULK and self.queued_by[BULK] + n > self.bulk_limit() and self.queued_by[BULK] > 0:
+            raise QueueFull(f"{self.queued_by[BULK]} bulk sequences are waiting; {n} more would pass the bulk "
+                            f"limit of {self.bulk_limit()} (the rest of the queue is kept for interactive requests)")
+        if cls == INTERACTIVE:
+            self.last_interactive = now
         for s in np.unique(seqlens).tolist():
             rows = np.flatnonzero(seqlens == s)
-            self._queues[s].append(Run(job, rows, docs[rows], now))
-            self._rows[s] += len(rows)
+            run = Run(job, rows, docs[rows], now, cls, deadline)
+            bisect.insort(self._queues[cls][s], run, key=lambda r: r.key)
+            self._rows[cls][s] += len(rows)
         self.queued += n
+        self.queued_by[cls] += n
 
     def cancel(self, job: int) -> int:
         """Drop a job's waiting rows (its client went away); returns how many sequences were dropped."""
         dropped = 0
-        for s, q in self._queues.items():
-            if any(r.job == job for r in q):
+        for c, queues in enumerate(self._queues):
+            for s, q in queues.items():
                 gone = [r for r in q if r.job == job]
-                self._queues[s] = collections.deque(r for r in q if r.job != job)
-                self._rows[s] -= sum(len(r.rows) for r in gone)
-                dropped += sum(int(r.docs.sum()) for r in gone)
+                if gone:
+                    queues[s] = [r for r in q if r.job != job]
+                    self._rows[c][s] -= sum(len(r.rows) for r in gone)
+                    for r in gone:
+                        n = int(r.docs.sum())
+                        dropped += n
+                        self.queued_by[r.cls] -= n
         self.queued -= dropped
         return dropped
 
-    def backlog(self) -> list[tuple[int, int]]:
-        """(seqlen, rows) waiting, per seqlen."""
-        return [(s, n) for s, n in self._rows.items() if n]
+    def backlog(self, cls: int | None = None) -> list[tuple[int, int]]:
+        """(seqlen, rows) waiting, per seqlen: of every class, or those a new `cls` row waits behind."""
+        classes = range(len(CLASSES)) if cls is None or cls == BULK else [INTERACTIVE]
+        rows = {s: sum(self._rows[c][s] for c in classes) for s in self.table.seqlens}
+        return [(s, n) for s, n in rows.items() if n]
+
+    def waiting(self) -> dict[str, int]:
+        """Sequences waiting per class."""
+        return dict(zip(CLASSES, self.queued_by))
 
     def oldest(self) -> float | None:
         """When the oldest waiting row was queued (None with nothing queued)."""
-        heads = [q[0].enqueued for q in self._queues.values() if q]
+        heads = [r.enqueued for queues in self._queues for q in queues.values() for r in q[:1]]
+        # a class's queue is in deadline order: its oldest run may not be first
+        heads += [min(r.enqueued for r in q) for queues in self._queues for q in queues.values() if len(q) > 1]
         return min(heads) if heads else None
 
     def next_deadline(self) -> float | None:
-        """When the oldest waiting row's window closes (None with nothing queued)."""
+        """When the next thing changes without a new arrival: a window closes or a bulk row ages (None: idle)."""
         oldest = self.oldest()
-        return None if oldest is None else oldest + self.max_wait_s
+        if oldest is None:
+            return None
+        times = [oldest + self.max_wait_s]
+        bulk = [r.enqueued for q in self._queues[BULK].values() for r in q]
+        if bulk:
+            times.append(min(bulk) + self.classes.max_bulk_wait_s)
+        return min(times)
+
+    def interactive_likely(self, now: float) -> bool:
+        return any(self._rows[INTERACTIVE].values()) or now - self.last_interactive < self.classes.likely_s
+
+    def _age(self, now: float) -> None:
+        """Bulk rows that waited `max_bulk_wait_s` join the interactive queue, due at once (no starvation)."""
+        for s, q in self._queues[BULK].items():
+            aged = [r for r in q if now - r.enqueued >= self.classes.max_bulk_wait_s]
+            if aged:
+                self._queues[BULK][s] = [r for r in q if now - r.enqueued < self.classes.max_bulk_wait_s]
+                for r in aged:
+                    r = dataclasses.replace(r, deadline=min(r.deadline, r.enqueued + self.classes.max_bulk_wait_s))
+                    bisect.insort(self._queues[INTERACTIVE][s], r, key=lambda r: r.key)
+                    self._rows[BULK][s] -= len(r.rows)
+                    self._rows[INTERACTIVE][s] += len(r.rows)
 
     def next_dispatch(self, now: float, device_idle: bool) -> Dispatch | None:
-        heads = [(q[0].enqueued, s) for s, q in self._queues.items() if q]
+        """Interactive rows first, at once (earliest deadline first), their spare rows filled with bulk rows; bulk
+        rows alone by window, full or idle, but only into an idle device slot while interactive work is likely."""
+        self._age(now)
+        first = lambda hs: min(hs, key=lambda h: (h[0], -h[1]))  # earliest; ties: larger seqlen
+        inter = [(q[0].key, s) for s, q in self._queues[INTERACTIVE].items() if q]
+        if inter:
+            # an interactive row never waits for a window: it is prepared for the next device slot at once
+            _, seqlen = first(inter)
+            return self._form(seqlen, INTERACTIVE, "interactive", now)
+        heads = [(q[0].enqueued, s) for s, q in self._queues[BULK].items() if q]
         if not heads:
             return None
-        first = lambda hs: min(hs, key=lambda h: (h[0], -h[1]))  # oldest; ties: larger seqlen
         expired = [h for h in heads if now - h[0] >= self.max_wait_s]
-        full = [h for h in heads if self._rows[h[1]] >= self._largest[h[1]]]
+        full = [h for h in heads if self._rows[BULK][h[1]] >= self._largest[h[1]]]
+        if not device_idle and self.interactive_likely(now):
+            return None  # keep the queued slot free for an interactive arrival
         if expired:
-            (oldest, seqlen), reason = first(expired), "window"
+            (_, seqlen), reason = first(expired), "window"
         elif full:
-            (oldest, seqlen), reason = first(full), "full"
+            (_, seqlen), reason = first(full), "full"
         elif device_idle:
-            (oldest, seqlen), reason = first(heads), "idle"
+            (_, seqlen), reason = first(heads), "idle"
         else:
             return None
-        bucket = self.covers[seqlen][min(self._rows[seqlen], self._largest[seqlen])]
-        parts = self._take(seqlen, bucket.batch, bucket.slots)
-        spare = bucket.batch - sum(len(r.rows) for r in parts)
-        for s in sorted((s for s in self._queues if s < seqlen and self._queues[s]),
-                        key=lambda s: (self._queues[s][0].enqueued, -s)):
-            if spare == 0:
-                break
-            taken = self._take(s, spare, bucket.slots)
-            spare -= sum(len(r.rows) for r in taken)
-            parts += taken
-        self.queued -= sum(int(r.docs.sum()) for r in parts)
-        return Dispatch(bucket, tuple((r.job, r.rows) for r in parts), reason, oldest)
+        return self._form(seqlen, BULK, reason, now)
 
-    def _take(self, seqlen: int, most: int, slots: int) -> list[Run]:
-        """Up to `most` rows from the head of one seqlen's queue, whole runs first, the last one split."""
-        q = self._queues[seqlen]
+    def _form(self, seqlen: int, cls: int, reason: str, now: float) -> Dispatch:
+        """A batch at `seqlen` led by class `cls`'s rows; spare rows from later classes and smaller seqlens."""
+        rows = sum(self._rows[c][seqlen] for c in range(cls, len(CLASSES)))
+        lead = self._rows[cls][seqlen]
+        bucket = self.covers[seqlen][min(lead if cls == INTERACTIVE else rows, self._largest[seqlen])]
+        parts: list[Run] = []
+        spare = bucket.batch
+        for c in range(cls, len(CLASSES)):
+            order = sorted((s for s in self._queues[c] if s <= seqlen and self._queues[c][s]),
+                           key=lambda s: (s != seqlen, self._queues[c][s][0].key, -s))
+            for s in order:
+                if spare == 0:
+                    break
+                taken = self._take(c, s, spare, bucket.slots)
+                spare -= sum(len(r.rows) for r in taken)
+                parts += taken
+        for r in parts:
+            n = int(r.docs.sum())
+            self.queued -= n
+            self.queued_by[r.cls] -= n
+        oldest = min(r.enqueued for r in parts)
+        return Dispatch(bucket, tuple((r.job, r.rows) for r in parts), reason, oldest,
+                        tuple(sorted({r.cls for r in parts})))
+
+    def _take(self, cls: int, seqlen: int, most: int, slots: int) -> list[Run]:
+        """Up to `most` rows from the head of one class's seqlen queue, whole runs first, the last one split."""
+        q = self._queues[cls][seqlen]
         taken = []
         while q and most > 0 and q[0].docs.max() <= slots:
-            run = q.popleft()
+            run = q.pop(0)
             if len(run.rows) > most:
                 run, rest = run.split(most)
-                q.appendleft(rest)
+                q.insert(0, rest)
             taken.append(run)
             most -= len(run.rows)
-            self._rows[seqlen] -= len(run.rows)
+            self._rows[cls][seqlen] -= len(run.rows)
         return taken

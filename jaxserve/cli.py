@@ -106,6 +106,7 @@ def cmd_serve(args) -> int:
         request_timeout_s=args.request_timeout_s, devices=args.devices, max_inflight_bytes=args.max_inflight_bytes,
         default_prompt_name=args.default_prompt_name, default_prompt=args.default_prompt,
         token_ids=args.token_ids, embed_all=args.embed_all, table=table_options(args),
+        default_priority=args.default_priority, interactive_max_sequences=args.interactive_max_sequences,
     )
     serve(config, args.host, args.port)
     return 0
@@ -270,6 +271,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "LangChain's clients send), or this model's own vocabulary")
     serve.add_argument("--embed-all", default=True, action=argparse.BooleanOptionalAction,
                        help="compile token outputs for TEI's /embed_all (one more shape per seqlen)")
+    serve.add_argument("--default-priority", choices=("auto", "interactive", "bulk"), default="auto",
+                       help="request class of requests that ask for none (body `priority` or X-Jaxserve-Priority): "
+                            "auto = interactive up to --interactive-max-sequences sequences, else bulk")
+    serve.add_argument("--interactive-max-sequences", type=int, default=8,
+                       help="auto class threshold: requests of at most this many sequences are interactive")
     serve.add_argument("--api-key", help="require `Authorization: Bearer KEY` (or set JAXSERVE_API_KEY)")
     serve.add_argument("--devices", default="1", type=lambda v: v if v == "all" else int(v),
                        help="local devices sharing each batch (data parallel): a number, or all")

@@ -19,14 +19,21 @@ from aiohttp import web
 
 from jaxserve import api
 from jaxserve.api import ApiError, EmbedRequest
-from jaxserve.batcher import QueueFull, TooLarge
+from jaxserve.batcher import CLASSES, QueueFull, TooLarge
+from jaxserve.classes import NO_ASK, Ask, class_of
 from jaxserve.encoder import normalize_rows
 from jaxserve.errors import InputError, TokenizerError
 from jaxserve.explain import explain
 from jaxserve.jobs import Job
 from jaxserve.planner import pack
 from jaxserve.service import DeviceError, Draining
-from jaxserve.state import OFFLOAD_BODY_BYTES, OFFLOAD_FLOATS, RETRY_AFTER_S, STATE, AppState
+from jaxserve.state import (
+    OFFLOAD_BODY_BYTES,
+    OFFLOAD_FLOATS,
+    RETRY_AFTER_S,
+    STATE,
+    AppState,
+)
 from jaxserve.tokenize import openai_token_texts
 
 
@@ -136,7 +143,8 @@ def explain_rows(state: AppState, rows, table, pieces) -> dict:
                    state.config.max_wait_ms / 1000)
 
 
-async def run_request(state: AppState, make_pieces, want_explain: bool = False, output: str = "pooled") -> Ran:
+async def run_request(state: AppState, make_pieces, want_explain: bool = False, output: str = "pooled",
+                      ask: Ask = NO_ASK) -> Ran:
     """Tokenize (`make_pieces()`) and pack into a job on a thread, then through the batcher and the device."""
     enc = state.encoder
     service = state.service
@@ -156,8 +164,11 @@ async def run_request(state: AppState, make_pieces, want_explain: bool = False, 
     pieces, job, explained, phases = await on_tokenizer(state, prepare)
     timeout = state.config.request_timeout_s
     try:
-        _, timing = await asyncio.wait_for(service.run(job), timeout)
-    except asyncio.TimeoutError:
+        cls = class_of(ask, int(job.rows.docs.sum()), state.config.default_priority,
+                       state.config.interactive_max_sequences)
+        deadline_s = None if ask.deadline_ms is None else ask.deadline_ms / 1000
+        _, timing = await asyncio.wait_for(service.run(job, cls, deadline_s), timeout)
+    except TimeoutError:
         raise ApiError(503, f"the request did not finish within {timeout:g} s; its waiting rows were dropped",
                        "timeout", {"Retry-After": str(RETRY_AFTER_S)}) from None
     except TooLarge as err:
@@ -172,6 +183,9 @@ async def run_request(state: AppState, make_pieces, want_explain: bool = False, 
     for name in ("tokenize", "plan", "queue"):
         state.metrics.phase(name, phases[name + "_s"])
     state.metrics.inputs.inc(int(pieces.doc[-1]) + 1 if len(pieces.doc) else 0)
+    if explained is not None:
+        explained["request_class"] = CLASSES[timing.cls]
+        explained["waited_behind"] = timing.behind
     return Ran(pieces, job, phases, timing.batches, explained)
 
 

@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily
 
 from jaxserve import compiles
-from jaxserve.batcher import Dispatch
+from jaxserve.batcher import CLASSES, Dispatch
 from jaxserve.service import Metrics
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -38,6 +38,12 @@ class ServerMetrics(Metrics):
                                 ["phase"], buckets=LATENCY_BUCKETS, registry=r)
         self.batch_wait = Histogram("jaxserve_batch_wait_seconds", "How long a batch's oldest row waited for it",
                                     buckets=LATENCY_BUCKETS, registry=r)
+        self.class_wait = Histogram("jaxserve_class_queue_wait_seconds", "Queue wait of a request, by request "
+                                    "class", ["class"], buckets=LATENCY_BUCKETS, registry=r)
+        self.class_latency = Histogram("jaxserve_class_request_seconds", "Service latency (queued to answered) of "
+                                       "a request, by request class", ["class"], buckets=LATENCY_BUCKETS, registry=r)
+        self.deadlines = Counter("jaxserve_deadlines", "Requests that gave a deadline, by class and outcome (met, "
+                                 "missed): the share met is met / (met + missed)", ["class", "outcome"], registry=r)
         self.depth = Gauge("jaxserve_queue_depth", "Sequences waiting for the device", registry=r)
         self.batch_fill = Histogram("jaxserve_batch_fill_ratio", "Rows used / rows of the bucket", ["bucket"],
                                     buckets=RATIO_BUCKETS, registry=r)
@@ -87,6 +93,13 @@ class ServerMetrics(Metrics):
 
     def queue_depth(self, sequences: int) -> None:
         self.depth.set(sequences)
+
+    def finished(self, timing) -> None:
+        cls = CLASSES[timing.cls]
+        self.class_wait.labels(cls).observe(timing.queue_s)
+        self.class_latency.labels(cls).observe(timing.total_s)
+        if timing.deadline_s is not None:
+            self.deadlines.labels(cls, "met" if timing.total_s <= timing.deadline_s else "missed").inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -8,8 +8,21 @@ import orjson
 from aiohttp import web
 
 from jaxserve import api
-from jaxserve.handling import (bytes_response, embedding_pieces, explain_rows, json_body, json_response,
-                               on_tokenizer, require_kind, respond, run_request, tokenized, vectors_of)
+from jaxserve.batcher import BULK, CLASSES
+from jaxserve.classes import ask_of, class_of
+from jaxserve.handling import (
+    bytes_response,
+    embedding_pieces,
+    explain_rows,
+    json_body,
+    json_response,
+    on_tokenizer,
+    require_kind,
+    respond,
+    run_request,
+    tokenized,
+    vectors_of,
+)
 from jaxserve.planner import pack
 from jaxserve.state import STATE
 
@@ -19,9 +32,11 @@ async def embeddings(request: web.Request) -> web.Response:
     start = time.perf_counter()
     state.require_ready()
     require_kind(state, "embedding", "/v1/embeddings")
-    req = api.parse_openai_embeddings(await json_body(request), state.limits, state.encoder.dim, state.config.long)
+    body = await json_body(request)
+    req = api.parse_openai_embeddings(body, state.limits, state.encoder.dim, state.config.long)
     wants_explain = _wants_explain(request)
-    ran = await run_request(state, lambda: embedding_pieces(state, req, openai_ids=True), want_explain=wants_explain)
+    ran = await run_request(state, lambda: embedding_pieces(state, req, openai_ids=True), want_explain=wants_explain,
+                            ask=ask_of(body, request.headers))
     body, encode_s = await respond(
         state, lambda: api.openai_body(vectors_of(ran, req), state.model_name, ran.tokens, req.encoding_format),
         ran.out.size if req.encoding_format == "float" else 0)
@@ -44,13 +59,19 @@ async def plan(request: web.Request) -> web.Response:
     state = request.app[STATE]
     state.require_ready()
     require_kind(state, "embedding", "/v1/plan")
-    req = api.parse_openai_embeddings(await json_body(request), state.limits, state.encoder.dim, state.config.long)
+    body = await json_body(request)
+    req = api.parse_openai_embeddings(body, state.limits, state.encoder.dim, state.config.long)
+    ask = ask_of(body, request.headers)
 
     def plan_only():
         pieces = tokenized(lambda: embedding_pieces(state, req, openai_ids=True))
         rows = pack(pieces.lengths, state.table)
         body = explain_rows(state, rows, state.table, pieces)
-        body.update(documents=req.count, sequences=pieces.count, usage={"prompt_tokens": rows.real_tokens})
+        cls = class_of(ask, int(rows.docs.sum()), state.config.default_priority, state.config.interactive_max_sequences)
+        waiting = state.service.batcher.waiting()
+        body.update(documents=req.count, sequences=pieces.count, usage={"prompt_tokens": rows.real_tokens},
+                    request_class=CLASSES[cls],
+                    would_wait_behind={c: n for c, n in waiting.items() if c == CLASSES[0] or cls == BULK})
         return orjson.dumps(body)
 
     return bytes_response(await on_tokenizer(state, plan_only))
@@ -61,9 +82,11 @@ async def classify(request: web.Request) -> web.Response:
     state = request.app[STATE]
     state.require_ready()
     require_kind(state, "classifier", "/classify")
-    texts = api.parse_classify(await json_body(request), state.limits)
+    body = await json_body(request)
+    texts = api.parse_classify(body, state.limits)
     truncate = state.config.long != "error"
-    ran = await run_request(state, lambda: state.encoder.prepare_pairs(texts, truncate))
+    ran = await run_request(state, lambda: state.encoder.prepare_pairs(texts, truncate),
+                            ask=ask_of(body, request.headers))
     labels = state.encoder.head.labels
     probs = api.scores(ran.out, raw=False)
     return json_response({

@@ -37,7 +37,7 @@ import time
 
 import numpy as np
 
-from jaxserve.batcher import Batcher, Dispatch
+from jaxserve.batcher import BULK, CLASSES, Batcher, Classes, Dispatch
 from jaxserve.buckets import BucketTable
 from jaxserve.engine import Engine
 from jaxserve.explain import LiveTimings
@@ -46,6 +46,7 @@ from jaxserve.jobs import Job, assemble, scatter
 log = logging.getLogger("jaxserve.service")
 
 MAX_INFLIGHT = 2  # batches on the device at once: one running, the next already queued behind it
+SERVER_CLASSES = Classes(bulk_share=0.75)  # a quarter of the queue kept for interactive requests
 MAX_CONSECUTIVE_FAILURES = 3  # device steps failing in a row before the service calls itself unhealthy
 
 
@@ -65,6 +66,9 @@ class RequestTiming:
     first_dispatch: float | None = None
     done: float | None = None
     batches: list = dataclasses.field(default_factory=list)  # (bucket shape, rows of this request, reason, device s)
+    cls: int = BULK  # its request class (batcher.CLASSES)
+    deadline_s: float | None = None  # its latency budget, if it gave one
+    behind: dict | None = None  # sequences waiting per class when it was queued (what it waited behind)
 
     @property
     def queue_s(self) -> float:
@@ -88,6 +92,9 @@ class Metrics:
 
     def queue_depth(self, sequences: int) -> None: ...
 
+    def finished(self, timing: RequestTiming) -> None:
+        """A request answered: its class's queue wait, latency and whether it met its deadline."""
+
 
 @dataclasses.dataclass
 class _Entry:
@@ -99,12 +106,12 @@ class _Entry:
 class EmbeddingService:
     def __init__(self, engine: Engine, table: BucketTable, max_wait_s: float, max_queued: int,
                  metrics: Metrics | None = None, max_inflight: int = MAX_INFLIGHT,
-                 max_failures: int = MAX_CONSECUTIVE_FAILURES, streams: int = 1):
+                 max_failures: int = MAX_CONSECUTIVE_FAILURES, streams: int = 1, classes: Classes = SERVER_CLASSES):
         self.engine = engine
         # One batcher per output: pooled vectors, and token vectors (/embed_all) where the engine has them.
-        self.batchers = {"pooled": Batcher(table, max_wait_s, max_queued)}
+        self.batchers = {"pooled": Batcher(table, max_wait_s, max_queued, classes)}
         if "tokens" in engine.tables:
-            self.batchers["tokens"] = Batcher(engine.tables["tokens"], max_wait_s, max_queued)
+            self.batchers["tokens"] = Batcher(engine.tables["tokens"], max_wait_s, max_queued, classes)
         self.timings = LiveTimings(table)  # refreshed from every device step
         self.metrics = metrics or Metrics()
         self.max_inflight = max_inflight
@@ -142,7 +149,7 @@ class EmbeddingService:
         try:
             await asyncio.wait_for(self._idle.wait(), timeout)
             return True
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return False
 
     async def stop(self) -> None:
@@ -195,12 +202,14 @@ class EmbeddingService:
 
     # ---- requests (event loop) ----
 
-    async def run(self, job: Job) -> tuple[np.ndarray, RequestTiming]:
+    async def run(self, job: Job, cls: int = BULK, deadline_s: float | None = None) -> tuple[np.ndarray, RequestTiming]:
         """Run one request's job -> ([P, D] per sequence, timing). Raises QueueFull, TooLarge, Draining, DeviceError.
+
+        `cls`: its request class; `deadline_s`: its latency budget (earliest deadline first within a class).
 
         If the caller is cancelled (client gone, timeout), the job's waiting rows are dropped."""
         now = time.monotonic()
-        timing = RequestTiming(submitted=now)
+        timing = RequestTiming(submitted=now, cls=cls, deadline_s=deadline_s)
         if self._draining or self._stopping:
             raise Draining("the server is draining and takes no new requests")
         if job.remaining == 0:
@@ -211,7 +220,10 @@ class EmbeddingService:
         future = self._loop.create_future()
         with self._lock:
             jid = next(self._ids)
-            self.batchers[job.output].submit(jid, job.rows.seqlen, job.rows.docs, now)
+            batcher = self.batchers[job.output]
+            timing.behind = {c: n for c, n in batcher.waiting().items() if c == CLASSES[0] or cls == BULK}
+            batcher.submit(jid, job.rows.seqlen, job.rows.docs, now, cls,
+                           math.inf if deadline_s is None else now + deadline_s)
             self._entries[jid] = _Entry(job, future, timing)
             self._lock.notify()
         self.metrics.sequences("submitted", job.remaining)
@@ -241,6 +253,7 @@ class EmbeddingService:
             entry.timing.done = time.monotonic()
             if exc is None:
                 entry.future.set_result(None)
+                self.metrics.finished(entry.timing)
             else:
                 entry.future.set_exception(exc)
         self._check_idle()
@@ -255,7 +268,7 @@ class EmbeddingService:
         """A pipeline thread that dies makes the service unhealthy and fails what is waiting."""
         try:
             loop_fn()
-        except BaseException as exc:  # noqa: BLE001 - recorded, reported by /health
+        except BaseException as exc:
             self.broken = f"the {loop_fn.__name__[1:]} thread died: {type(exc).__name__}: {exc}"
             log.exception(self.broken)
             with self._lock:
@@ -416,7 +429,7 @@ def run_jobs(engine: Engine, table: BucketTable, jobs: list[Job], max_inflight: 
             return ran
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _stream_pool(streams: int) -> concurrent.futures.ThreadPoolExecutor | None:
     """Threads that each run a batch to the end (made once per count; None for one stream)."""
     return concurrent.futures.ThreadPoolExecutor(streams, thread_name_prefix="jaxserve-stream") if streams > 1 else None

@@ -59,6 +59,8 @@ class ServerConfig:
     streams: int | None = None  # device threads each running a batch (None: the device's; 2 on a CPU, else 1)
     devices: int | str = 1  # local devices sharing each batch (data parallel), or "all"
     token_ids: str = "openai"  # token-id inputs on /v1/embeddings: OpenAI's tokenizer's (tiktoken), or the model's
+    default_priority: str = "auto"  # class of requests that ask for none: auto (by size), interactive or bulk
+    interactive_max_sequences: int = 8  # auto: requests of at most this many sequences are interactive
     embed_all: bool = True  # compile token outputs for TEI's /embed_all (one more shape per seqlen)
     table: TableOptions | None = None  # all of the derivation's options (default: `ladder` and `layout`, else the device's)
 

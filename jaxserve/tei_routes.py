@@ -17,6 +17,7 @@ from aiohttp import web
 
 from jaxserve import api, sparse
 from jaxserve.api import ApiError
+from jaxserve.classes import ask_of
 from jaxserve.errors import InputError
 from jaxserve.handling import (bytes_response, embedding_pieces, json_body, json_response, on_tokenizer,
                                request_prompt, require_kind, respond, run_request, tokenized, vectors_of)
@@ -37,7 +38,7 @@ def kind(state: AppState) -> str:
 async def _embed(state: AppState, body) -> web.Response:
     require_kind(state, "embedding", "/embed")
     req = api.parse_tei_embed(body, state.limits, state.encoder.dim, state.config.long)
-    ran = await run_request(state, lambda: embedding_pieces(state, req))
+    ran = await run_request(state, lambda: embedding_pieces(state, req), ask=ask_of(body, {}))
     encoded, _ = await respond(state, lambda: orjson.dumps(vectors_of(ran, req), option=orjson.OPT_SERIALIZE_NUMPY),
                                ran.out.size)
     return bytes_response(encoded)
@@ -47,7 +48,7 @@ async def _embed_sparse(state: AppState, body) -> web.Response:
     """Per input its non-zero SPLADE weights [{"index", "value"}], index order (TEI's EmbedSparseResponse)."""
     require_kind(state, "sparse", "/embed_sparse")
     req = api.parse_tei_embed_sparse(body, state.limits, state.config.long)
-    ran = await run_request(state, lambda: embedding_pieces(state, req))
+    ran = await run_request(state, lambda: embedding_pieces(state, req), ask=ask_of(body, {}))
     try:
         weights = sparse.decode(ran.out, state.encoder.splade)
     except InputError as err:
@@ -63,7 +64,7 @@ async def _embed_all(state: AppState, body) -> web.Response:
     req = api.parse_tei_embed(body, state.limits, state.encoder.dim, state.config.long)
     if req.long == "chunk":
         raise ApiError(400, "/embed_all returns each input's own tokens: `long: chunk` does not apply")
-    ran = await run_request(state, lambda: embedding_pieces(state, req), output="tokens")
+    ran = await run_request(state, lambda: embedding_pieces(state, req), output="tokens", ask=ask_of(body, {}))
     encoded, _ = await respond(
         state, lambda: orjson.dumps([ran.job.token_vectors(p) for p in range(ran.pieces.count)],
                                     option=orjson.OPT_SERIALIZE_NUMPY), ran.out.size)
@@ -74,7 +75,7 @@ async def _similarity(state: AppState, body) -> web.Response:
     """Cosine similarity of `source_sentence` to each of `sentences` (TEI: un-normalised embeddings, then cosine)."""
     require_kind(state, "embedding", "/similarity")
     req, _ = api.parse_similarity(body, state.limits, state.config.long)
-    ran = await run_request(state, lambda: embedding_pieces(state, req))
+    ran = await run_request(state, lambda: embedding_pieces(state, req), ask=ask_of(body, {}))
     vectors = vectors_of(ran, req)
     unit = vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
     return json_response((unit[1:] @ unit[0]).astype(np.float32))
@@ -84,7 +85,8 @@ async def _predict(state: AppState, body) -> web.Response:
     """Labels with scores, best first (softmax, or sigmoid for one logit; `raw_scores`: logits)."""
     require_kind(state, "classifier", "/predict")
     req = api.parse_predict(body, state.limits, state.config.long != "error")
-    ran = await run_request(state, lambda: state.encoder.prepare_pairs(req.inputs, req.truncate, req.direction))
+    ran = await run_request(state, lambda: state.encoder.prepare_pairs(req.inputs, req.truncate, req.direction),
+                            ask=ask_of(body, {}))
     labels = state.encoder.head.labels
     results = []
     for row in api.scores(ran.out, req.raw_scores):
@@ -101,7 +103,8 @@ async def _rerank(state: AppState, body) -> web.Response:
     if state.encoder.head.num_labels != 1:
         raise ApiError(400, f"/rerank needs a cross-encoder with one output; this model has "
                             f"{state.encoder.head.num_labels} labels (use /predict)")
-    ran = await run_request(state, lambda: state.encoder.prepare_pairs([(query, t) for t in texts], truncate, direction))
+    ran = await run_request(state, lambda: state.encoder.prepare_pairs([(query, t) for t in texts], truncate, direction),
+                            ask=ask_of(body, {}))
     ranked = sorted(enumerate(api.scores(ran.out, raw)[:, 0].tolist()), key=lambda t: -t[1])
     return json_response([{"index": i, "score": s, **({"text": texts[i]} if return_text else {})} for i, s in ranked])
 

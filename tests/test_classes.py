@@ -1,0 +1,158 @@
+"""Request classes in the batcher (interactive before bulk, EDF within a class, aging, admission) and their
+parsing from a request, driven with explicit clocks: no JAX, no asyncio, no HTTP."""
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jaxserve.api import ApiError
+from jaxserve.batcher import BULK, INTERACTIVE, Batcher, Classes, QueueFull
+from jaxserve.buckets import fixed
+from jaxserve.classes import Ask, ask_of, class_of
+
+TABLE = fixed([(1, 16), (4, 16), (1, 64), (4, 64)], layout="packed")
+
+
+def submit(b, job, seqlens, now, cls, deadline=math.inf):
+    seqlens = np.asarray(seqlens)
+    b.submit(job, seqlens, np.ones(len(seqlens), np.int64), now, cls, deadline)
+
+
+def test_interactive_overtakes_queued_bulk():
+    b = Batcher(TABLE, max_wait_s=0.005, max_queued=1000)
+    submit(b, 0, [64] * 40, now=0.0, cls=BULK)
+    assert b.next_dispatch(0.0, device_idle=True).jobs == [0]  # bulk alone runs
+    submit(b, 1, [16], now=0.01, cls=INTERACTIVE)
+    d = b.next_dispatch(0.01, device_idle=False)  # the query is prepared behind the batch on the device
+    assert d.reason == "interactive" and d.jobs[0] == 1
+    assert d.bucket.shape == (1, 16)  # sized for the interactive rows, not the bulk backlog
+    assert b.next_dispatch(0.5, device_idle=False) is None  # a query is likely: bulk is not prepared ahead
+    assert b.next_dispatch(0.5, device_idle=True).jobs == [0]  # ... only into a free device slot
+    assert b.next_dispatch(2.0, device_idle=False).reason == "window"  # no query for 1 s: prepared ahead again
+
+
+def test_interactive_spare_rows_take_bulk_rows():
+    b = Batcher(TABLE, max_wait_s=0.005, max_queued=1000)
+    submit(b, 0, [16] * 10, now=0.0, cls=BULK)
+    submit(b, 1, [16, 16, 16], now=0.1, cls=INTERACTIVE)
+    d = b.next_dispatch(0.1, device_idle=True)
+    assert d.bucket.shape == (4, 16) and d.jobs == [1, 0] and d.rows == 4
+
+
+def test_deadline_first_within_class():
+    b = Batcher(TABLE, max_wait_s=0.005, max_queued=1000)
+    submit(b, 0, [64], now=0.0, cls=INTERACTIVE, deadline=5.0)
+    submit(b, 1, [64], now=0.1, cls=INTERACTIVE, deadline=0.5)
+    submit(b, 2, [64], now=0.2, cls=INTERACTIVE)
+    order = []
+    while (d := b.next_dispatch(1.0, device_idle=True)) is not None:
+        order += d.jobs
+    assert order == [1, 0, 2]
+
+
+def test_bulk_ages_into_interactive():
+    b = Batcher(TABLE, max_wait_s=0.005, max_queued=1000, classes=Classes(max_bulk_wait_s=2.0))
+    submit(b, 0, [64], now=0.0, cls=BULK)
+    submit(b, 1, [64], now=2.5, cls=INTERACTIVE)
+    assert b.next_deadline() == pytest.approx(0.005)
+    d = b.next_dispatch(2.5, device_idle=True)
+    assert d.jobs[0] == 0 and d.reason == "interactive"  # aged: due at 2.0, before the query's no-deadline
+
+
+def test_bulk_cannot_fill_the_queue_against_interactive():
+    b = Batcher(TABLE, max_wait_s=0.005, max_queued=100, classes=Classes(bulk_share=0.75))
+    submit(b, 0, [64] * 70, now=0.0, cls=BULK)
+    with pytest.raises(QueueFull, match="bulk"):
+        submit(b, 1, [64] * 10, now=0.0, cls=BULK)
+    submit(b, 2, [64] * 30, now=0.0, cls=INTERACTIVE)  # the reserved quarter is still there
+    assert b.waiting() == {"interactive": 30, "bulk": 70}
+
+
+def test_no_interactive_is_fifo_as_before():
+    b = Batcher(TABLE, max_wait_s=1.0, max_queued=100)
+    submit(b, 0, [16, 16, 16, 16], now=0.0, cls=BULK)
+    assert b.next_dispatch(0.0, device_idle=False).reason == "full"  # no interactive work: prepared ahead
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([INTERACTIVE, BULK]), st.lists(st.sampled_from([16, 64]), min_size=1,
+                                                                           max_size=9),
+                          st.one_of(st.none(), st.floats(0.01, 5.0)), st.floats(0.0, 0.5)),
+                min_size=1, max_size=25),
+       st.floats(0.5, 4.0))
+def test_properties(jobs, max_bulk_wait):
+    """Every row is dispatched exactly once and an idle device never idles with work queued; a batch led by
+    bulk rows leaves only with no interactive row waiting, unless those bulk rows have aged; no bulk row
+    waits past its aging time plus the batches of rows due before it."""
+    b = Batcher(TABLE, max_wait_s=0.005, max_queued=10_000, classes=Classes(max_bulk_wait_s=max_bulk_wait))
+    now, want, meta = 0.0, set(), {}
+    for jid, (cls, seqlens, budget, gap) in enumerate(jobs):
+        now += gap
+        submit(b, jid, seqlens, now, cls, math.inf if budget is None else now + budget)
+        meta[jid] = (cls, now)
+        want |= {(jid, r) for r in range(len(seqlens))}
+    got = []
+    while b.queued_rows:
+        now += 0.01
+        d = b.next_dispatch(now, device_idle=True)
+        assert d is not None
+        rows = [(job, int(r)) for job, rs in d.parts for r in rs]
+        got += rows
+        left = {j for j, _ in want - set(got)}
+        lead_cls, lead_t = meta[rows[0][0]]
+        if d.reason != "interactive":
+            assert lead_cls == BULK and not any(meta[j][0] == INTERACTIVE for j in left)
+        elif lead_cls == BULK:
+            assert now - lead_t >= max_bulk_wait  # an aged bulk row, served as interactive
+        assert now < 1000
+    assert sorted(got) == sorted(want)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.floats(0.01, 10.0), st.sampled_from([16, 64])), min_size=2, max_size=20))
+def test_edf_property(jobs):
+    """Interactive single-row jobs queued together leave in deadline order (ties: arrival)."""
+    b = Batcher(TABLE, max_wait_s=0.005, max_queued=10_000)
+    for jid, (budget, s) in enumerate(jobs):
+        submit(b, jid, [s], 0.0, INTERACTIVE, budget)
+    order = []
+    while (d := b.next_dispatch(0.0, device_idle=True)) is not None:
+        order += [j for j, _ in d.parts]
+    # within each seqlen, deadline order; across seqlens, each batch is led by the earliest deadline left
+    for s in (16, 64):
+        mine = [j for j in order if jobs[j][1] == s]
+        assert mine == sorted(mine, key=lambda j: (jobs[j][0], j))
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 30), st.integers(1, 30), st.floats(0.5, 3.0))
+def test_no_starvation_under_steady_interactive(n_bulk, n_inter, age):
+    """A bulk row is served by the first dispatch after it aged, even when queries keep arriving."""
+    b = Batcher(TABLE, max_wait_s=0.005, max_queued=10_000, classes=Classes(max_bulk_wait_s=age))
+    submit(b, 0, [64] * n_bulk, 0.0, BULK)
+    now, jid, served = 0.0, 1, None
+    while served is None:
+        now += 0.1
+        submit(b, jid, [64] * 4, now, INTERACTIVE)  # a full batch of queries every step
+        jid += 1
+        d = b.next_dispatch(now, device_idle=True)
+        if 0 in d.jobs:
+            served = now
+    assert served <= age + 0.1 + 1e-9
+
+
+def test_ask_parsing_and_defaults():
+    assert ask_of({"priority": -5}, {}) == Ask(INTERACTIVE, None)
+    assert ask_of({"priority": 3, "deadline_ms": 200}, {}) == Ask(BULK, 200.0)
+    assert ask_of({}, {"X-Jaxserve-Priority": "bulk", "X-Jaxserve-Deadline-Ms": "50"}) == Ask(BULK, 50.0)
+    assert ask_of({"input": "x"}, {}) == Ask()
+    for bad in ({"priority": "soon"}, {"priority": True}, {"deadline_ms": -1}, {"deadline_ms": "x"}):
+        with pytest.raises(ApiError) as err:
+            ask_of(bad, {})
+        assert err.value.status == 400
+    assert class_of(Ask(), 1) == INTERACTIVE and class_of(Ask(), 9) == BULK  # automatic, threshold 8
+    assert class_of(Ask(), 1, default="bulk") == BULK
+    assert class_of(Ask(INTERACTIVE), 1000) == INTERACTIVE

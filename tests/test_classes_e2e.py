@@ -1,0 +1,66 @@
+"""A query overtakes a queued bulk request (real server on loopback, the real engine slowed per step).
+
+Order is read from the batches the engine was handed (SlowEngine.seen, in dispatch order), never from the clock.
+"""
+
+import asyncio
+import dataclasses
+
+import pytest
+import tiny
+from conftest import TINY_TABLE, SlowEngine
+
+from jaxserve import Encoder
+from jaxserve.server import STATE
+
+BULK_DOCS = ["the model jax " * 9] * 40  # 29 tokens: one per row of seqlen 32  # > 8 sequences: bulk by default
+
+
+@pytest.fixture(scope="module")
+def tiny_enc(tmp_path_factory):
+    path = tiny.write_checkpoint(tmp_path_factory.mktemp("classes") / "ckpt", max_seq_length=32)
+    return Encoder.from_pretrained(str(path), buckets=TINY_TABLE)
+
+
+async def _race(make_server, tiny_enc, query_body):
+    """Bulk first; once its first batch is on the device, one query. -> (query batch index, bulk batch indices,
+    the query's response)."""
+    enc = dataclasses.replace(tiny_enc, engine=SlowEngine(tiny_enc.engine, delay=0.2))
+    client = await make_server(enc, max_wait_ms=0, max_inflight=1)
+    bulk = asyncio.create_task(client.post("/v1/embeddings", json={"input": BULK_DOCS}))
+    while not enc.engine.seen:
+        await asyncio.sleep(0.01)
+    service = client.app[STATE].service
+    while service.batcher.waiting()["bulk"] == 0:
+        await asyncio.sleep(0.01)
+    query = await client.post("/v1/embeddings?explain=1", json=query_body)
+    assert query.status == 200 and (await bulk).status == 200
+    needle = tiny_enc.tokenizer.encode_bodies(["query"])[0][0]
+    bulk_token = tiny_enc.tokenizer.encode_bodies(["model"])[0][0]
+    q = [i for i, ids in enumerate(enc.engine.seen) if (ids == needle).any()]
+    b = [i for i, ids in enumerate(enc.engine.seen) if (ids == bulk_token).any()]
+    return q[0], b, await query.json()
+
+
+async def test_query_overtakes_queued_bulk(make_server, tiny_enc):
+    q, b, body = await _race(make_server, tiny_enc, {"input": "query"})  # 1 sequence: interactive by default
+    assert len(b) >= 4 and q < b[-1]  # ahead of the bulk rows queued before it
+    assert q <= b[0] + 2  # behind at most the batch on the device and one already prepared
+    explain = body["explain"]
+    assert explain["request_class"] == "interactive" and explain["waited_behind"] == {"interactive": 0}
+
+
+async def test_a_bulk_query_waits_its_turn(make_server, tiny_enc):
+    q, b, body = await _race(make_server, tiny_enc, {"input": "query", "priority": "bulk"})
+    assert q >= b[-1]  # FIFO within bulk: with or after the last bulk batch
+    assert body["explain"]["request_class"] == "bulk" and body["explain"]["waited_behind"]["bulk"] > 0
+
+
+async def test_bad_priority_is_a_400(make_server, tiny_enc):
+    client = await make_server(tiny_enc, max_wait_ms=0)
+    resp = await client.post("/v1/embeddings", json={"input": "x", "priority": "urgent"})
+    assert resp.status == 400 and "priority" in (await resp.json())["error"]["message"]
+    assert (await client.post("/v1/embeddings", json={"input": "x", "priority": -1, "deadline_ms": 500})).status == 200
+    metrics = await (await client.get("/metrics")).text()
+    assert 'jaxserve_deadlines_total{class="interactive",outcome=' in metrics
+    assert 'jaxserve_class_request_seconds_count{class="interactive"}' in metrics
