@@ -9,7 +9,6 @@ sentence-transformers' own `encode` gives them.
 
 import json
 
-import numpy as np
 import pytest
 
 import hf_tiny
