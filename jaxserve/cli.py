@@ -135,8 +135,8 @@ def cmd_embed(args) -> int:
     enc = Encoder.from_pretrained(args.model, dtype=args.dtype)  # loads weights; compiles nothing
     if sparse_output or enc.head.kind == "sparse":  # SPLADE: JSON Lines of {"index", "value"} lists
         if not (sparse_output and enc.head.kind == "sparse"):
-            raise JaxserveError("a sparse (SPLADE) model writes --output FILE.jsonl (per row its [{index, value}] "
-                                "list); a dense model writes .npy or .parquet")
+            raise JaxserveError("--output must end in .jsonl for a sparse (SPLADE) model (per row its "
+                                "[{index, value}] list), and in .npy or .parquet for a dense one")
         from jaxserve.sparse import write_jsonl
 
         enc.warmup(table_for(enc, args), progress=True)
