@@ -67,7 +67,7 @@ def since_process_start() -> float:
 
 
 def cache_root(directory: str | Path | None) -> Path:
-    """jaxserve's cache: warm artifacts in `warm/`, JAX's persistent compilation cache in `xla/`."""
+    """jaxserve's cache directory: warm artifacts in `warm/`."""
     return Path(directory) if directory else compiles.default_cache_dir()
 
 
@@ -75,7 +75,8 @@ def warm(encoder, spec: BucketTable | TableOptions, tokens: bool = False, cache:
          startup: Startup | None = None, progress: bool = False) -> BucketTable:
     """Warm the encoder's engine for `spec` (a table as it is, or the options to derive one), with token
     outputs too if `tokens` (an embedding model's /embed_all). With a `cache` directory: from the matching
-    artifact if there is one, else built afresh (compiles through JAX's persistent cache) and saved."""
+    artifact if there is one, else built afresh and saved. JAX's persistent compilation cache is not used:
+    the artifact does its job whole, and its cache hits would not serialize (see the save below)."""
     startup = startup or Startup()
     outputs = ("pooled", "tokens") if tokens and encoder.head.kind == "embedding" else ("pooled",)
     fields = None
@@ -96,11 +97,11 @@ def warm(encoder, spec: BucketTable | TableOptions, tokens: bool = False, cache:
                 log.info("warm artifact %s (made %s): %d buckets, no compiles", loaded.path.name, loaded.created,
                          len(loaded.tables["pooled"].buckets))
                 return loaded.tables["pooled"]
-        compiles.enable_persistent_cache(root / "xla")
     else:
         startup.source = {"source": "derived" if isinstance(spec, TableOptions) else "file"}
     engine = encoder.engine
     spent = dict(engine.spent)
+    hits = compiles.cache_hits_total()
     with startup.phase("table", "compiling and timing buckets"):
         table = encoder.warmup(spec, progress=progress)
         if "tokens" in outputs:
@@ -109,7 +110,13 @@ def warm(encoder, spec: BucketTable | TableOptions, tokens: bool = False, cache:
     for name in ("compile", "timing"):
         startup.add(name, engine.spent[name] - spent[name])
     startup.phases["table"] -= sum(engine.spent[n] - spent[n] for n in ("compile", "timing"))
-    if fields is not None:
+    if fields is not None and compiles.cache_hits_total() > hits:
+        # Seen with jax 0.10 on CPU: an executable loaded from JAX's persistent cache serializes without its
+        # kernels, and the artifact would fail at its first run ("Function ... not found").
+        log.warning("warm artifact not saved: some executables came from JAX's persistent compilation cache "
+                    "(jax_compilation_cache_dir), and those do not serialize whole; unset it to make one")
+        startup.source["artifact_not_saved"] = "executables from JAX's persistent compilation cache"
+    elif fields is not None:
         with startup.phase("save", "saving the warm artifact"):
             try:
                 path = artifact.save(root / "warm", encoder, fields)

@@ -1,4 +1,4 @@
-"""Precompile every bucket and fill the persistent compilation cache (same as `jaxserve warmup`).
+"""Compile and time the buckets and save the warm artifact (same as `jaxserve warmup`).
 
     .venv/bin/python scripts/warmup.py [--model DIR] [--buckets FILE|auto] [--cache-dir DIR] [--write FILE]
 """

@@ -44,7 +44,7 @@ def test_warmup_saves_the_artifact_that_every_later_start_serves_unchanged(tiny_
     first = jaxserve(*args, "--write", str(tmp_path / "cold.json"))
     built, hits = map(int, re.search(r"(\d+) executables built, (\d+) from the persistent cache", first).groups())
     assert built >= 4 and hits == 0 and "table: derived" in first and "saved" in first
-    assert len(list((cache / "warm").iterdir())) == 1 and len(list((cache / "xla").iterdir())) >= 4
+    assert len(list((cache / "warm").iterdir())) == 1
     cold = json.loads((tmp_path / "cold.json").read_text())
     assert all(b["run_s"] > 0 and b["compile_s"] > 0 for b in cold["buckets"])
     second = jaxserve(*args, "--write", str(tmp_path / "warm.json"))

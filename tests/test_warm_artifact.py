@@ -136,3 +136,21 @@ def test_encoder_warm_start_uses_the_artifact_the_server_would(tiny_checkpoint, 
     second = Encoder.from_pretrained(str(path))
     before = compiles.xla_compiles_total()
     assert second.warm_start(OPTIONS, cache=cache) == table and compiles.xla_compiles_total() == before
+
+
+def test_no_artifact_is_made_from_executables_of_jaxs_persistent_cache(tiny_checkpoint, tmp_path):
+    """Those serialize without their kernels on XLA CPU (the artifact's first run would fail): not saved."""
+    import jax
+
+    path = tiny_checkpoint()
+    compiles.enable_persistent_cache(tmp_path / "xla")
+    try:
+        warm(path, None, tokens=False)  # fills JAX's cache
+        enc, _, started, _ = warm(path, tmp_path / "cache", tokens=False)  # its compiles are cache hits
+    finally:
+        from jax._src import compilation_cache
+
+        jax.config.update("jax_compilation_cache_dir", None)
+        compilation_cache.reset_cache()
+    assert "artifact_not_saved" in started.source and not files(tmp_path / "cache")
+    assert enc.embed(TEXTS).shape == (3, 32)
