@@ -22,26 +22,13 @@ import time
 import aiohttp
 import numpy as np
 
+from jaxserve.launch import wait_ready
+
 QUERY = {"input": "how do I reset my password"}
 
 
 def doc(i: int) -> str:
     return f"document {i}: " + " ".join(f"word{(i * 7 + k) % 997}" for k in range(40))
-
-
-async def wait_ready(url: str, proc) -> None:
-    async with aiohttp.ClientSession() as s:
-        for _ in range(1200):
-            if proc.poll() is not None:
-                raise RuntimeError("the server exited")
-            try:
-                async with s.get(url + "/health") as r:
-                    if r.status == 200:
-                        return
-            except aiohttp.ClientError:
-                pass
-            await asyncio.sleep(0.25)
-    raise RuntimeError("the server never became ready")
 
 
 async def measure(url: str, bulk_clients: int, bulk_docs: int, seconds: float, every_s: float) -> dict:
@@ -95,7 +82,8 @@ async def one_mode(args, priority: str, port: int) -> dict:
     proc = subprocess.Popen(cmd + args.serve_args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
-        await wait_ready(url, proc)
+        async with aiohttp.ClientSession() as session:
+            await wait_ready(session, url, timeout_s=300, poll_s=0.25, proc=proc)
         idle = await measure(url, 0, args.bulk_docs, args.idle_seconds, args.every_s)
         loaded = await measure(url, args.bulk_clients, args.bulk_docs, args.seconds, args.every_s)
     finally:
