@@ -576,7 +576,7 @@ def jaxserve_peer_child(path: str, docs: list[str], flags: list[str], cache: str
 
 def stage_attention(args, sizes: Sizes, pre: dict, sampler: Sampler) -> dict:
     out = args.work / "attention.json"
-    cmd = [sys.executable, str(ROOT / "scripts" / "bench_attention.py"), "--gpu-matrix", "--json", str(out),
+    cmd = [sys.executable, str(ROOT / "scripts" / "bench_attention.py"), "--what", "kernels", "--out", str(out),
            *sizes.attention_flags]
     proc = subprocess.run(cmd, timeout=sizes.stage_s + 60, capture_output=True, text=True)
     log(proc.stdout[-6000:])
