@@ -82,12 +82,12 @@ async def test_timed_out_request_has_none_of_its_rows_dispatched(make_server, ti
 
 
 async def test_a_request_that_can_never_fit_the_queue_gets_413(make_server, tiny_enc):
-    client = await make_server(tiny_enc, max_queue=8, max_client_batch=8)
+    client = await make_server(tiny_enc, max_queue_tokens=128, max_client_batch=8)
     long = {"input": ["the model " * 40] * 2, "long": "chunk"}  # 2 documents, 6 windows each: 12 > 8
     resp = await client.post("/v1/embeddings", json=long)
     assert resp.status == 413
     err = (await resp.json())["error"]
-    assert err["type"] == "request_too_large" and "at most 8" in err["message"] and "--max-queue" in err["message"]
+    assert err["type"] == "request_too_large" and "at most 128" in err["message"] and "--max-queue-tokens" in err["message"]
     assert "Retry-After" not in resp.headers
     assert (await client.post("/v1/embeddings", json=GOOD)).status == 200
 

@@ -87,7 +87,7 @@ BAD = [
 async def test_bad_input_gets_clear_json_error_and_server_keeps_serving(make_server, tiny_enc, method, path, body,
                                                                         status, fragment):
     client = await make_server(tiny_enc, max_client_batch=8, max_input_chars=2000, max_body_bytes=50_000,
-                               max_queue=64)
+                               max_queue_tokens=4096)
     kw = {"data": body} if isinstance(body, bytes) else ({"json": body} if body is not None else {})
     resp = await client.request(method, path, **kw)
     assert resp.status == status
@@ -109,7 +109,7 @@ async def test_error_messages_do_not_echo_documents(make_server, tiny_enc):
 
 async def test_overload_gives_429_with_retry_after_then_recovers(make_server, tiny_enc):
     slow = dataclasses.replace(tiny_enc, engine=SlowEngine(tiny_enc.engine, delay=1.0))
-    client = await make_server(slow, max_queue=8, max_client_batch=8, max_wait_ms=0, max_inflight=1)
+    client = await make_server(slow, max_queue_tokens=64, max_client_batch=8, max_wait_ms=0, max_inflight=1)
     batch = {"input": [f"the model {i}" for i in range(8)]}
     accepted = []
     for _ in range(3):  # onto the device, prepared next (prefetch depth 1), waiting in the queue
