@@ -85,3 +85,13 @@ def test_the_queue_bound_in_the_server_config_is_tokens():
     assert ServerConfig().max_queue_tokens is None  # the table's: a few seconds of device work
     with pytest.raises(ValueError, match="positive"):
         ServerConfig(max_queue_tokens=0)
+
+
+def test_serve_flags_for_the_queue_and_the_pools():
+    from jaxserve.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "--max-queue-tokens", "100000", "--tokenizer-threads", "6",
+                                      "--respond-threads", "3"])
+    assert (args.max_queue_tokens, args.tokenizer_threads, args.respond_threads) == (100_000, 6, 3)
+    args = build_parser().parse_args(["serve"])
+    assert (args.max_queue_tokens, args.tokenizer_threads, args.respond_threads) == (None, None, None)
