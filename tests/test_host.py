@@ -8,7 +8,14 @@ from hypothesis import strategies as st
 
 from jaxserve import host
 from jaxserve.batcher import MAX_QUEUE_TOKENS, MIN_QUEUE_TOKENS, queue_tokens
-from jaxserve.buckets import HOST_DISPATCH_S, Bucket, BucketTable, dispatch_s, fixed, throughput_knee
+from jaxserve.buckets import (
+    HOST_DISPATCH_S,
+    Bucket,
+    BucketTable,
+    dispatch_s,
+    fixed,
+    throughput_knee,
+)
 from jaxserve.planner import cost_model
 
 
