@@ -28,7 +28,7 @@ import math
 
 import numpy as np
 
-from jaxserve.buckets import Bucket, BucketTable
+from jaxserve.buckets import Bucket, BucketTable, dispatch_s
 from jaxserve.planner import cheapest_covers, cost_model
 
 INTERACTIVE, BULK = 0, 1  # request classes, in the order they are served
@@ -81,11 +81,25 @@ def covers(table: BucketTable) -> dict[int, list[Bucket | None]]:
 
 
 class QueueFull(Exception):
-    """More sequences would wait than the queue allows; try again later."""
+    """More tokens would wait than the queue allows; try again later."""
 
 
 class TooLarge(Exception):
-    """A job with more sequences than the whole queue holds: retrying cannot help."""
+    """A job with more tokens than the whole queue holds: retrying cannot help."""
+
+
+QUEUE_DEVICE_S = 2.0  # the default queue: this many seconds of device work at the table's best measured rate
+MIN_QUEUE_TOKENS = 2**18  # ... but at least this many tokens (a full request of 1024 inputs of 256 tokens) ...
+MAX_QUEUE_TOKENS = 2**24  # ... and at most this many (16 bytes of inputs each: 256 MiB waiting)
+
+
+def queue_tokens(table: BucketTable, device_s: float = QUEUE_DEVICE_S) -> int:
+    """The default bound of the queue, in tokens: `device_s` of work at the table's fastest bucket (timed at
+    warmup, host cost per dispatch included), clamped to [MIN_QUEUE_TOKENS, MAX_QUEUE_TOKENS]. An untimed
+    table gets the minimum."""
+    rates = [b.tokens / dispatch_s(b, table.host_dispatch_s) for b in table.buckets if b.run_s is not None]
+    best = int(device_s * max(rates)) if rates else 0
+    return min(MAX_QUEUE_TOKENS, max(MIN_QUEUE_TOKENS, best))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,7 +109,7 @@ class Classes:
     `max_bulk_wait_s`: a bulk row that has waited this long is served as interactive (aging: nothing starves).
     `likely_s`: after an interactive row arrived, this long counts as "interactive work likely": bulk
     batches then leave only for an idle device slot, never prepared ahead of it.
-    `bulk_share`: the part of the queue bulk rows may fill; the rest is kept for interactive ones.
+    `bulk_share`: the part of the queue (in tokens) bulk rows may fill; the rest is kept for interactive ones.
     """
 
     max_bulk_wait_s: float = 30.0
@@ -107,15 +121,17 @@ class Batcher:
     def __init__(self, table: BucketTable, max_wait_s: float, max_queued: int, classes: Classes = Classes()):
         self.table = table
         self.max_wait_s = max_wait_s
-        self.max_queued = max_queued  # sequences (documents, or chunks of one) waiting
+        # tokens waiting, counted as the device will run them: each row at its seqlen (padding in the row included),
+        # so the bound is an amount of device work, whatever the documents' lengths
+        self.max_queued = max_queued
         self.classes = classes
         # per class, per seqlen: runs in (deadline, enqueued) order
         self._queues: list[dict[int, list[Run]]] = [{s: [] for s in table.seqlens} for _ in CLASSES]
         self._rows = [dict.fromkeys(table.seqlens, 0) for _ in CLASSES]  # rows waiting per class, seqlen
         self._largest = {s: table.at(s)[-1].batch for s in table.seqlens}
         self.covers = covers(table)
-        self.queued = 0
-        self.queued_by = [0, 0]  # sequences waiting per class (a promoted bulk row still counts as bulk)
+        self.queued = 0  # tokens waiting
+        self.queued_by = [0, 0]  # tokens waiting per class (a promoted bulk row still counts as bulk)
         self.last_interactive = -math.inf  # when an interactive job last arrived
 
     @property
@@ -128,13 +144,14 @@ class Batcher:
     def submit(self, job: int, seqlens: np.ndarray, docs: np.ndarray, now: float, cls: int = BULK,
                deadline: float = math.inf) -> None:
         """Queue one job's rows (their seqlens and sequences per row), all or nothing."""
-        n = int(docs.sum())
+        n = int(np.sum(seqlens))
         if n > self.max_queued:
-            raise TooLarge(f"the request has {n} sequences; the queue holds at most {self.max_queued}")
+            raise TooLarge(f"the request needs {n} tokens (its rows at their seqlens); the queue holds at most "
+                           f"{self.max_queued}")
         if self.queued + n > self.max_queued:
-            raise QueueFull(f"{self.queued} sequences are waiting; {n} more would pass the limit of {self.max_queued}")
+            raise QueueFull(f"{self.queued} tokens are waiting; {n} more would pass the limit of {self.max_queued}")
         if cls == BULK and self.queued_by[BULK] + n > self.bulk_limit() and self.queued_by[BULK] > 0:
-            raise QueueFull(f"{self.queued_by[BULK]} bulk sequences are waiting; {n} more would pass the bulk "
+            raise QueueFull(f"{self.queued_by[BULK]} bulk tokens are waiting; {n} more would pass the bulk "
                             f"limit of {self.bulk_limit()} (the rest of the queue is kept for interactive requests)")
         if cls == INTERACTIVE:
             self.last_interactive = now
@@ -148,7 +165,7 @@ class Batcher:
 
     def cancel(self, job: int) -> int:
         """Drop a job's waiting rows (its client went away); returns how many sequences were dropped."""
-        dropped = 0
+        dropped = tokens = 0
         for c, queues in enumerate(self._queues):
             for s, q in queues.items():
                 gone = [r for r in q if r.job == job]
@@ -156,10 +173,10 @@ class Batcher:
                     queues[s] = [r for r in q if r.job != job]
                     self._rows[c][s] -= sum(len(r.rows) for r in gone)
                     for r in gone:
-                        n = int(r.docs.sum())
-                        dropped += n
-                        self.queued_by[r.cls] -= n
-        self.queued -= dropped
+                        dropped += int(r.docs.sum())
+                        tokens += len(r.rows) * s
+                        self.queued_by[r.cls] -= len(r.rows) * s
+        self.queued -= tokens
         return dropped
 
     def backlog(self, cls: int | None = None) -> list[tuple[int, int]]:
@@ -169,7 +186,7 @@ class Batcher:
         return [(s, n) for s, n in rows.items() if n]
 
     def waiting(self) -> dict[str, int]:
-        """Sequences waiting per class."""
+        """Tokens waiting per class."""
         return dict(zip(CLASSES, self.queued_by))
 
     def oldest(self) -> float | None:
@@ -248,10 +265,9 @@ class Batcher:
                 taken = self._take(c, s, spare, bucket.slots)
                 spare -= sum(len(r.rows) for r in taken)
                 parts += taken
-        for r in parts:
-            n = int(r.docs.sum())
-            self.queued -= n
-            self.queued_by[r.cls] -= n
+                for r in taken:
+                    self.queued -= len(r.rows) * s
+                    self.queued_by[r.cls] -= len(r.rows) * s
         oldest = min(r.enqueued for r in parts)
         return Dispatch(bucket, tuple((r.job, r.rows) for r in parts), reason, oldest,
                         tuple(sorted({r.cls for r in parts})))

@@ -60,6 +60,7 @@ class BucketTable:
     weights_bytes: int = 0
     max_batch_tokens: int = 0
     dropped: tuple[tuple[int, str], ...] = ()  # seqlens left out, with the reason
+    host_dispatch_s: float | None = None  # the host's time per dispatch, measured at warmup (None: HOST_DISPATCH_S)
 
     def __post_init__(self):
         shapes = [(b.seqlen, b.batch) for b in self.buckets]
@@ -395,20 +396,21 @@ def format_table(table: BucketTable) -> str:
 # ---- batches by measured throughput ----
 
 THROUGHPUT_GAIN = 0.05  # a larger batch (4x the rows) must be this much faster per token to be worth its latency
-# The host's own time per dispatch (assemble, copy, scatter, bookkeeping; docs/benchmarks.md has the
-# measurement). Host and device overlap, so a dispatch takes max(device time, this): on a fast device
-# a batch too small to cover it leaves the device waiting for the host.
+# The host's own time per dispatch. Host and device overlap, so a dispatch takes max(device time, host time): on
+# a fast device a batch too small to cover it leaves the device waiting for the host. The engine measures it at
+# warmup (`Engine.measure_host`, kept in the table as `host_dispatch_s`); this is the figure for a table that
+# never had it measured (a table file with run times), from one CPU (docs/benchmarks.md).
 HOST_DISPATCH_S = 0.5e-3
 
 
-def dispatch_s(bucket: Bucket) -> float:
+def dispatch_s(bucket: Bucket, host_s: float | None = None) -> float:
     """A timed bucket's time per dispatch in the pipeline: its run time, or the host's if that is longer."""
-    return max(bucket.run_s, HOST_DISPATCH_S)
+    return max(bucket.run_s, HOST_DISPATCH_S if host_s is None else host_s)
 
 
-def pays(bigger: Bucket, smaller: Bucket, gain: float = THROUGHPUT_GAIN) -> bool:
+def pays(bigger: Bucket, smaller: Bucket, gain: float = THROUGHPUT_GAIN, host_s: float | None = None) -> bool:
     """Whether the bigger batch of a seqlen is `gain` faster per token than the smaller one (both timed)."""
-    return bigger.tokens / dispatch_s(bigger) >= (1 + gain) * smaller.tokens / dispatch_s(smaller)
+    return bigger.tokens / dispatch_s(bigger, host_s) >= (1 + gain) * smaller.tokens / dispatch_s(smaller, host_s)
 
 
 def throughput_knee(table: BucketTable, gain: float = THROUGHPUT_GAIN) -> BucketTable:
@@ -425,7 +427,7 @@ def throughput_knee(table: BucketTable, gain: float = THROUGHPUT_GAIN) -> Bucket
         if any(b.run_s is None for b in ladder):
             raise ValueError(f"the buckets at seqlen {s} were never timed")
         top = 0
-        while top + 1 < len(ladder) and pays(ladder[top + 1], ladder[top], gain):
+        while top + 1 < len(ladder) and pays(ladder[top + 1], ladder[top], gain, table.host_dispatch_s):
             top += 1
         kept += ladder[:top]
         largest = ladder[top]

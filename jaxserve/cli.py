@@ -99,7 +99,7 @@ def cmd_serve(args) -> int:
 
     config = ServerConfig(
         model=args.model, model_name=args.served_model_name, dtype=args.dtype, buckets=args.buckets,
-        ladder=args.ladder, layout=args.layout, max_wait_ms=args.max_wait_ms, max_queue=args.max_queue,
+        ladder=args.ladder, layout=args.layout, max_wait_ms=args.max_wait_ms, max_queue_tokens=args.max_queue_tokens,
         max_client_batch=args.max_client_batch, max_input_chars=args.max_input_chars,
         max_body_bytes=args.max_body_bytes, long=args.long, api_key=args.api_key or os.environ.get("JAXSERVE_API_KEY"),
         cache_dir=args.cache_dir, use_cache=not args.no_cache, max_concurrent=args.max_concurrent_requests,
@@ -107,6 +107,7 @@ def cmd_serve(args) -> int:
         default_prompt_name=args.default_prompt_name, default_prompt=args.default_prompt,
         token_ids=args.token_ids, embed_all=args.embed_all, table=table_options(args),
         default_priority=args.default_priority, interactive_max_sequences=args.interactive_max_sequences,
+        tokenizer_threads=args.tokenizer_threads, respond_threads=args.respond_threads,
     )
     serve(config, args.host, args.port)
     return 0
@@ -250,7 +251,8 @@ def build_parser() -> argparse.ArgumentParser:
     _table_args(serve)
     serve.add_argument("--max-wait-ms", type=float, default=server.MAX_WAIT_MS,
                        help="batch window: how long a partial batch waits while the device is busy")
-    serve.add_argument("--max-queue", type=int, default=server.MAX_QUEUE, help="sequences waiting before 429")
+    serve.add_argument("--max-queue-tokens", type=int, help="tokens waiting for the device before 429, each row "
+                       "counted at its seqlen (default: 2 s of the device's measured best rate, 2**18..2**24)")
     serve.add_argument("--max-client-batch", type=int, default=server.MAX_CLIENT_BATCH, help="inputs per request")
     serve.add_argument("--max-input-chars", type=int, default=server.MAX_INPUT_CHARS, help="characters per input")
     serve.add_argument("--max-body-bytes", type=int, default=server.MAX_BODY_BYTES, help="request body size (413 past it)")
@@ -276,6 +278,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "auto = interactive up to --interactive-max-sequences sequences, else bulk")
     serve.add_argument("--interactive-max-sequences", type=int, default=8,
                        help="auto class threshold: requests of at most this many sequences are interactive")
+    serve.add_argument("--tokenizer-threads", type=int, help="threads decoding, tokenizing and packing requests "
+                       "(default: half the usable cores, at least 2)")
+    serve.add_argument("--respond-threads", type=int, help="threads combining and encoding responses "
+                       "(default: a quarter of the usable cores, at least 2)")
     serve.add_argument("--api-key", help="require `Authorization: Bearer KEY` (or set JAXSERVE_API_KEY)")
     serve.add_argument("--devices", default="1", type=lambda v: v if v == "all" else int(v),
                        help="local devices sharing each batch (data parallel): a number, or all")

@@ -37,6 +37,7 @@ class Climb:
                  fit: Callable[[int], int], knee: bool = True, gain: float = THROUGHPUT_GAIN):
         self.seqlen, self.slots, self.budget, self.fit = seqlen, slots, budget_bytes, fit
         self.knee, self.gain = knee, gain
+        self.host_s: float | None = None  # the host's time per dispatch (the engine's measure; None: the constant)
         self._todo = list(candidates)  # ascending
         self._limit = top_limit  # what limits the last candidate: memory, tokens, max_batch
         self._bytes = 0
@@ -72,7 +73,7 @@ class Climb:
         batch = self._todo.pop(0)
         bucket = Bucket(batch=batch, seqlen=self.seqlen, slots=self.slots, compiled_bytes=self._bytes,
                         limited_by="ladder", compile_s=compile_s, run_s=run_s)
-        if self.knee and self.kept and not pays(bucket, self.kept[-1], self.gain):
+        if self.knee and self.kept and not pays(bucket, self.kept[-1], self.gain, self.host_s):
             self._todo = []
             self._limit = "throughput"
         else:

@@ -194,7 +194,7 @@ class Encoder:
         self.engine.climb(ladders, progress=progress)
         table = derivation.table_of(ladders, self.dims, self.engine.weights_bytes, bounds["devices"],
                                     budget_bytes=bounds["budget_bytes"], max_batch_tokens=bounds["max_batch_tokens"],
-                                    layout=options.layout, **fields)
+                                    layout=options.layout, host_dispatch_s=self.engine.host_dispatch_s, **fields)
         return self.engine.install(table)
 
     def _derivation(self, o: TableOptions) -> tuple[dict, dict]:

@@ -28,6 +28,7 @@ from jaxserve.buckets import Bucket, BucketTable
 from jaxserve.jobs import INPUT_NAMES
 
 TIMED_RUNS = 1  # timed runs per bucket at warmup, after one burn-in (live timings refine it later)
+HOST_RUNS = 5  # dispatches of the smallest bucket timed for the host's cost per dispatch (their median)
 
 Forward = Callable[[dict, dict], jax.Array]  # (params, {name: [B, S] int32}) -> [B, K, D]
 
@@ -84,6 +85,10 @@ class Engine:
         self._lock = threading.Lock()
         self.tables: dict[str, BucketTable] = {}  # per output, the warmed table
         self.spent = {"compile": 0.0, "timing": 0.0}  # wall seconds of warming up (start-up's phases)
+        self.host_dispatch_s: float | None = None  # the host's time per dispatch (`measure_host`)
+        # Start each output's copy to the host as soon as it is launched, so it overlaps the next batch's work and
+        # `fetch` finds it on the host. Not on a CPU, whose device buffers already are host memory.
+        self.copy_ahead = devices[0].platform != "cpu"
         self._table_keys: frozenset = frozenset()
 
     @property
@@ -134,14 +139,20 @@ class Engine:
                             unit="bucket", disable=not progress):
                 job.result()
         self.spent["compile"] += time.perf_counter() - start
+        host_s = self.measure_host(table.buckets[0], output)
         timed = [self._time(b, output) for b in tqdm(table.buckets, desc="run", unit="bucket", disable=not progress)]
-        return self.install(_with(table, buckets=tuple(timed)), output)
+        return self.install(_with(table, buckets=tuple(timed), host_dispatch_s=host_s), output)
 
     def climb(self, ladders: list[derivation.Climb], progress: bool = False, output: str = "pooled") -> None:
         """Climb each seqlen's batch ladder to its knee (`jaxserve.derivation`): this engine compiles
         (each round's candidates in parallel) and times; `install` the table made of the result."""
         from tqdm import tqdm
 
+        if ladders and not ladders[0].done:  # the knee weighs each batch against the host's cost per dispatch
+            first = ladders[0]
+            host_s = self.measure_host(Bucket(first.next(), first.seqlen, first.slots), output)
+            for c in ladders:
+                c.host_s = host_s
         with self._pool() as pool, tqdm(desc="derive", unit="compile", disable=not progress) as bar:
             def compile_many(shapes):
                 start = time.perf_counter()
@@ -208,6 +219,28 @@ class Engine:
         return _with(bucket, compiled_bytes=compiled_bytes(exe), compile_s=self._compile_s.get(key),
                      run_s=statistics.median(times[1:]))
 
+    def measure_host(self, bucket: Bucket, output: str = "pooled") -> float:
+        """The host's own time per dispatch, measured on `bucket` (the smallest: least device work): the
+        median over HOST_RUNS dispatches of the copy in, the launch call and the copy out, each timed
+        apart from the wait for the device. Recorded (`host_dispatch_s`, and by the caller in the table) for
+        the throughput knee, the planner's costs and the queue's default bound."""
+        exe = self.compile(bucket.batch, bucket.seqlen, bucket.slots, output)
+        inputs = dummy_batch(bucket)
+        exe(self.params, self._place(inputs)).block_until_ready()  # burn-in
+        costs = []
+        for _ in range(HOST_RUNS):
+            t0 = time.perf_counter()
+            placed = self._place(inputs)
+            t1 = time.perf_counter()
+            result = exe(self.params, placed)
+            t2 = time.perf_counter()
+            result.block_until_ready()
+            t3 = time.perf_counter()
+            np.asarray(result)
+            costs.append((t1 - t0) + (t2 - t1) + (time.perf_counter() - t3))
+        self.host_dispatch_s = statistics.median(costs)
+        return self.host_dispatch_s
+
     def put(self, bucket: Bucket, inputs: np.ndarray, output: str = "pooled") -> Prepared:
         """Check the shape and copy the [4, B, S] inputs to the device (the host part of a dispatch)."""
         key = (bucket.batch, bucket.seqlen, bucket.slots, output)
@@ -222,8 +255,12 @@ class Engine:
         return jax.device_put(inputs, self._inputs_by_row if self.devices > 1 else None)
 
     def launch(self, prepared: Prepared) -> jax.Array:
-        """Enqueue the batch on the device; returns at once with the [B, K, D] result to come."""
-        return prepared.exe(self.params, prepared.inputs)
+        """Enqueue the batch on the device, and its output's copy to the host behind it (`copy_ahead`); returns
+        at once with the [B, K, D] result to come."""
+        result = prepared.exe(self.params, prepared.inputs)
+        if self.copy_ahead:
+            result.copy_to_host_async()
+        return result
 
     @staticmethod
     def fetch(result: jax.Array) -> np.ndarray:

@@ -45,7 +45,7 @@ class LiveTimings:
 
 def simulate(rows: Rows, table: BucketTable) -> list[Dispatch]:
     """The dispatches the batcher forms for these rows alone, on an idle device (runs nothing)."""
-    batcher = Batcher(table, math.inf, max(1, int(rows.docs.sum())))
+    batcher = Batcher(table, math.inf, max(1, int(rows.seqlen.sum())))
     batcher.submit(0, rows.seqlen, rows.docs, 0.0)
     out = []
     while (d := batcher.next_dispatch(0.0, device_idle=True)) is not None:

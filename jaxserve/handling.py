@@ -172,7 +172,7 @@ async def run_request(state: AppState, make_pieces, want_explain: bool = False, 
         raise ApiError(503, f"the request did not finish within {timeout:g} s; its waiting rows were dropped",
                        "timeout", {"Retry-After": str(RETRY_AFTER_S)}) from None
     except TooLarge as err:
-        raise ApiError(413, f"{err} (--max-queue); send fewer or shorter inputs", "request_too_large") from None
+        raise ApiError(413, f"{err} (--max-queue-tokens); send fewer or shorter inputs", "request_too_large") from None
     except QueueFull as err:
         raise ApiError(429, f"queue full: {err}", "rate_limit_error", {"Retry-After": str(RETRY_AFTER_S)}) from None
     except Draining as err:

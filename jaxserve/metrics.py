@@ -44,7 +44,7 @@ class ServerMetrics(Metrics):
                                        "a request, by request class", ["class"], buckets=LATENCY_BUCKETS, registry=r)
         self.deadlines = Counter("jaxserve_deadlines", "Requests that gave a deadline, by class and outcome (met, "
                                  "missed): the share met is met / (met + missed)", ["class", "outcome"], registry=r)
-        self.depth = Gauge("jaxserve_queue_depth", "Sequences waiting for the device", registry=r)
+        self.depth = Gauge("jaxserve_queue_depth", "Tokens waiting for the device (each row at its seqlen)", registry=r)
         self.batch_fill = Histogram("jaxserve_batch_fill_ratio", "Rows used / rows of the bucket", ["bucket"],
                                     buckets=RATIO_BUCKETS, registry=r)
         self.padding = Histogram("jaxserve_padding_ratio", "Padding tokens / computed tokens", ["bucket"],
@@ -91,8 +91,8 @@ class ServerMetrics(Metrics):
         for name, seconds in phases.items():
             self.startup_seconds.labels(name).set(seconds)
 
-    def queue_depth(self, sequences: int) -> None:
-        self.depth.set(sequences)
+    def queue_depth(self, tokens: int) -> None:
+        self.depth.set(tokens)
 
     def finished(self, timing) -> None:
         cls = CLASSES[timing.cls]

@@ -1,5 +1,9 @@
 """Offline corpora: documents streamed through the buckets into .npy or .parquet, resumable after a kill.
 
+Chunks run as a two-stage pipeline: a thread reads and tokenizes chunk i+1
+while chunk i runs on the device and is written, so the device does not wait
+for the tokenizer; chunks are written in input order, one at a time.
+
 Both sinks keep only one chunk of vectors in memory and record progress only
 after a chunk is safely on disk, so a killed run resumes at the first chunk
 that was not finished. A partial output left by other arguments is refused
@@ -10,6 +14,7 @@ beside the .npy, one JSON value per row.
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import json
 import os
@@ -202,43 +207,72 @@ class Summary:
                 f"{d['tokens_per_s']} tokens/s, padding {d['padding']:.1%}")
 
 
-def embed_corpus(records: Iterable[tuple[object, str]], embed: Callable[[list[str]], tuple[np.ndarray, int, int]],
+@dataclass(frozen=True)
+class Stages:
+    """A chunk's two stages: `prepare(texts)` on the host (tokenize, pack; runs on a thread, one chunk ahead) and
+    `run(prepared)` -> (vectors, real tokens, compiled tokens) on the device."""
+
+    prepare: Callable[[list[str]], object]
+    run: Callable[[object], tuple[np.ndarray, int, int]]
+
+
+def embed_corpus(records: Iterable[tuple[object, str]],
+                 embed: Stages | Callable[[list[str]], tuple[np.ndarray, int, int]],
                  sink: Sink, start: int, chunk: int, on_chunk: Callable[[int], None] = lambda n: None) -> Summary:
     """Embed (id, text) `records` from row `start` (what `sink.resume()` said) chunk by chunk into `sink`.
 
-    `embed(texts)` -> (vectors, real tokens, compiled tokens). Returns the
+    `embed`: the `Stages`, or one function texts -> (vectors, real tokens,
+    compiled tokens) (then only reading runs ahead). The next chunk is read
+    and prepared on a thread while this one runs and is written. Returns the
     summary of the rows this run embedded.
     """
+    stages = embed if isinstance(embed, Stages) else Stages(lambda texts: texts, embed)
     summary, began = Summary(), time.perf_counter()
     done = start
     rest = itertools.islice(records, start, None)
-    while batch := list(itertools.islice(rest, chunk)):
-        vectors, tokens, compiled = embed([text for _, text in batch])
-        sink.write(done, vectors, [i for i, _ in batch])
-        done += len(batch)
-        summary.documents += len(batch)
-        summary.tokens += tokens
-        summary.compiled_tokens += compiled
-        on_chunk(len(batch))
+
+    def read_and_prepare():
+        batch = list(itertools.islice(rest, chunk))
+        return batch, (stages.prepare([text for _, text in batch]) if batch else None)
+
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxserve-embed-prepare") as ahead:
+        upcoming = ahead.submit(read_and_prepare)
+        while True:
+            batch, prepared = upcoming.result()
+            if not batch:
+                break
+            upcoming = ahead.submit(read_and_prepare)  # chunk i+1 tokenizes while chunk i runs and is written
+            vectors, tokens, compiled = stages.run(prepared)
+            sink.write(done, vectors, [i for i, _ in batch])
+            done += len(batch)
+            summary.documents += len(batch)
+            summary.tokens += tokens
+            summary.compiled_tokens += compiled
+            on_chunk(len(batch))
     sink.finish()
     summary.seconds = time.perf_counter() - began
     return summary
 
 
-def encoder_embed(enc, long: str) -> Callable[[list[str]], tuple[np.ndarray, int, int]]:
-    """`embed` for `embed_corpus`: as `Encoder.embed` (default prompt, checkpoint's normalisation), counting tokens."""
+def encoder_embed(enc, long: str) -> Stages:
+    """The `Stages` of `embed_corpus` for an encoder: as `Encoder.embed` (default prompt, checkpoint's
+    normalisation), counting tokens. Tokenizing and packing are the prepare stage."""
     from jaxserve.encoder import normalize_rows
 
     prompt = enc.embedding_config.prompt(None, None)
 
-    def embed(texts: list[str]) -> tuple[np.ndarray, int, int]:
+    def prepare(texts: list[str]):
         pieces, rows = enc.prepare(texts, long, prompt)
-        out = pieces.combine(enc.run(pieces, rows), len(texts))
+        return pieces, rows, len(texts)
+
+    def run(prepared) -> tuple[np.ndarray, int, int]:
+        pieces, rows, n = prepared
+        out = pieces.combine(enc.run(pieces, rows), n)
         compiled = sum(d.bucket.batch * d.bucket.seqlen for d in enc.last_dispatches)
         vectors = normalize_rows(out) if enc.embedding_config.normalize else out
         return vectors, int(pieces.lengths.sum()), compiled
 
-    return embed
+    return Stages(prepare, run)
 
 
 def write_summary(output: str, summary: Summary) -> str:

@@ -43,14 +43,16 @@ async def info(request: web.Request) -> web.Response:
         # TEI's fields (router/src/lib.rs `Info`), which TEI clients read
         "model_id": state.model_name, "model_sha": None, "served_model_name": state.model_name,
         "max_concurrent_requests": cfg.max_concurrent, "max_client_batch_size": cfg.max_client_batch,
-        "max_batch_requests": None, "auto_truncate": cfg.long == "truncate", "tokenization_workers": 2,
+        "max_batch_requests": None, "auto_truncate": cfg.long == "truncate", "tokenization_workers": state.pool_threads[0],
         "version": _version(), "sha": None, "docker_label": None,
         # jaxserve's
         "ready": state.ready,
         "limits": {
             "max_client_batch_size": cfg.max_client_batch, "max_input_chars": cfg.max_input_chars,
             "max_body_bytes": cfg.max_body_bytes, "max_inflight_bytes": cfg.max_inflight_bytes,
-            "max_queue": cfg.max_queue, "max_wait_ms": cfg.max_wait_ms,
+            "max_queue_tokens": state.service.batcher.max_queued if state.service else cfg.max_queue_tokens,
+            "max_wait_ms": cfg.max_wait_ms, "tokenizer_threads": state.pool_threads[0],
+            "respond_threads": state.pool_threads[1],
             "default_long": cfg.long, "auth": cfg.api_key is not None, "token_ids": cfg.token_ids,
         },
     }

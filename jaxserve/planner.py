@@ -137,23 +137,23 @@ def pack_width(table: BucketTable) -> int | None:
     if not multi:
         return None
     if all(b.run_s is not None for b in table.buckets):
-        return min(multi, key=lambda s: (min(dispatch_s(b) / b.tokens for b in table.at(s)), -s))
+        return min(multi, key=lambda s: (min(dispatch_s(b, table.host_dispatch_s) / b.tokens for b in table.at(s)), -s))
     fitting = [s for s in multi if s <= UNTIMED_PACK_WIDTH]
     return max(fitting) if fitting else min(multi)
 
 
 # ---- the cost of dispatches (used by the batcher to choose batch sizes) ----
 
-def dispatch_cost(bucket: Bucket, timed: bool) -> float:
-    """A dispatch's cost: its measured time (at least the host's per dispatch) once warmed, else its tokens
-    plus a fixed overhead."""
-    return dispatch_s(bucket) if timed else bucket.tokens + DISPATCH_OVERHEAD_TOKENS
+def dispatch_cost(bucket: Bucket, timed: bool, host_s: float | None = None) -> float:
+    """A dispatch's cost: its measured time (at least the host's per dispatch, `host_s`) once warmed, else its
+    tokens plus a fixed overhead."""
+    return dispatch_s(bucket, host_s) if timed else bucket.tokens + DISPATCH_OVERHEAD_TOKENS
 
 
 def cost_model(table: BucketTable):
     """`dispatch_cost` for this table: timed only if every bucket of it was."""
     timed = all(b.run_s is not None for b in table.buckets)
-    return lambda b: dispatch_cost(b, timed)
+    return lambda b: dispatch_cost(b, timed, table.host_dispatch_s)
 
 
 def cheapest_covers(options: list[Bucket], cost, most: int) -> list[Bucket | None]:

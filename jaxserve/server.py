@@ -24,7 +24,7 @@ from jaxserve.errors import InputError
 from jaxserve.handling import json_response
 from jaxserve.service import EmbeddingService
 from jaxserve.state import (DRAIN_TIMEOUT_S, MAX_BODY_BYTES, MAX_CLIENT_BATCH, MAX_CONCURRENT_REQUESTS,  # noqa: F401
-                            MAX_INFLIGHT_BODY_BYTES, MAX_INPUT_CHARS, MAX_QUEUE, MAX_WAIT_MS, REQUEST_TIMEOUT_S,
+                            MAX_INFLIGHT_BODY_BYTES, MAX_INPUT_CHARS, MAX_WAIT_MS, REQUEST_TIMEOUT_S,
                             RETRY_AFTER_S, STATE, AppState, ServerConfig)
 
 log = logging.getLogger("jaxserve.server")
@@ -74,7 +74,7 @@ async def lifecycle(app: web.Application):
             state.failed = f"warmup failed: {type(exc).__name__}: {exc}"
             log.error(state.failed)
             return
-        state.service = EmbeddingService(state.encoder.engine, state.table, cfg.max_wait_ms / 1000, cfg.max_queue,
+        state.service = EmbeddingService(state.encoder.engine, state.table, cfg.max_wait_ms / 1000, cfg.max_queue_tokens,
                                          state.metrics, max_inflight=cfg.max_inflight,
                                          streams=cfg.streams or device.streams())
         await state.service.start()

@@ -37,7 +37,7 @@ import time
 
 import numpy as np
 
-from jaxserve.batcher import BULK, CLASSES, Batcher, Classes, Dispatch
+from jaxserve.batcher import BULK, CLASSES, Batcher, Classes, Dispatch, queue_tokens
 from jaxserve.buckets import BucketTable
 from jaxserve.engine import Engine
 from jaxserve.explain import LiveTimings
@@ -68,7 +68,7 @@ class RequestTiming:
     batches: list = dataclasses.field(default_factory=list)  # (bucket shape, rows of this request, reason, device s)
     cls: int = BULK  # its request class (batcher.CLASSES)
     deadline_s: float | None = None  # its latency budget, if it gave one
-    behind: dict | None = None  # sequences waiting per class when it was queued (what it waited behind)
+    behind: dict | None = None  # tokens waiting per class when it was queued (what it waited behind)
 
     @property
     def queue_s(self) -> float:
@@ -104,14 +104,15 @@ class _Entry:
 
 
 class EmbeddingService:
-    def __init__(self, engine: Engine, table: BucketTable, max_wait_s: float, max_queued: int,
+    def __init__(self, engine: Engine, table: BucketTable, max_wait_s: float, max_queued: int | None,
                  metrics: Metrics | None = None, max_inflight: int = MAX_INFLIGHT,
                  max_failures: int = MAX_CONSECUTIVE_FAILURES, streams: int = 1, classes: Classes = SERVER_CLASSES):
         self.engine = engine
-        # One batcher per output: pooled vectors, and token vectors (/embed_all) where the engine has them.
-        self.batchers = {"pooled": Batcher(table, max_wait_s, max_queued, classes)}
-        if "tokens" in engine.tables:
-            self.batchers["tokens"] = Batcher(engine.tables["tokens"], max_wait_s, max_queued, classes)
+        # One batcher per output: pooled vectors, and token vectors (/embed_all) where the engine has them;
+        # each queue holds `max_queued` tokens (None: `queue_tokens` of its table, a few seconds of device work).
+        tables = {"pooled": table, **({"tokens": engine.tables["tokens"]} if "tokens" in engine.tables else {})}
+        self.batchers = {lane: Batcher(t, max_wait_s, queue_tokens(t) if max_queued is None else max_queued, classes)
+                         for lane, t in tables.items()}
         self.timings = LiveTimings(table)  # refreshed from every device step
         self.metrics = metrics or Metrics()
         self.max_inflight = max_inflight
@@ -188,7 +189,7 @@ class EmbeddingService:
 
     @property
     def queued(self) -> int:
-        """Sequences waiting, all outputs."""
+        """Tokens waiting (rows at their seqlens), all outputs."""
         return sum(b.queued for b in self.batchers.values())
 
     @property
@@ -405,7 +406,7 @@ def run_jobs(engine: Engine, table: BucketTable, jobs: list[Job], max_inflight: 
     launched before batch i is waited on; with `streams` > 1 (a CPU) that many
     threads each run a batch to the end, as the server's device threads do."""
     output = jobs[0].output if jobs else "pooled"
-    batcher = Batcher(table, math.inf, max(1, sum(int(j.rows.docs.sum()) for j in jobs)))
+    batcher = Batcher(table, math.inf, max(1, sum(int(j.rows.seqlen.sum()) for j in jobs)))
     by_id = dict(enumerate(jobs))
     for jid, job in by_id.items():
         batcher.submit(jid, job.rows.seqlen, job.rows.docs, 0.0)

@@ -7,7 +7,7 @@ import dataclasses
 
 from aiohttp import web
 
-from jaxserve import checkpoint
+from jaxserve import checkpoint, host
 from jaxserve.api import ApiError, Limits
 from jaxserve.buckets import BucketTable
 from jaxserve.derivation import TableOptions
@@ -20,7 +20,8 @@ from jaxserve.startup import Startup
 MAX_BODY_BYTES = 16 * 2**20  # 1024 inputs of ~16 k characters; larger bodies are refused before parsing (413)
 MAX_CLIENT_BATCH = 1024  # inputs per request: a 100-document request with room to spare
 MAX_INPUT_CHARS = 100_000  # characters per input: ~25 k tokens, ~100 chunk windows at most
-MAX_QUEUE = 4096  # sequences waiting for the device; past it, 429 (memory stays bounded)
+# The queue is bounded in tokens (each row at its seqlen: device work); default `batcher.queue_tokens`: 2 s of the
+# device's measured best rate, clamped to [2**18, 2**24] tokens; past it, 429 (memory stays bounded)
 MAX_WAIT_MS = 5.0  # batch window: how long a partial batch may wait for company while the device is busy
 DRAIN_TIMEOUT_S = 30.0  # SIGTERM: how long accepted work may take to finish
 RETRY_AFTER_S = 1  # told to clients on 429/503
@@ -42,7 +43,7 @@ class ServerConfig:
     ladder: str = "default"
     layout: str = "packed"
     max_wait_ms: float = MAX_WAIT_MS
-    max_queue: int = MAX_QUEUE
+    max_queue_tokens: int | None = None  # tokens waiting before 429 (None: `batcher.queue_tokens` of the table)
     max_client_batch: int = MAX_CLIENT_BATCH
     max_input_chars: int = MAX_INPUT_CHARS
     max_body_bytes: int = MAX_BODY_BYTES
@@ -61,6 +62,8 @@ class ServerConfig:
     token_ids: str = "openai"  # token-id inputs on /v1/embeddings: OpenAI's tokenizer's (tiktoken), or the model's
     default_priority: str = "auto"  # class of requests that ask for none: auto (by size), interactive or bulk
     interactive_max_sequences: int = 8  # auto: requests of at most this many sequences are interactive
+    tokenizer_threads: int | None = None  # decode/tokenize/pack pool (None: half the usable cores, at least 2)
+    respond_threads: int | None = None  # combine/normalise/encode pool (None: a quarter of the usable cores, at least 2)
     embed_all: bool = True  # compile token outputs for TEI's /embed_all (one more shape per seqlen)
     table: TableOptions | None = None  # all of the derivation's options (default: `ladder` and `layout`, else the device's)
 
@@ -73,8 +76,8 @@ class ServerConfig:
             raise ValueError(f"token_ids must be one of {', '.join(TOKEN_ID_MODES)}, not {self.token_ids!r}")
         if self.default_prompt_name is not None and self.default_prompt is not None:
             raise ValueError("give default_prompt_name or default_prompt, not both")
-        if self.max_queue < self.max_client_batch:
-            raise ValueError(f"max_queue ({self.max_queue}) must be at least max_client_batch ({self.max_client_batch})")
+        if self.max_queue_tokens is not None and self.max_queue_tokens < 1:
+            raise ValueError(f"max_queue_tokens must be positive, not {self.max_queue_tokens}")
 
 
 class AppState:
@@ -90,9 +93,12 @@ class AppState:
         self.ready = False
         self.failed: str | None = None
         # Work that grows with the request, off the event loop: decoding, tokenizing, packing, explaining ...
-        self.tokenizer_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="jaxserve-tokenize")
+        self.pool_threads = host.pool_sizes(config.tokenizer_threads, config.respond_threads)
+        self.tokenizer_pool = concurrent.futures.ThreadPoolExecutor(self.pool_threads[0],
+                                                                    thread_name_prefix="jaxserve-tokenize")
         # ... and combining, normalising and encoding responses (its own threads: never behind tokenizing).
-        self.respond_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="jaxserve-respond")
+        self.respond_pool = concurrent.futures.ThreadPoolExecutor(self.pool_threads[1],
+                                                                  thread_name_prefix="jaxserve-respond")
         self.limits = Limits(config.max_client_batch, config.max_input_chars)
         self.active = 0  # model requests being handled
         self.active_bytes = 0  # bytes of their bodies

@@ -22,7 +22,7 @@ def rows_of(d):
 
 
 def test_full_bucket_leaves_even_when_device_busy():
-    b = Batcher(TABLE, max_wait_s=1.0, max_queued=100)
+    b = Batcher(TABLE, max_wait_s=1.0, max_queued=100_000)
     submit(b, 1, [16, 16, 16], now=0.0)
     assert b.next_dispatch(now=0.0, device_idle=False) is None  # 3 of 4 rows: waits for the window
     submit(b, 2, [16], now=0.1)
@@ -33,7 +33,7 @@ def test_full_bucket_leaves_even_when_device_busy():
 
 
 def test_window_expiry_sends_a_partial_batch():
-    b = Batcher(TABLE, max_wait_s=0.005, max_queued=100)
+    b = Batcher(TABLE, max_wait_s=0.005, max_queued=100_000)
     submit(b, 1, [16], now=0.0)
     assert b.next_deadline() == pytest.approx(0.005)
     assert b.next_dispatch(now=0.004, device_idle=False) is None
@@ -42,14 +42,14 @@ def test_window_expiry_sends_a_partial_batch():
 
 
 def test_idle_device_never_waits_for_the_window():
-    b = Batcher(TABLE, max_wait_s=10.0, max_queued=100)
+    b = Batcher(TABLE, max_wait_s=10.0, max_queued=100_000)
     submit(b, 1, [16, 16], now=0.0)
     d = b.next_dispatch(now=0.0, device_idle=True)
     assert d.reason == "idle" and d.rows == 2 and d.bucket.seqlen == 16
 
 
 def test_oldest_first_across_seqlens():
-    b = Batcher(TABLE, max_wait_s=10.0, max_queued=100)
+    b = Batcher(TABLE, max_wait_s=10.0, max_queued=100_000)
     submit(b, 1, [64], now=0.0)
     submit(b, 2, [16], now=1.0)
     first = b.next_dispatch(now=1.0, device_idle=True)
@@ -58,7 +58,7 @@ def test_oldest_first_across_seqlens():
 
 
 def test_spare_rows_are_filled_from_smaller_seqlens():
-    b = Batcher(fixed([(4, 16), (4, 64)], layout="packed"), max_wait_s=0.0, max_queued=100)
+    b = Batcher(fixed([(4, 16), (4, 64)], layout="packed"), max_wait_s=0.0, max_queued=100_000)
     submit(b, 1, [64], now=0.0)
     submit(b, 2, [16, 16], now=0.1)
     d = b.next_dispatch(now=0.2, device_idle=True)
@@ -68,7 +68,7 @@ def test_spare_rows_are_filled_from_smaller_seqlens():
 
 def test_a_row_of_another_seqlen_waits_a_bounded_time_under_sustained_load():
     """A seqlen that is always full must not starve an expired row of another seqlen."""
-    b = Batcher(TABLE, max_wait_s=0.005, max_queued=10_000)
+    b = Batcher(TABLE, max_wait_s=0.005, max_queued=10_000_000)
     submit(b, 0, [64], now=0.0)
     now, job = 0.0, 1
     for step in range(20):
@@ -83,50 +83,62 @@ def test_a_row_of_another_seqlen_waits_a_bounded_time_under_sustained_load():
 
 
 def test_cheapest_batch_size_for_the_rows_at_hand():
-    b = Batcher(TABLE, max_wait_s=0.0, max_queued=100)
+    b = Batcher(TABLE, max_wait_s=0.0, max_queued=100_000)
     submit(b, 1, [16], now=0.0)
     assert b.next_dispatch(now=0.0, device_idle=True).bucket.shape == (1, 16)
 
 
 def test_queue_limit_rejects_whole_request_and_recovers():
-    b = Batcher(TABLE, max_wait_s=0.0, max_queued=3)
+    b = Batcher(TABLE, max_wait_s=0.0, max_queued=48)  # tokens: three rows of 16
     submit(b, 1, [16, 16], now=0.0)
-    with pytest.raises(QueueFull, match="limit of 3"):
+    with pytest.raises(QueueFull, match="limit of 48"):
         submit(b, 2, [16, 16], now=0.0)
-    assert b.queued == 2  # nothing of the rejected request was queued
+    assert b.queued == 32  # nothing of the rejected request was queued
     b.next_dispatch(now=0.0, device_idle=True)
     submit(b, 2, [16, 16], now=0.1)
-    assert b.queued == 2
+    assert b.queued == 32
 
 
 def test_a_job_larger_than_the_whole_queue_is_too_large_not_full():
-    b = Batcher(TABLE, max_wait_s=0.0, max_queued=3)
-    with pytest.raises(TooLarge, match="at most 3"):
+    b = Batcher(TABLE, max_wait_s=0.0, max_queued=79)
+    with pytest.raises(TooLarge, match="needs 80 tokens.*at most 79"):
         submit(b, 1, [16, 64], now=0.0, docs=[2, 2])
     assert b.queued == 0
+    submit(b, 2, [64], now=0.0, docs=[8])  # the bound is device work: 8 sequences in one row are 64 tokens
+    assert b.queued == 64
+
+
+def test_the_queue_counts_rows_at_their_seqlen_not_sequences():
+    """One row of 64 tokens costs the device the same with 1 sequence or 8: both count 64 against the bound."""
+    b = Batcher(TABLE, max_wait_s=0.0, max_queued=128)
+    submit(b, 1, [64], now=0.0, docs=[8])
+    submit(b, 2, [64], now=0.0, docs=[1])
+    with pytest.raises(QueueFull):
+        submit(b, 3, [16], now=0.0)
+    assert b.waiting() == {"interactive": 0, "bulk": 128}
 
 
 def test_cancel_drops_only_that_jobs_rows():
-    b = Batcher(TABLE, max_wait_s=1.0, max_queued=100)
+    b = Batcher(TABLE, max_wait_s=1.0, max_queued=100_000)
     submit(b, 1, [16, 64], now=0.0)
     submit(b, 2, [16], now=0.0)
-    assert b.cancel(1) == 2 and b.queued == 1 and b.queued_rows == 1
+    assert b.cancel(1) == 2 and b.queued == 16 and b.queued_rows == 1  # 2 sequences dropped, 16 tokens left
     d = b.next_dispatch(now=0.0, device_idle=True)
     assert d.jobs == [2]
     assert b.next_dispatch(now=0.0, device_idle=True) is None
 
 
 def test_packed_rows_count_their_sequences():
-    b = Batcher(TABLE, max_wait_s=0.0, max_queued=100)
+    b = Batcher(TABLE, max_wait_s=0.0, max_queued=100_000)
     submit(b, 7, [64, 16], now=0.0, docs=[3, 1])
-    assert b.queued == 4 and b.queued_rows == 2
+    assert b.queued == 80 and b.queued_rows == 2
     sent = [b.next_dispatch(now=0.0, device_idle=True) for _ in range(2)]
     assert b.queued == 0
     assert [(d.bucket.seqlen, r) for d in sent for _, r in rows_of(d)] == [(64, 0), (16, 1)]  # larger first on ties
 
 
 def test_a_run_larger_than_the_batch_is_split():
-    b = Batcher(TABLE, max_wait_s=0.0, max_queued=100)
+    b = Batcher(TABLE, max_wait_s=0.0, max_queued=100_000)
     submit(b, 1, [16] * 6, now=0.0)
     first = b.next_dispatch(now=0.0, device_idle=True)
     second = b.next_dispatch(now=0.0, device_idle=True)
@@ -138,7 +150,7 @@ def test_a_run_larger_than_the_batch_is_split():
 @given(st.lists(st.lists(st.sampled_from([16, 64]), min_size=1, max_size=12), min_size=1, max_size=12),
        st.floats(0.0, 0.05), st.lists(st.booleans(), min_size=1, max_size=8), st.sets(st.integers(0, 11)))
 def test_every_row_dispatched_once_unless_cancelled(jobs, wait, idles, cancelled):
-    b = Batcher(TABLE, max_wait_s=wait, max_queued=10_000)
+    b = Batcher(TABLE, max_wait_s=wait, max_queued=10_000_000)
     now, sent = 0.0, []
     for job, seqlens in enumerate(jobs):
         submit(b, job, seqlens, now=now)

@@ -49,7 +49,7 @@ async def test_disconnected_client_has_none_of_its_rows_dispatched(make_server, 
     async with aiohttp.ClientSession() as other:
         doomed = asyncio.create_task(other.post(client.make_url("/v1/embeddings"), json={"input": ["a query"] * 4}))
         await asyncio.sleep(0.1)
-        assert service.batcher.queued == 4 and service.batcher.queued_rows == 1  # 4 short documents, one row
+        assert service.batcher.queued == 32 and service.batcher.queued_rows == 1  # 4 short documents: one row of 32
         doomed.cancel()
     await asyncio.sleep(0.1)
     assert service.batcher.queued == 0  # dropped at once, while the device is still busy
@@ -82,12 +82,12 @@ async def test_timed_out_request_has_none_of_its_rows_dispatched(make_server, ti
 
 
 async def test_a_request_that_can_never_fit_the_queue_gets_413(make_server, tiny_enc):
-    client = await make_server(tiny_enc, max_queue=8, max_client_batch=8)
+    client = await make_server(tiny_enc, max_queue_tokens=128, max_client_batch=8)
     long = {"input": ["the model " * 40] * 2, "long": "chunk"}  # 2 documents, 6 windows each: 12 > 8
     resp = await client.post("/v1/embeddings", json=long)
     assert resp.status == 413
     err = (await resp.json())["error"]
-    assert err["type"] == "request_too_large" and "at most 8" in err["message"] and "--max-queue" in err["message"]
+    assert err["type"] == "request_too_large" and "at most 128" in err["message"] and "--max-queue-tokens" in err["message"]
     assert "Retry-After" not in resp.headers
     assert (await client.post("/v1/embeddings", json=GOOD)).status == 200
 
@@ -186,3 +186,16 @@ async def test_many_requests_racing_cancellations_lose_nothing(make_server, tiny
     count = lambda k: float(next(line.split()[-1] for line in text.splitlines()
                                  if line.startswith(f'jaxserve_sequences_total{{outcome="{k}"}}')))
     assert count("submitted") == count("dispatched") + count("dropped")
+
+
+async def test_the_default_queue_bound_is_the_tables_seconds_of_work_and_info_shows_it(make_server, tiny_enc):
+    from jaxserve.batcher import queue_tokens
+    from jaxserve.host import pool_sizes
+
+    client = await make_server(tiny_enc)
+    info = await (await client.get("/info")).json()
+    table = tiny_enc.engine.table
+    assert table.host_dispatch_s is not None  # measured at warmup
+    assert info["limits"]["max_queue_tokens"] == queue_tokens(table)
+    assert (info["limits"]["tokenizer_threads"], info["limits"]["respond_threads"]) == pool_sizes()
+    assert info["tokenization_workers"] == pool_sizes()[0]

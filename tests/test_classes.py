@@ -22,7 +22,7 @@ def submit(b, job, seqlens, now, cls, deadline=math.inf):
 
 
 def test_interactive_overtakes_queued_bulk():
-    b = Batcher(TABLE, max_wait_s=0.005, max_queued=1000)
+    b = Batcher(TABLE, max_wait_s=0.005, max_queued=1_000_000)
     submit(b, 0, [64] * 40, now=0.0, cls=BULK)
     assert b.next_dispatch(0.0, device_idle=True).jobs == [0]  # bulk alone runs
     submit(b, 1, [16], now=0.01, cls=INTERACTIVE)
@@ -35,7 +35,7 @@ def test_interactive_overtakes_queued_bulk():
 
 
 def test_interactive_spare_rows_take_bulk_rows():
-    b = Batcher(TABLE, max_wait_s=0.005, max_queued=1000)
+    b = Batcher(TABLE, max_wait_s=0.005, max_queued=1_000_000)
     submit(b, 0, [16] * 10, now=0.0, cls=BULK)
     submit(b, 1, [16, 16, 16], now=0.1, cls=INTERACTIVE)
     d = b.next_dispatch(0.1, device_idle=True)
@@ -43,7 +43,7 @@ def test_interactive_spare_rows_take_bulk_rows():
 
 
 def test_deadline_first_within_class():
-    b = Batcher(TABLE, max_wait_s=0.005, max_queued=1000)
+    b = Batcher(TABLE, max_wait_s=0.005, max_queued=1_000_000)
     submit(b, 0, [64], now=0.0, cls=INTERACTIVE, deadline=5.0)
     submit(b, 1, [64], now=0.1, cls=INTERACTIVE, deadline=0.5)
     submit(b, 2, [64], now=0.2, cls=INTERACTIVE)
@@ -54,7 +54,7 @@ def test_deadline_first_within_class():
 
 
 def test_bulk_ages_into_interactive():
-    b = Batcher(TABLE, max_wait_s=0.005, max_queued=1000, classes=Classes(max_bulk_wait_s=2.0))
+    b = Batcher(TABLE, max_wait_s=0.005, max_queued=1_000_000, classes=Classes(max_bulk_wait_s=2.0))
     submit(b, 0, [64], now=0.0, cls=BULK)
     submit(b, 1, [64], now=2.5, cls=INTERACTIVE)
     assert b.next_deadline() == pytest.approx(0.005)
@@ -63,16 +63,16 @@ def test_bulk_ages_into_interactive():
 
 
 def test_bulk_cannot_fill_the_queue_against_interactive():
-    b = Batcher(TABLE, max_wait_s=0.005, max_queued=100, classes=Classes(bulk_share=0.75))
+    b = Batcher(TABLE, max_wait_s=0.005, max_queued=6400, classes=Classes(bulk_share=0.75))  # 100 rows of 64
     submit(b, 0, [64] * 70, now=0.0, cls=BULK)
     with pytest.raises(QueueFull, match="bulk"):
         submit(b, 1, [64] * 10, now=0.0, cls=BULK)
     submit(b, 2, [64] * 30, now=0.0, cls=INTERACTIVE)  # the reserved quarter is still there
-    assert b.waiting() == {"interactive": 30, "bulk": 70}
+    assert b.waiting() == {"interactive": 30 * 64, "bulk": 70 * 64}
 
 
 def test_no_interactive_is_fifo_as_before():
-    b = Batcher(TABLE, max_wait_s=1.0, max_queued=100)
+    b = Batcher(TABLE, max_wait_s=1.0, max_queued=100_000)
     submit(b, 0, [16, 16, 16, 16], now=0.0, cls=BULK)
     assert b.next_dispatch(0.0, device_idle=False).reason == "full"  # no interactive work: prepared ahead
 
@@ -87,7 +87,7 @@ def test_properties(jobs, max_bulk_wait):
     """Every row is dispatched exactly once and an idle device never idles with work queued; a batch led by
     bulk rows leaves only with no interactive row waiting, unless those bulk rows have aged; no bulk row
     waits past its aging time plus the batches of rows due before it."""
-    b = Batcher(TABLE, max_wait_s=0.005, max_queued=10_000, classes=Classes(max_bulk_wait_s=max_bulk_wait))
+    b = Batcher(TABLE, max_wait_s=0.005, max_queued=10_000_000, classes=Classes(max_bulk_wait_s=max_bulk_wait))
     now, want, meta = 0.0, set(), {}
     for jid, (cls, seqlens, budget, gap) in enumerate(jobs):
         now += gap
@@ -115,7 +115,7 @@ def test_properties(jobs, max_bulk_wait):
 @given(st.lists(st.tuples(st.floats(0.01, 10.0), st.sampled_from([16, 64])), min_size=2, max_size=20))
 def test_edf_property(jobs):
     """Interactive single-row jobs queued together leave in deadline order (ties: arrival)."""
-    b = Batcher(TABLE, max_wait_s=0.005, max_queued=10_000)
+    b = Batcher(TABLE, max_wait_s=0.005, max_queued=10_000_000)
     for jid, (budget, s) in enumerate(jobs):
         submit(b, jid, [s], 0.0, INTERACTIVE, budget)
     order = []
@@ -131,7 +131,7 @@ def test_edf_property(jobs):
 @given(st.integers(1, 30), st.integers(1, 30), st.floats(0.5, 3.0))
 def test_no_starvation_under_steady_interactive(n_bulk, n_inter, age):
     """A bulk row is served by the first dispatch after it aged, even when queries keep arriving."""
-    b = Batcher(TABLE, max_wait_s=0.005, max_queued=10_000, classes=Classes(max_bulk_wait_s=age))
+    b = Batcher(TABLE, max_wait_s=0.005, max_queued=10_000_000, classes=Classes(max_bulk_wait_s=age))
     submit(b, 0, [64] * n_bulk, 0.0, BULK)
     now, jid, served = 0.0, 1, None
     while served is None:

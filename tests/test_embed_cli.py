@@ -179,3 +179,46 @@ def test_embed_parquet_input_needs_a_field_column(tmp_path, capsys):
     code, err, compiles = in_process(["embed", "--input", str(corpus), "--field", "text", "--output",
                                       str(tmp_path / "v.npy"), "--model", str(tmp_path / "m")], capsys)
     assert (code, compiles) == (2, 0) and "no column 'text' (it has body)" in err
+
+
+def test_embed_corpus_tokenizes_the_next_chunk_while_this_one_runs_in_order(tmp_path):
+    """The device stage of chunk i waits until chunk i+1's prepare has begun on the other thread (it would time
+    out and fail were the stages one after another); rows land in input order; a resume starts where it says."""
+    import threading
+
+    from jaxserve.offline import Stages, embed_corpus, open_sink
+
+    texts = [f"doc {i}" for i in range(10)]
+    started: dict[int, threading.Event] = {i: threading.Event() for i in range(0, 10, 3)}
+    threads = set()
+
+    def prepare(chunk):
+        first = int(chunk[0].split()[1])
+        threads.add(threading.current_thread().name)
+        started[first].set()
+        return first, len(chunk)
+
+    def run(prepared):
+        first, n = prepared
+        if first + 3 < 10:
+            assert started[first + 3].wait(30), "the next chunk was not prepared while this one ran"
+        return np.arange(first, first + n, dtype=np.float32)[:, None].repeat(2, 1), n, n
+
+    out = tmp_path / "out.npy"
+    sink = open_sink(str(out), {"input": "x", "rows": 10, "dim": 2}, ids=True)
+    summary = embed_corpus(enumerate(texts), Stages(prepare, run), sink, sink.resume(), 3)
+    assert summary.documents == 10 and threading.current_thread().name not in threads
+    np.testing.assert_array_equal(np.load(out)[:, 0], np.arange(10))
+    assert [json.loads(x) for x in (tmp_path / "out.ids.jsonl").read_text().split()] == list(range(10))
+
+    out2 = tmp_path / "resumed.npy"
+    sink = open_sink(str(out2), {"input": "x", "rows": 10, "dim": 2}, ids=False)
+    sink.resume()
+    sink.write(0, np.zeros((4, 2), np.float32))  # a killed run's first finished chunk
+    sink = open_sink(str(out2), {"input": "x", "rows": 10, "dim": 2}, ids=False)
+    for e in started.values():
+        e.clear()
+    started.update({i: threading.Event() for i in range(4, 10, 3)})
+    summary = embed_corpus(enumerate(texts), Stages(prepare, run), sink, sink.resume(), 3)
+    assert summary.documents == 6
+    np.testing.assert_array_equal(np.load(out2)[:, 0], [0, 0, 0, 0, 4, 5, 6, 7, 8, 9])

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from jaxserve import Encoder, compiles
-from jaxserve.buckets import fixed
+from jaxserve.buckets import BucketTable, fixed
 from jaxserve.engine import ShapeError
 from jaxserve.jobs import Job, assemble
 from jaxserve.planner import pack
@@ -118,3 +118,29 @@ def test_derived_table_climbs_each_ladder_and_compiles_one_step_past_its_knee(ti
     with pytest.raises(ShapeError):
         enc.engine.put(fixed([(16, 16)], layout="packed").buckets[0], np.zeros((4, 16, 16), np.int32))
     assert enc.embed(["the model", "a query"]).shape == (2, 32) and pieces.count == 1
+
+
+def test_warmup_measures_the_hosts_cost_per_dispatch_and_records_it_in_the_table(warm):
+    """The knee, the planner and the queue bound use the table's measured figure, not the constant."""
+    enc, table = warm
+    assert table.host_dispatch_s is not None and table.host_dispatch_s > 0
+    assert table.host_dispatch_s == enc.engine.host_dispatch_s
+    assert BucketTable.from_json(table.to_json()).host_dispatch_s == table.host_dispatch_s  # kept by the artifact
+
+
+def test_outputs_copied_ahead_of_fetch_are_the_same_vectors(warm):
+    """copy_to_host_async right after launch (the accelerator path) changes nothing in what is fetched."""
+    enc, table = warm
+    bucket = table.at(16)[-1]
+    inputs = np.zeros((4, *bucket.shape), np.int32)
+    inputs[0, :, :5] = np.arange(1, 6)
+    inputs[1, :, :5] = 1
+    inputs[2, :, :5] = np.arange(5)
+    assert enc.engine.copy_ahead is False  # a CPU's buffers are host memory already
+    plain = enc.engine.run(bucket, inputs)
+    enc.engine.copy_ahead = True
+    try:
+        ahead = enc.engine.run(bucket, inputs)
+    finally:
+        enc.engine.copy_ahead = False
+    np.testing.assert_array_equal(plain, ahead)

@@ -38,7 +38,7 @@ def test_ragged_arange():
 def test_every_sequence_comes_back_to_its_place(requests, t, cancelled):
     table = TABLES[t]
     rng = np.random.default_rng(len(requests))
-    batcher = Batcher(table, max_wait_s=0.0, max_queued=10_000)
+    batcher = Batcher(table, max_wait_s=0.0, max_queued=10_000_000)
     jobs, seqs = {}, {}
     for jid, lengths in enumerate(requests):
         seqs[jid] = [rng.integers(1, 1000, n).astype(np.int32) for n in lengths]

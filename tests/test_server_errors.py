@@ -11,10 +11,11 @@ import sys
 
 import aiohttp
 import pytest
-
 import tiny
 from conftest import TINY_TABLE, SlowEngine
+
 from jaxserve import Encoder
+from jaxserve.state import STATE
 
 GOOD = {"input": ["the model", "a query"]}
 TEI_PATHS = ("/embed", "/embed_all", "/similarity", "/predict", "/rerank", "/tokenize", "/decode")
@@ -87,7 +88,7 @@ BAD = [
 async def test_bad_input_gets_clear_json_error_and_server_keeps_serving(make_server, tiny_enc, method, path, body,
                                                                         status, fragment):
     client = await make_server(tiny_enc, max_client_batch=8, max_input_chars=2000, max_body_bytes=50_000,
-                               max_queue=64)
+                               max_queue_tokens=4096)
     kw = {"data": body} if isinstance(body, bytes) else ({"json": body} if body is not None else {})
     resp = await client.request(method, path, **kw)
     assert resp.status == status
@@ -109,12 +110,17 @@ async def test_error_messages_do_not_echo_documents(make_server, tiny_enc):
 
 async def test_overload_gives_429_with_retry_after_then_recovers(make_server, tiny_enc):
     slow = dataclasses.replace(tiny_enc, engine=SlowEngine(tiny_enc.engine, delay=1.0))
-    client = await make_server(slow, max_queue=8, max_client_batch=8, max_wait_ms=0, max_inflight=1)
+    client = await make_server(slow, max_queue_tokens=64, max_client_batch=8, max_wait_ms=0, max_inflight=1)
     batch = {"input": [f"the model {i}" for i in range(8)]}
     accepted = []
     for _ in range(3):  # onto the device, prepared next (prefetch depth 1), waiting in the queue
         accepted.append(asyncio.create_task(client.post("/v1/embeddings", json=batch)))
         await asyncio.sleep(0.1)
+    service = client.app[STATE].service
+    for _ in range(200):  # a busy host may tokenize slowly: wait for the state, not for a time
+        if service.batches_in_flight == 2 and service.batcher.queued == 64:  # the third: 8 short documents, 64 tokens
+            break
+        await asyncio.sleep(0.05)
     rejected = await client.post("/v1/embeddings", json=GOOD)
     assert rejected.status == 429 and rejected.headers["Retry-After"] == "1"
     assert (await rejected.json())["error"]["type"] == "rate_limit_error"
@@ -140,8 +146,6 @@ async def test_auth_required_on_every_route_but_health(make_server, tiny_enc):
 
 
 async def test_draining_refuses_new_work_with_503(make_server, tiny_enc):
-    from jaxserve.server import STATE
-
     client = await make_server(tiny_enc)
     await client.app[STATE].service.drain(timeout=1)
     resp = await client.post("/v1/embeddings", json=GOOD)

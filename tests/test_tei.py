@@ -121,7 +121,7 @@ async def test_root_reranks_for_a_cross_encoder(make_server, reranker):
 
 async def test_info_has_the_fields_tei_clients_read(make_server, embedder):
     _, enc = embedder
-    client = await make_server(enc, max_client_batch=64, max_queue=128)
+    client = await make_server(enc, max_client_batch=64, max_queue_tokens=8192)
     info = await (await client.get("/info")).json()
     assert info["model_type"] == {"embedding": {"pooling": "mean"}}
     for key in ("model_id", "model_sha", "model_dtype", "max_concurrent_requests", "max_input_length",

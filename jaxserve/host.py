@@ -1,0 +1,40 @@
+"""The host's share of the work, sized by the cores this process may run on (not by a constant for 2 cores).
+
+Rule (see docs/operations.md, "Host threads"): the device pipeline keeps
+about three threads busy (prepare, device, respond) besides the event loop,
+so the rest of the cores go to the two pools that grow with requests:
+tokenizing (decode, tokenize, pack: the heavier) gets half the usable cores,
+responding (combine, normalise, encode) a quarter, each at least 2, so a
+2-core host keeps the two threads each that it always had.
+"""
+
+from __future__ import annotations
+
+import os
+
+MIN_POOL_THREADS = 2  # each pool: one thread busy while another waits on the GIL
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (its CPU affinity: a container's cpuset, `taskset`), not the machine's."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # no affinity API (macOS)
+        return os.cpu_count() or 1
+
+
+def tokenizer_threads(cores: int) -> int:
+    return max(MIN_POOL_THREADS, cores // 2)
+
+
+def respond_threads(cores: int) -> int:
+    return max(MIN_POOL_THREADS, cores // 4)
+
+
+def pool_sizes(tokenizer: int | None = None, respond: int | None = None, cores: int | None = None) -> tuple[int, int]:
+    """(tokenizer threads, respond threads): the ones given, else the rule's for `cores` (default: usable cores)."""
+    cores = usable_cores() if cores is None else cores
+    sizes = (tokenizer or tokenizer_threads(cores), respond or respond_threads(cores))
+    if min(sizes) < 1:
+        raise ValueError(f"pool threads must be at least 1, not {sizes}")
+    return sizes

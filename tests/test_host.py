@@ -1,0 +1,104 @@
+"""Host sizing without JAX: pool threads by usable cores, the queue bound in tokens, the host's cost per dispatch."""
+
+import dataclasses
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from jaxserve import host
+from jaxserve.batcher import MAX_QUEUE_TOKENS, MIN_QUEUE_TOKENS, queue_tokens
+from jaxserve.buckets import (
+    HOST_DISPATCH_S,
+    Bucket,
+    BucketTable,
+    dispatch_s,
+    fixed,
+    throughput_knee,
+)
+from jaxserve.planner import cost_model
+
+
+def test_pools_follow_the_usable_cores_and_keep_two_threads_on_a_small_host():
+    assert host.pool_sizes(cores=2) == (2, 2)  # what a 2-core host always had
+    assert host.pool_sizes(cores=1) == (2, 2)
+    assert host.pool_sizes(cores=16) == (8, 4)  # the H200 host
+    assert host.pool_sizes(cores=64) == (32, 16)
+    assert host.pool_sizes(tokenizer=3, respond=1, cores=16) == (3, 1)  # --tokenizer-threads / --respond-threads
+
+
+@given(st.integers(1, 512))
+def test_pool_sizes_never_shrink_with_more_cores(cores):
+    assert all(a <= b for a, b in zip(host.pool_sizes(cores=cores), host.pool_sizes(cores=cores + 1)))
+    assert min(host.pool_sizes(cores=cores)) >= host.MIN_POOL_THREADS
+
+
+def test_usable_cores_are_the_affinity_not_the_machine(monkeypatch):
+    import os
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 3, 5}, raising=False)
+    assert host.usable_cores() == 3
+    assert host.pool_sizes() == (2, 2)
+
+
+def test_server_state_sizes_its_pools_by_the_rule_or_the_config(monkeypatch):
+    from jaxserve.state import AppState, ServerConfig
+
+    monkeypatch.setattr(host, "usable_cores", lambda: 16)
+    state = AppState(ServerConfig(), None)
+    assert state.pool_threads == (8, 4) and state.tokenizer_pool._max_workers == 8
+    assert state.respond_pool._max_workers == 4
+    state = AppState(ServerConfig(tokenizer_threads=5), None)
+    assert state.pool_threads == (5, 4)
+
+
+def timed(table: BucketTable, rate: float, host_s: float | None = None) -> BucketTable:
+    """Every bucket at `rate` tokens/s of device time; the host's cost per dispatch injected."""
+    return dataclasses.replace(table, host_dispatch_s=host_s,
+                               buckets=tuple(dataclasses.replace(b, run_s=b.tokens / rate) for b in table.buckets))
+
+
+TABLE = fixed([(1, 16), (4, 16), (16, 16), (1, 64), (4, 64)], layout="packed")
+
+
+def test_queue_bound_is_seconds_of_device_work_clamped():
+    assert queue_tokens(TABLE) == MIN_QUEUE_TOKENS  # untimed: the floor
+    assert queue_tokens(timed(TABLE, rate=1e6, host_s=0.0), device_s=2.0) == 2_000_000
+    assert queue_tokens(timed(TABLE, rate=1e9, host_s=0.0)) == MAX_QUEUE_TOKENS
+    assert queue_tokens(timed(TABLE, rate=1e3, host_s=0.0)) == MIN_QUEUE_TOKENS
+
+
+def test_queue_bound_counts_the_hosts_cost_per_dispatch():
+    """With a host cost above every bucket's run time, the best rate is the largest bucket per host dispatch."""
+    fast = timed(TABLE, rate=1e9, host_s=1e-3)
+    assert queue_tokens(fast, device_s=2.0) == 2 * int(256 / 1e-3)
+
+
+def test_the_tables_measured_host_cost_replaces_the_constant():
+    b = Bucket(4, 16, run_s=1e-5)
+    assert dispatch_s(b) == HOST_DISPATCH_S
+    assert dispatch_s(b, 2e-3) == 2e-3
+    fast = timed(TABLE, rate=1e9)  # every bucket runs in under a microsecond: the host sets the pace
+    cheap, dear = dataclasses.replace(fast, host_dispatch_s=1e-10), dataclasses.replace(fast, host_dispatch_s=1e-3)
+    # a dear host makes every larger batch pay (its cost per token falls with the batch); a near-free one does not
+    assert [b.batch for b in throughput_knee(dear).at(16)] == [1, 4, 16]
+    assert [b.batch for b in throughput_knee(cheap).at(16)] == [1]
+    assert cost_model(dear)(dear.at(16)[0]) == 1e-3
+
+
+def test_the_queue_bound_in_the_server_config_is_tokens():
+    from jaxserve.state import ServerConfig
+
+    assert ServerConfig().max_queue_tokens is None  # the table's: a few seconds of device work
+    with pytest.raises(ValueError, match="positive"):
+        ServerConfig(max_queue_tokens=0)
+
+
+def test_serve_flags_for_the_queue_and_the_pools():
+    from jaxserve.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "--max-queue-tokens", "100000", "--tokenizer-threads", "6",
+                                      "--respond-threads", "3"])
+    assert (args.max_queue_tokens, args.tokenizer_threads, args.respond_threads) == (100_000, 6, 3)
+    args = build_parser().parse_args(["serve"])
+    assert (args.max_queue_tokens, args.tokenizer_threads, args.respond_threads) == (None, None, None)
