@@ -1,0 +1,112 @@
+"""Attention per bucket with a fallback: a bucket whose kernel fails to trace or compile is served by the
+next implementation, with the reason recorded (engine, table, /info, warm artifact); `--attention` is plumbed."""
+
+import logging
+
+import numpy as np
+import pytest
+
+from jaxserve import Encoder, artifact, cli, startup
+from jaxserve.derivation import TableOptions
+from jaxserve.models.attention import Plan, xla_impl
+
+# head_dim 16 (the smallest the Pallas kernel takes); seqlen 128 is two of its 64-row tiles
+CONFIG = dict(hidden_size=64, num_attention_heads=4, intermediate_size=64, max_position_embeddings=130)
+OPTIONS = TableOptions(seqlens=(16, 64, 128), max_batch=2, batch_ladder=False, knee=False)
+TEXTS = ["the model is jax", "a query", "the " * 40, "batch " * 100]
+
+
+def failing_at(make_forward, impl: str, seqlen: int):
+    """make_forward, except that `impl` at `seqlen` fails when traced (as a Triton error would)."""
+    def make(slots, s, output, implementation):
+        forward = make_forward(slots, s, output, implementation)
+        if implementation == impl and s == seqlen:
+            def broken(params, batch):
+                raise RuntimeError(f"injected: {impl} does not compile at seqlen {s}\nsecond line")
+            return broken
+        return forward
+    return make
+
+
+@pytest.fixture
+def model(tiny_checkpoint):
+    return str(tiny_checkpoint(**CONFIG))
+
+
+def test_a_bucket_whose_kernel_fails_is_served_by_the_next_with_the_reason(model, monkeypatch, caplog):
+    """Forced pallas: seqlen 16 has no tile (static reason), 64 fails to compile (injected), 128 runs the
+    kernel (Pallas' interpreter on CPU). Every bucket is served, and the vectors equal the xla path's."""
+    enc = Encoder.from_pretrained(model, attention="pallas")
+    monkeypatch.setattr(enc.engine, "_make_forward", failing_at(enc.engine._make_forward, "pallas", 64))
+    with caplog.at_level(logging.WARNING, logger="jaxserve.engine"):
+        table = enc.warmup(OPTIONS)
+    by_seqlen = {b.seqlen: b for b in table.buckets}
+    assert {s: b.attention for s, b in by_seqlen.items()} == {16: "dense", 64: "dense", 128: "pallas"}
+    assert by_seqlen[16].attention_fallback.startswith("pallas: no tile of 128/64 rows divides seqlen 16")
+    assert by_seqlen[64].attention_fallback == "pallas: RuntimeError: injected: pallas does not compile at seqlen 64"
+    assert by_seqlen[128].attention_fallback == ""
+    b = by_seqlen[64]
+    assert enc.engine.attention_of(b.batch, b.seqlen, b.slots).implementation == "dense"
+    assert "attention pallas failed to compile, trying dense" in caplog.text and "injected" in caplog.text
+    reference = Encoder.from_pretrained(model, attention="xla")
+    np.testing.assert_allclose(enc.embed(TEXTS), reference.embed(TEXTS), atol=2e-5)
+    assert {b.attention for b in reference.warmup(OPTIONS).buckets} == {"dense"}
+
+
+def test_cudnn_traced_on_a_cpu_falls_back_with_jaxs_own_error(model, monkeypatch):
+    """No injection: cuDNN's kernel traced on a CPU backend raises in jax itself; the bucket still compiles."""
+    enc = Encoder.from_pretrained(model, attention="cudnn")
+    monkeypatch.setattr(enc.engine, "_plan", lambda seqlen: Plan(("cudnn", xla_impl(seqlen))))
+    (bucket,) = enc.warmup(TableOptions(seqlens=(64,), max_batch=2, batch_ladder=False, knee=False)).buckets
+    assert bucket.attention == "dense" and bucket.attention_fallback.startswith("cudnn: RuntimeError: cuDNN")
+    (static,) = Encoder.from_pretrained(model, attention="cudnn").warmup(
+        TableOptions(seqlens=(64,), max_batch=2, batch_ladder=False, knee=False)).buckets
+    assert static.attention == "dense" and static.attention_fallback == "cudnn: needs a CUDA GPU (this is cpu)"
+
+
+def test_the_warm_artifact_keeps_each_buckets_implementation_and_the_choice_keys_it(model, tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    options = TableOptions(seqlens=(16, 64), max_batch=2, batch_ladder=False, knee=False)
+    first = Encoder.from_pretrained(model, attention="pallas")
+    monkeypatch.setattr(first.engine, "_make_forward", failing_at(first.engine._make_forward, "pallas", 64))
+    table = startup.warm(first, options, cache=cache)
+    assert [b.attention for b in table.buckets] == ["dense", "dense"] and all(b.attention_fallback for b in table.buckets)
+
+    second = Encoder.from_pretrained(model, attention="pallas")
+    started = startup.Startup()
+    loaded = startup.warm(second, options, cache=cache, startup=started)
+    assert started.source["source"] == "artifact" and loaded == table
+    for b in table.buckets:
+        assert second.engine.attention_of(b.batch, b.seqlen, b.slots) == first.engine.attention_of(b.batch, b.seqlen,
+                                                                                                    b.slots)
+    other = Encoder.from_pretrained(model, attention="blockwise")
+    started = startup.Startup()
+    assert {b.attention for b in startup.warm(other, options, cache=cache, startup=started).buckets} == {"blockwise"}
+    assert "differs in attention (pallas -> blockwise)" in started.source["artifact_skipped"]
+    assert artifact.key_fields(other, options, ("pooled",))["attention"] == "blockwise"
+
+
+async def test_info_lists_each_buckets_implementation(model, make_server):
+    enc = Encoder.from_pretrained(model, attention="blockwise")
+    enc.warmup(TableOptions(seqlens=(16, 64), max_batch=2, batch_ladder=False, knee=False))
+    client = await make_server(enc, embed_all=False)
+    body = await (await client.get("/info")).json()
+    assert [b["attention"] for b in body["buckets"]["buckets"]] == ["blockwise", "blockwise"]
+    assert body["attention"] == {"choice": "blockwise", "implementations": {"blockwise": 2}, "fallbacks": 0}
+
+
+def test_attention_flag_reaches_the_encoder(model, capsys):
+    args = ["warmup", "--model", model, "--no-cache", "--no-embed-all", "--seqlens", "16,64", "--max-batch", "2",
+            "--batch-ladder", "off", "--throughput-knee", "off"]
+    assert cli.main([*args, "--attention", "blockwise"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.strip()[:2] in ("16", "64")]
+    assert len(lines) == 2 and all(line.endswith(" blockwise") for line in lines)
+    assert cli.main([*args, "--attention", "cudnn"]) == 0
+    assert "dense (fell back: cudnn: needs a CUDA GPU (this is cpu))" in capsys.readouterr().out
+    parser = cli.build_parser()
+    for command in ("serve", "embed --input x --output y.npy", "buckets", "explain f", "demo"):
+        assert parser.parse_args([*command.split(), "--attention", "xla"]).attention == "xla"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--attention", "flash"])
+    with pytest.raises(ValueError, match="attention must be one of"):
+        Encoder.from_pretrained(model, attention="flash")
