@@ -110,3 +110,28 @@ def test_attention_flag_reaches_the_encoder(model, capsys):
         parser.parse_args(["serve", "--attention", "flash"])
     with pytest.raises(ValueError, match="attention must be one of"):
         Encoder.from_pretrained(model, attention="flash")
+
+
+def test_bench_attention_dry_run_records_every_case(tmp_path):
+    """The GPU attention stage's CPU dry run: Pallas interpreted, cuDNN recorded unavailable (no crash), xla
+    timed; each case's times are the median of >= 5 launches, errors measured against float32 dense."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "attention.json"
+    root = Path(__file__).parent.parent
+    proc = subprocess.run([sys.executable, str(root / "scripts/bench_attention.py"), "--dry-run", "--head-dims", "256",
+                           "--seqlens", "64,96", "--out", str(out)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(root)})
+    assert proc.returncode == 0, proc.stderr
+    raw = json.loads(out.read_text())
+    assert raw["dry_run"] and raw["platform"] == "cpu" and [c["seqlen"] for c in raw["cases"]] == [64, 96]
+    at64, at96 = (c["results"] for c in raw["cases"])
+    assert at64["pallas"]["tile"] == 64 and at64["pallas"]["ms"] > 0 and at64["pallas"]["max_abs_err"] < 3e-2
+    assert at64["xla"]["implementation"] == "dense" and len(at64["xla"]["times_ms"]) >= 5
+    assert at64["cudnn"]["ms"] is None and at64["cudnn"]["error"].startswith("unavailable: needs a CUDA GPU")
+    assert at96["pallas"]["ms"] is None and at96["pallas"]["error"].startswith("unfit: no tile")
+    assert "256     64" in proc.stdout and "best" in proc.stdout
