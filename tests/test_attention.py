@@ -235,6 +235,42 @@ def test_pallas_interpreted_at_the_tiles_auto_picks(h, s):
         np.testing.assert_allclose(got[real], want[real], atol=3e-2)
 
 
+@pytest.mark.parametrize("impl,slots", [("cudnn", 4), ("cudnn", 1), ("pallas", 4)])
+def test_fused_kernels_lower_for_cuda_on_this_cpu(impl, slots, monkeypatch):
+    """The GPU programs are built here as a GPU would build them (jax.export for the cuda platform runs
+    the CUDA lowering rules): cuDNN's custom call gets the ragged layout (q/kv seqlens and offsets) for
+    packed rows, the padding mask for one-document rows, causal and window by its config; grouped KV
+    heads as they are. Only jax's probes of the hardware (cuDNN version, compute capability) are stubbed."""
+    import re
+
+    from jax._src.cudnn import fused_attention_stablehlo as fa
+
+    monkeypatch.setattr(fa, "check_cudnn_version", lambda: 90800)
+    monkeypatch.setattr(fa, "check_compute_capability", lambda capability: True)  # Hopper
+    q = jax.ShapeDtypeStruct((2, 128, 4, 256), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((2, 128, 2, 256), jnp.bfloat16)
+    ids = jax.ShapeDtypeStruct((2, 128), jnp.int32)
+    targets = ("__cudnn$fmhaSoftmax", "__gpu$xla.gpu.triton")
+    checks = [jax.export.DisabledSafetyCheck.custom_call(t) for t in targets]
+    for spec in (FULL, Spec(causal=True), Spec(causal=True, window=16)):
+        fn = jax.jit(lambda q, k, v, s, p: attend(q, k, v, Masks(s, p, slots > 1, attention.Kernel(impl, slots)), spec))
+        text = jax.export.export(fn, platforms=["cuda"], disabled_checks=checks)(q, kv, kv, ids, ids).mlir_module()
+        text = text.replace("\\22", '"')
+        calls = re.findall(r"custom_call @([\w$.]+)\(([^)]*)\)", text)
+        if impl == "pallas":  # the Triton kernel, except in the windowed layer (xla there)
+            assert ("mha_forward" in text) == (spec.window is None) and not any(c == targets[0] for c, _ in calls)
+            continue
+        (operands,) = [args.count("%") for c, args in calls if c == targets[0]]
+        assert operands == (7 if slots > 1 else 5)  # q, k, v, q/kv seqlens (+ q/kv offsets when packed)
+        mask = re.search(r'"mask_type": "(\w+)"', text).group(1)
+        padding = "" if slots > 1 else "PADDING"
+        want = {FULL: padding or "NO_MASK"}.get(spec, "_".join(filter(None, (padding, "CAUSAL"))))
+        assert mask == want
+        assert re.search(r'"max_seg_per_batch": "?(\d+)', text).group(1) == str(slots)
+        window = re.search(r'"sliding_window_length": "?(\d+)', text)
+        assert (window and int(window.group(1))) == (spec.window or 0) or (not window and spec.window is None)
+
+
 # ---- the memory estimate (no JAX below) ----
 
 QWEN_06B = ModelDims(hidden=1024, intermediate=3072, heads=16, dtype_bytes=2, layers=28, kv_heads=8, head_dim=128,
