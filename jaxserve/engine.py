@@ -27,6 +27,8 @@ from jaxserve import compiles  # noqa: F401  (installs the compile counter)
 from jaxserve import derivation
 from jaxserve.buckets import Bucket, BucketTable
 from jaxserve.jobs import INPUT_NAMES
+from jaxserve.models import attention
+from jaxserve.models.attention import Plan, xla_impl
 
 log = logging.getLogger("jaxserve.engine")
 TIMED_RUNS = 1  # timed runs per bucket at warmup, after one burn-in (live timings refine it later)
@@ -41,11 +43,9 @@ class Attention(NamedTuple):
     fallback: tuple[str, ...] = ()
 
 
-def no_plan(seqlen: int):
-    """The default candidates: one, whatever `make_forward` does by itself."""
-    from jaxserve.models.attention import Plan
-
-    return Plan((None,))
+def xla_plan(seqlen: int) -> Plan:
+    """The default candidates: XLA's attention (dense or blockwise by seqlen), no fallback."""
+    return Plan((xla_impl(seqlen),))
 
 
 class ShapeError(ValueError):
@@ -78,7 +78,7 @@ def compiled_bytes(compiled: jax.stages.Compiled) -> int:
 
 class Engine:
     def __init__(self, make_forward: Callable[[int, int, str, str], Forward], params: dict, devices: list | None = None,
-                 plan: Callable = no_plan):
+                 plan: Callable[[int], Plan] = xla_plan):
         """`make_forward(slots, seqlen, output, implementation)` gives the pure forward for rows of `seqlen`
         tokens and up to `slots` documents, its attention run by `implementation`; `output` is `pooled`
         ([B, K, D] per sequence) or `tokens` ([B, S, D] per token, TEI's /embed_all). Each output has
@@ -145,12 +145,12 @@ class Engine:
         reasons = list(plan.skipped)
         for i, impl in enumerate(plan.candidates):
             try:
-                made = self._make_forward(slots, seqlen, output, impl) if impl is not None else \
-                    self._make_forward(slots, seqlen, output)
-                forward = unstacked(made)
+                forward = unstacked(self._make_forward(slots, seqlen, output, impl))
                 fn = jax.jit(forward, in_shardings=(self._replicated, self._inputs_by_row),
                              out_shardings=self._by_row) if self.devices > 1 else jax.jit(forward)
-                exe = fn.lower(self._params_struct, batch_struct(batch, seqlen)).compile()
+                with attention.recording() as used:  # what each layer runs (a fused kernel takes only some)
+                    lowered = fn.lower(self._params_struct, batch_struct(batch, seqlen))
+                exe = lowered.compile()
             except Exception as exc:
                 if i == len(plan.candidates) - 1:
                     raise
@@ -159,8 +159,10 @@ class Engine:
                             batch, seqlen, slots, output, impl, plan.candidates[i + 1], why)
                 reasons.append(why)
                 continue
+            if used and impl not in used:
+                reasons.append(f"{impl}: takes none of this model's layers (a score bias or a window it cannot express)")
             with self._lock:
-                self._attention[key] = Attention(impl or "", tuple(reasons))
+                self._attention[key] = Attention(attention.ran(impl, used), tuple(reasons))
             return exe
         raise AssertionError("a plan has at least one candidate")
 

@@ -135,3 +135,31 @@ def test_bench_attention_dry_run_records_every_case(tmp_path):
     assert at64["cudnn"]["ms"] is None and at64["cudnn"]["error"].startswith("unavailable: needs a CUDA GPU")
     assert at96["pallas"]["ms"] is None and at96["pallas"]["error"].startswith("unfit: no tile")
     assert "256     64" in proc.stdout and "best" in proc.stdout
+
+
+def test_a_bucket_records_what_its_layers_ran():
+    """A fused kernel takes only the layers it can express: a bucket with a windowed layer runs
+    `pallas+dense`; one whose every layer is windowed runs dense, and says why pallas took none."""
+    import jax.numpy as jnp
+
+    from jaxserve.engine import Engine
+    from jaxserve.models.attention import FULL, Kernel, Masks, Spec, attend
+
+    def make(specs):
+        def make_forward(slots, seqlen, output, implementation):
+            def forward(params, batch):
+                x = batch["token_ids"].astype(jnp.float32)[..., None, None] * params["w"]  # [B, S, 2, 16]
+                masks = Masks(batch["segment_ids"], batch["positions"], slots > 1, Kernel(implementation, slots))
+                return sum(attend(x, x, x, masks, spec) for spec in specs).sum(axis=(2, 3))
+            return forward
+        return make_forward
+
+    params = {"w": jnp.ones((2, 16), jnp.float32)}
+    plan = lambda seqlen: Plan(("pallas", xla_impl(seqlen)))  # noqa: E731
+    mixed = Engine(make((FULL, Spec(window=4))), params, plan=plan)
+    mixed.compile(1, 64, 2)
+    assert mixed.attention_of(1, 64, 2) == ("pallas+dense", ())
+    windowed = Engine(make((Spec(window=4),)), params, plan=plan)
+    windowed.compile(1, 64, 2)
+    assert windowed.attention_of(1, 64, 2) == (
+        "dense", ("pallas: takes none of this model's layers (a score bias or a window it cannot express)",))

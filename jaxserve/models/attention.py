@@ -40,7 +40,9 @@ their outputs are never pooled, and no real query sees a padding key.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import threading
 from typing import Callable
 
 import jax
@@ -64,6 +66,28 @@ PALLAS_STAGES = 2  # mha's default num_stages: the k and v tiles are double-buff
 SHARED_MEMORY_BYTES = 227 * 1024  # Hopper (H100/H200): 228 KB per SM, 227 KB usable by one block
 CUDNN_MAX_HEAD_DIM = 256  # Hopper; and a multiple of 8 (jax's check_is_flash_attention)
 CUDNN_DTYPES = ("bfloat16", "float16")
+
+
+_traced = threading.local()  # the implementations `attend` ran in this thread's current trace (`recording`)
+
+
+@contextlib.contextmanager
+def recording():
+    """Collect the implementation each attention layer traced in this thread runs (a list, in layer order):
+    a bucket compiled for cuDNN may run some layers in XLA (score bias, bidirectional windows)."""
+    outer = getattr(_traced, "used", None)
+    _traced.used = used = []
+    try:
+        yield used
+    finally:
+        _traced.used = outer
+
+
+def ran(chosen: str, used: list[str]) -> str:
+    """What a bucket's layers ran, as one name: `chosen`, or e.g. `cudnn+blockwise` when some layers
+    could not take it, or only the xla one when none could."""
+    names = sorted(set(used) or {chosen}, key=lambda n: (n != chosen, IMPLEMENTATIONS.index(n)))
+    return "+".join(names)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,6 +288,8 @@ def attend(q, k, v, masks: Masks, spec: Spec = FULL, scale: float | None = None,
     if (impl == "pallas" and not pallas_fits(q.shape, spec, score_bias, q.dtype.itemsize)
             or impl == "cudnn" and not cudnn_fits(spec, score_bias)):
         impl = xla_impl(q.shape[1])
+    if getattr(_traced, "used", None) is not None:
+        _traced.used.append(impl)
     if impl == "dense":
         return _dense(q, k, v, masks.bias(spec, score_bias))
     if impl == "pallas":
