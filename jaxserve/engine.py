@@ -143,6 +143,9 @@ class Engine:
         batch, seqlen, slots, output = key
         plan = self._plan(seqlen)
         reasons = list(plan.skipped)
+        if reasons:
+            log.info("bucket batch %d seqlen %d slots %d (%s): attention %s not tried: %s", batch, seqlen, slots, output,
+                     ", ".join(r.split(":")[0] for r in reasons), "; ".join(reasons))
         for i, impl in enumerate(plan.candidates):
             try:
                 forward = unstacked(self._make_forward(slots, seqlen, output, impl))

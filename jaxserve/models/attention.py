@@ -58,9 +58,9 @@ MASKED = -1e30
 DENSE_MAX_SEQLEN = 256  # past this blockwise is faster on CPU (and dense scores [B, N, S, S] grow as S²)
 KEY_BLOCK = 256  # queries and keys per block of the blockwise kernel
 # Pallas tiles (queries and keys alike): the sizes upstream tests the kernel at, largest first. Below
-# the smallest, XLA: Hopper's wgmma works on 64-row tiles, and a seqlen under 64 has few scores anyway.
+# the smallest (the minimum tile), XLA: Hopper's wgmma works on 64-row tiles, and a seqlen under 64
+# has few scores anyway.
 PALLAS_BLOCKS = (128, 64)
-PALLAS_MIN_BLOCK = PALLAS_BLOCKS[-1]
 PALLAS_HEAD_DIMS = (16, 256)  # powers of two in this range (Triton's dot takes K >= 16; cuDNN's limit above)
 PALLAS_STAGES = 2  # mha's default num_stages: the k and v tiles are double-buffered
 SHARED_MEMORY_BYTES = 227 * 1024  # Hopper (H100/H200): 228 KB per SM, 227 KB usable by one block
