@@ -2,13 +2,15 @@
 
 It holds each output's timed bucket table (the knee decided when it was made,
 so every start from it serves the same shapes and timings) and every bucket's
-executable, serialized with `jax.experimental.serialize_executable`. JAX's
+executable, serialized with `jax.experimental.serialize_executable`, beside the
+attention implementation it was compiled with and why earlier candidates fell
+back (`Engine.attention_of`), so a warm start reports what a cold one did. JAX's
 persistent compilation cache cannot do this: it is keyed by the unoptimised
 program, so every start still traces and lowers every bucket.
 
 An artifact is found by its key, a digest of everything that changes the
 executables or the table (`key_fields`): the model's files, the dtype, the
-table options, the outputs, the jax and jaxlib versions, the backend, device
+`--attention` choice, the table options, the outputs, the jax and jaxlib versions, the backend, device
 kinds and count, XLA flags and JAX's numeric flags, and jaxserve's own source.
 Weights enter by their safetensors headers (names, dtypes, shapes): an
 executable takes the weights as arguments, so their values change neither it
@@ -39,8 +41,9 @@ import jax
 
 from jaxserve.buckets import BucketTable
 from jaxserve.derivation import TableOptions
+from jaxserve.engine import Attention
 
-FORMAT = 1
+FORMAT = 2  # 2: each executable's attention implementation beside it
 MAGIC = b"JAXSERVE-WARM\n"
 SUFFIX = ".jaxwarm"
 WHOLE_FILE_BYTES = 64 * 2**20  # model files hashed whole up to this size (configs, tokenizers, small heads)
@@ -103,6 +106,7 @@ def key_fields(encoder, spec: BucketTable | TableOptions, outputs: tuple[str, ..
         "format": FORMAT,
         "model": model_digest(encoder.path),
         "dtype": encoder.dtype,
+        "attention": encoder.attention,
         "table": ({"file": hashlib.sha256(json.dumps(spec.to_json(), sort_keys=True).encode()).hexdigest()}
                   if isinstance(spec, BucketTable) else dataclasses.asdict(spec)),
         "outputs": list(outputs),
@@ -143,6 +147,9 @@ def save(directory: Path, encoder, fields: dict) -> Path:
         "executables": {output: {shape: serialize_executable.serialize(exe)
                                  for shape, exe in engine.executables(output).items()}
                         for output in fields["outputs"]},
+        "attention": {output: {shape: tuple(engine.attention_of(*shape, output) or ())
+                               for shape in engine.executables(output)}
+                      for output in fields["outputs"]},
     }
     body = pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
     target = path_for(directory, encoder, fields)
@@ -182,11 +189,14 @@ def load(directory: Path, encoder, fields: dict, on_progress=lambda done, total:
         return serialize_executable.deserialize_and_load(blob, in_tree, out_tree, backend=devices[0].client,
                                                          execution_devices=devices)
 
+    attention = payload.get("attention", {})
     try:
         # loading releases the GIL for most of its time: one per core at once
         with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
             for (output, (batch, seqlen, slots), _), exe in zip(jobs, pool.map(deserialize, jobs)):
-                engine.add_executable(batch, seqlen, slots, output, exe)
+                record = attention.get(output, {}).get((batch, seqlen, slots))
+                engine.add_executable(batch, seqlen, slots, output, exe,
+                                      Attention(record[0], tuple(record[1])) if record else None)
                 done += 1
                 on_progress(done, len(jobs))
         tables = {output: BucketTable.from_json(payload["tables"][output]) for output in fields["outputs"]}

@@ -38,6 +38,8 @@ class Bucket:
     limited_by: str = ""  # what stopped the batch growing: memory, tokens, max_batch, throughput (its knee)
     compile_s: float | None = None  # measured at warmup
     run_s: float | None = None  # measured at warmup (median of a few runs)
+    attention: str = ""  # the attention implementation its executable runs (dense, blockwise, pallas, cudnn)
+    attention_fallback: str = ""  # why the implementations tried before it were not used ("; "-separated)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -379,7 +381,7 @@ def format_table(table: BucketTable) -> str:
         f"budget {table.budget_bytes / 2**30:.2f} GiB, weights {table.weights_bytes / 2**20:.1f} MiB, "
         f"max_batch_tokens {table.max_batch_tokens}",
         f"{'seqlen':>7} {'batch':>6} {'slots':>5} {'tokens':>8} {'est MiB':>9} {'XLA MiB':>9} {'budget%':>7} "
-        f"{'limited by':>10} {'compile s':>9} {'run ms':>8}",
+        f"{'limited by':>10} {'compile s':>9} {'run ms':>8} attention",
     ]
     for b in table.buckets:
         pct = 100 * b.compiled_bytes / table.budget_bytes if table.budget_bytes else 0
@@ -387,6 +389,7 @@ def format_table(table: BucketTable) -> str:
             f"{b.seqlen:>7} {b.batch:>6} {b.slots:>5} {b.tokens:>8} {mb(b.estimated_bytes)} {mb(b.compiled_bytes)} "
             f"{pct:>6.1f}% {b.limited_by:>10} "
             f"{'' if b.compile_s is None else f'{b.compile_s:.2f}':>9} {'' if b.run_s is None else f'{1e3 * b.run_s:.1f}':>8}"
+            f" {b.attention}{' (fell back: ' + b.attention_fallback + ')' if b.attention_fallback else ''}"
         )
     for seqlen, reason in table.dropped:
         lines.append(f"{seqlen:>7} dropped: {reason}")

@@ -18,7 +18,7 @@ def cmd_demo(args) -> int:
     """Embed a few sentences and print their cosine similarities."""
     from jaxserve import Encoder
 
-    enc = Encoder.from_pretrained(args.model, dtype=args.dtype)
+    enc = Encoder.from_pretrained(args.model, dtype=args.dtype, attention=args.attention)
     vecs = enc.embed(DEMO_TEXTS)
     print(f"model {enc.path} ({enc.model_config.model_type}, dim {enc.dim}, pooling {enc.embedding_config.pooling})")
     sims = vecs @ vecs.T
@@ -54,7 +54,7 @@ def cmd_buckets(args) -> int:
     from jaxserve import Encoder
     from jaxserve.buckets import BucketTable, format_table
 
-    enc = Encoder.from_pretrained(args.model, dtype=args.dtype)
+    enc = Encoder.from_pretrained(args.model, dtype=args.dtype, attention=args.attention)
     table = table_for(enc, args)
     if not isinstance(table, BucketTable):
         o = table
@@ -75,7 +75,7 @@ def cmd_warmup(args) -> int:
     started = startup.Startup()
     started.add("import", startup.since_process_start())
     with started.phase("weights"):
-        enc = Encoder.from_pretrained(args.model, dtype=args.dtype)
+        enc = Encoder.from_pretrained(args.model, dtype=args.dtype, attention=args.attention)
     cache = None if args.no_cache else startup.cache_root(args.cache_dir)
     table = startup.warm(enc, table_for(enc, args), tokens=args.embed_all, cache=cache, startup=started,
                          progress=True)
@@ -98,7 +98,8 @@ def cmd_serve(args) -> int:
     from jaxserve.server import ServerConfig, serve
 
     config = ServerConfig(
-        model=args.model, model_name=args.served_model_name, dtype=args.dtype, buckets=args.buckets,
+        model=args.model, model_name=args.served_model_name, dtype=args.dtype, attention=args.attention,
+        buckets=args.buckets,
         ladder=args.ladder, layout=args.layout, max_wait_ms=args.max_wait_ms, max_queue_tokens=args.max_queue_tokens,
         max_client_batch=args.max_client_batch, max_input_chars=args.max_input_chars,
         max_body_bytes=args.max_body_bytes, long=args.long, api_key=args.api_key or os.environ.get("JAXSERVE_API_KEY"),
@@ -133,7 +134,7 @@ def cmd_embed(args) -> int:
     total = corpus.check()  # a streaming pass: nothing is held in memory
     from jaxserve import Encoder
 
-    enc = Encoder.from_pretrained(args.model, dtype=args.dtype)  # loads weights; compiles nothing
+    enc = Encoder.from_pretrained(args.model, dtype=args.dtype, attention=args.attention)  # loads weights; compiles nothing
     if sparse_output or enc.head.kind == "sparse":  # SPLADE: JSON Lines of {"index", "value"} lists
         if not (sparse_output and enc.head.kind == "sparse"):
             raise JaxserveError("--output must end in .jsonl for a sparse (SPLADE) model (per row its "
@@ -173,7 +174,7 @@ def cmd_explain(args) -> int:
     corpus = Corpus(args.file, args.field)
     corpus.check()  # before any compile
     docs = list(corpus.texts())
-    enc = Encoder.from_pretrained(args.model, dtype=args.dtype)
+    enc = Encoder.from_pretrained(args.model, dtype=args.dtype, attention=args.attention)
     table = enc.warmup(table_for(enc, args), progress=True)
     pieces, rows = enc.prepare(docs, long=args.long)
     measured = None
@@ -318,6 +319,10 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="checkpoint directory or hub id (default: $JAXSERVE_MODEL, else the bundled all-MiniLM-L6-v2)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="weights and activations (auto: float32 on CPU, bfloat16 on GPU/TPU)")
+    p.add_argument("--attention", default="auto", choices=["auto", "pallas", "cudnn", "xla", "blockwise"],
+                   help="attention kernel per bucket: auto (GPU: cuDNN, then Pallas, then XLA; CPU: XLA), or the one "
+                        "named; where it cannot take a bucket or fails to compile, the next one does (logged, and "
+                        "shown per bucket in /info)")
 
 
 def main(argv: list[str] | None = None) -> int:

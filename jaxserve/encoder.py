@@ -21,7 +21,9 @@ from jaxserve.config import EmbeddingConfig, HeadConfig, read_head_config, read_
 from jaxserve.device import DEFAULT_HEADROOM
 from jaxserve.engine import Engine
 from jaxserve.errors import InputError
-from jaxserve.models import ArchConfig, Family, attention
+from jaxserve.models import ArchConfig, Family
+from jaxserve.models import attention as attention_kernels
+from jaxserve.models.attention import CHOICES as ATTENTION_CHOICES
 from jaxserve.jobs import Job
 from jaxserve.planner import Rows, pack
 from jaxserve.pooling import dense_layers, pool
@@ -90,11 +92,12 @@ class Encoder:
     head: HeadConfig = HeadConfig()  # embedding, a classifier's labels, or sparse
     splade: sparse.SparseConfig | None = None  # a SPLADE checkpoint's pooling (jaxserve.sparse)
     last_dispatches: list = dataclasses.field(default_factory=list, repr=False)  # the batches the last `run` ran
+    attention: str = "auto"  # the --attention choice (each bucket's implementation: engine.attention_of)
 
     @classmethod
     def from_pretrained(
         cls, name: str | None = None, dtype: str = "auto", buckets: BucketTable | str | Path | None = None,
-        devices: int | str = 1,
+        devices: int | str = 1, attention: str = "auto",
     ) -> "Encoder":
         """Load a checkpoint. With `buckets` (a table or its JSON file) the engine is warmed at once;
         otherwise on first use, with the table derived for this device.
@@ -102,8 +105,12 @@ class Encoder:
         `dtype`: of weights and activations (pooled outputs are float32 whatever it is);
         `auto` is float32 on a CPU, bfloat16 on accelerators.
         `devices`: how many local devices share each batch (an int, or "all"): data parallel,
-        weights replicated, batch axis sharded."""
+        weights replicated, batch axis sharded.
+        `attention`: auto, pallas, cudnn, xla or blockwise (`attention.plan`); per bucket, an
+        implementation that cannot take it or fails to compile falls back to the next."""
         dtype = resolve_dtype(dtype)
+        if attention not in ATTENTION_CHOICES:
+            raise ValueError(f"attention must be one of {', '.join(ATTENTION_CHOICES)}, not {attention!r}")
         path = checkpoint.resolve(name)
         family, cfg = read_model_config(path)
         head = read_head_config(path)
@@ -120,8 +127,8 @@ class Encoder:
         params = jax.device_put(params)
         platform = jax.devices()[0].platform
 
-        def forward(slots: int, seqlen: int, output: str):
-            module = family.encoder(cfg, jdtype, attention=attention.choose(platform, seqlen))
+        def forward(slots: int, seqlen: int, output: str, implementation: str):
+            module = family.encoder(cfg, jdtype, attention=attention_kernels.Kernel(implementation, slots))
             if output == "tokens":
                 return partial(tokens_forward, module, slots)
             if splade is not None:
@@ -134,8 +141,11 @@ class Encoder:
         count = len(local) if devices == "all" else int(devices)
         if not 1 <= count <= len(local):
             raise ValueError(f"devices must be 'all' or 1..{len(local)}, not {devices!r}")
-        engine = Engine(forward, params, local[:count])
-        enc = cls(path, family, cfg, emb, tokenizer, engine, dtype, head, splade)
+        dims = cfg.dims(jnp.dtype(jdtype).itemsize)
+        head_dim = dims.head_dim or dims.hidden // dims.heads
+        engine = Engine(forward, params, local[:count],
+                        plan=partial(attention_kernels.plan, attention, platform, head_dim=head_dim, dtype=dtype))
+        enc = cls(path, family, cfg, emb, tokenizer, engine, dtype, head, splade, attention=attention)
         if buckets is not None:
             enc.warmup(buckets if isinstance(buckets, BucketTable) else BucketTable.load(buckets))
         return enc

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import logging
 import os
 import statistics
 import threading
@@ -26,11 +27,26 @@ from jaxserve import compiles  # noqa: F401  (installs the compile counter)
 from jaxserve import derivation
 from jaxserve.buckets import Bucket, BucketTable
 from jaxserve.jobs import INPUT_NAMES
+from jaxserve.models import attention
+from jaxserve.models.attention import Plan, xla_impl
 
+log = logging.getLogger("jaxserve.engine")
 TIMED_RUNS = 1  # timed runs per bucket at warmup, after one burn-in (live timings refine it later)
 HOST_RUNS = 5  # dispatches of the smallest bucket timed for the host's cost per dispatch (their median)
 
 Forward = Callable[[dict, dict], jax.Array]  # (params, {name: [B, S] int32}) -> [B, K, D]
+
+
+class Attention(NamedTuple):
+    """Which attention implementation a bucket's executable runs, and why the ones before it were not used."""
+
+    implementation: str
+    fallback: tuple[str, ...] = ()
+
+
+def xla_plan(seqlen: int) -> Plan:
+    """The default candidates: XLA's attention (dense or blockwise by seqlen), no fallback."""
+    return Plan((xla_impl(seqlen),))
 
 
 class ShapeError(ValueError):
@@ -62,11 +78,16 @@ def compiled_bytes(compiled: jax.stages.Compiled) -> int:
 
 
 class Engine:
-    def __init__(self, make_forward: Callable[[int, int, str], Forward], params: dict, devices: list | None = None):
-        """`make_forward(slots, seqlen, output)` gives the pure forward for rows of `seqlen` tokens and up
-        to `slots` documents (the seqlen picks the attention implementation); `output` is `pooled`
+    def __init__(self, make_forward: Callable[[int, int, str, str], Forward], params: dict, devices: list | None = None,
+                 plan: Callable[[int], Plan] = xla_plan):
+        """`make_forward(slots, seqlen, output, implementation)` gives the pure forward for rows of `seqlen`
+        tokens and up to `slots` documents, its attention run by `implementation`; `output` is `pooled`
         ([B, K, D] per sequence) or `tokens` ([B, S, D] per token, TEI's /embed_all). Each output has
         its own table of warmed buckets.
+
+        `plan(seqlen)` gives the implementations to try (`attention.Plan`): a bucket whose candidate
+        fails to trace or compile is compiled with the next one, and the failure logged; which one
+        it runs, and why, is `attention_of` (and each served bucket's `attention` fields).
 
         With several `devices`: a 1-D mesh; weights replicated on each, every bucket's
         batch axis sharded across them, one compile per bucket for the whole mesh.
@@ -82,6 +103,8 @@ class Engine:
         self._params_struct = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
         self._compiled: dict[tuple[int, int, int, str], concurrent.futures.Future] = {}
         self._compile_s: dict[tuple[int, int, int, str], float] = {}
+        self._plan = plan
+        self._attention: dict[tuple[int, int, int, str], Attention] = {}
         self._lock = threading.Lock()
         self.tables: dict[str, BucketTable] = {}  # per output, the warmed table
         self.spent = {"compile": 0.0, "timing": 0.0}  # wall seconds of warming up (start-up's phases)
@@ -112,16 +135,48 @@ class Engine:
         if owner:
             start = time.perf_counter()
             try:
-                forward = unstacked(self._make_forward(slots, seqlen, output))
-                fn = jax.jit(forward, in_shardings=(self._replicated, self._inputs_by_row),
-                             out_shardings=self._by_row) if self.devices > 1 else jax.jit(forward)
-                future.set_result(fn.lower(self._params_struct, batch_struct(batch, seqlen)).compile())
+                future.set_result(self._compile_first(key))
             except BaseException as exc:
                 with self._lock:
                     del self._compiled[key]
                 future.set_exception(exc)
             self._compile_s[key] = time.perf_counter() - start
         return future.result()
+
+    def _compile_first(self, key: tuple[int, int, int, str]) -> jax.stages.Compiled:
+        """Compile with the plan's first candidate that traces and compiles; the last one's failure is raised."""
+        batch, seqlen, slots, output = key
+        plan = self._plan(seqlen)
+        reasons = list(plan.skipped)
+        if reasons:
+            log.info("bucket batch %d seqlen %d slots %d (%s): attention %s not tried: %s", batch, seqlen, slots, output,
+                     ", ".join(r.split(":")[0] for r in reasons), "; ".join(reasons))
+        for i, impl in enumerate(plan.candidates):
+            try:
+                forward = unstacked(self._make_forward(slots, seqlen, output, impl))
+                fn = jax.jit(forward, in_shardings=(self._replicated, self._inputs_by_row),
+                             out_shardings=self._by_row) if self.devices > 1 else jax.jit(forward)
+                with attention.recording() as used:  # what each layer runs (a fused kernel takes only some)
+                    lowered = fn.lower(self._params_struct, batch_struct(batch, seqlen))
+                exe = lowered.compile()
+            except Exception as exc:
+                if i == len(plan.candidates) - 1:
+                    raise
+                why = _reason(impl, exc)
+                log.warning("bucket batch %d seqlen %d slots %d (%s): attention %s failed to compile, trying %s: %s",
+                            batch, seqlen, slots, output, impl, plan.candidates[i + 1], why)
+                reasons.append(why)
+                continue
+            if used and impl not in used:
+                reasons.append(f"{impl}: takes none of this model's layers (a score bias or a window it cannot express)")
+            with self._lock:
+                self._attention[key] = Attention(attention.ran(impl, used), tuple(reasons))
+            return exe
+        raise AssertionError("a plan has at least one candidate")
+
+    def attention_of(self, batch: int, seqlen: int, slots: int = 1, output: str = "pooled") -> Attention | None:
+        """The implementation a compiled (or loaded) bucket runs, and its fallback reasons."""
+        return self._attention.get((batch, seqlen, slots, output))
 
     def measure(self, batch: int, seqlen: int, slots: int) -> int:
         return compiled_bytes(self.compile(batch, seqlen, slots))
@@ -180,20 +235,32 @@ class Engine:
             if missing:
                 raise ShapeError(f"no executable for {sorted(missing)}")
             self._compiled = {k: v for k, v in self._compiled.items() if k in kept or k[3] != output}
+            self._attention = {k: v for k, v in self._attention.items() if k in kept or k[3] != output}
+            table = _with(table, buckets=tuple(self._attended(b, output) for b in table.buckets))
         self.tables[output] = table
         self._table_keys = frozenset(k for k in self._table_keys if k[3] != output) | kept
         return table
+
+    def _attended(self, bucket: Bucket, output: str) -> Bucket:
+        """The bucket with its executable's attention implementation and fallback reasons filled in."""
+        record = self._attention.get((bucket.batch, bucket.seqlen, bucket.slots, output))
+        if record is None:
+            return bucket
+        return _with(bucket, attention=record.implementation, attention_fallback="; ".join(record.fallback))
 
     def executables(self, output: str = "pooled") -> dict[tuple[int, int, int], jax.stages.Compiled]:
         """The served table's executables of one output, by (batch, seqlen, slots)."""
         return {(b, s, k): self._compiled[(b, s, k, o)].result() for (b, s, k, o) in self._table_keys if o == output}
 
-    def add_executable(self, batch: int, seqlen: int, slots: int, output: str, exe: jax.stages.Compiled) -> None:
-        """An executable built elsewhere (a warm artifact's), for `install`."""
+    def add_executable(self, batch: int, seqlen: int, slots: int, output: str, exe: jax.stages.Compiled,
+                       attention: Attention | None = None) -> None:
+        """An executable built elsewhere (a warm artifact's), with the attention it was compiled with, for `install`."""
         future = concurrent.futures.Future()
         future.set_result(exe)
         with self._lock:
             self._compiled[(batch, seqlen, slots, output)] = future
+            if attention is not None:
+                self._attention[(batch, seqlen, slots, output)] = attention
 
     @property
     def device_list(self) -> list:
@@ -270,6 +337,12 @@ class Engine:
     def run(self, bucket: Bucket, inputs: np.ndarray, output: str = "pooled") -> np.ndarray:
         """One dispatch at `bucket`'s shape, start to end -> host array [B, K, D] (or [B, S, D] tokens)."""
         return self.fetch(self.launch(self.put(bucket, inputs, output)))
+
+
+def _reason(impl: str, exc: Exception) -> str:
+    """One line naming the implementation and its error (the first line of the message, cut at 300 characters)."""
+    lines = str(exc).strip().splitlines()
+    return f"{impl}: {type(exc).__name__}: {lines[0][:300] if lines else ''}".rstrip(": ")
 
 
 def dummy_batch(bucket: Bucket) -> np.ndarray:

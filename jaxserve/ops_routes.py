@@ -77,7 +77,11 @@ async def info(request: web.Request) -> web.Response:
         body["max_batch_tokens"] = max(b.tokens for b in state.table.buckets)
         body["device"] = {"platform": jax.devices()[0].platform, "kind": state.table.device,
                           "count": len(jax.devices()), "memory_bytes": state.table.device_memory}
-        body["buckets"] = state.table.to_json()
+        body["buckets"] = state.table.to_json()  # each bucket's `attention` and `attention_fallback` among them
+        if enc is not None:
+            used = [b.attention for b in state.table.buckets]
+            body["attention"] = {"choice": enc.attention, "implementations": {i: used.count(i) for i in sorted(set(used))},
+                                 "fallbacks": sum(bool(b.attention_fallback) for b in state.table.buckets)}
         body["xla_compiles_total"] = compiles.xla_compiles_total()
     body["startup"] = {"table": state.startup.source, "doing": state.startup.doing,
                        "phases": {k: round(v, 3) for k, v in state.startup.phases.items()}}

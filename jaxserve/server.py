@@ -33,7 +33,8 @@ log = logging.getLogger("jaxserve.server")
 # ---- start-up: load, warm, then serve ----
 
 def load_encoder(config: ServerConfig) -> Encoder:
-    return Encoder.from_pretrained(config.model, dtype=config.dtype, devices=config.devices)
+    return Encoder.from_pretrained(config.model, dtype=config.dtype, devices=config.devices,
+                                   attention=config.attention)
 
 
 def check_prompt(config: ServerConfig, encoder: Encoder) -> None:

@@ -39,6 +39,7 @@ class ServerConfig:
     model: str | None = None  # checkpoint dir or hub id; None = $JAXSERVE_MODEL, else bundled all-MiniLM-L6-v2
     model_name: str | None = None  # name reported in responses (default: the model argument or directory name)
     dtype: str = "auto"  # float32 on CPU, bfloat16 on accelerators
+    attention: str = "auto"  # attention implementation per bucket (jaxserve.models.attention.plan), with fallback
     buckets: str = "auto"  # a bucket table JSON file, or auto (derived for this device)
     ladder: str = "default"
     layout: str = "packed"

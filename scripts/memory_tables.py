@@ -18,7 +18,7 @@ on a dict of four [B, S] int32 arrays, as the engine runs it.
 
 With `--target gpu` (the default) three things make the CPU compiler's figure
 stand in for a GPU's; each is printed with the table:
-- Attention: a GPU runs the fused Pallas kernel (`attention.choose`), which the
+- Attention: a GPU runs a fused kernel (cuDNN's or Pallas', `attention.plan`), which the
   CPU compiler cannot compile; its stand-in is `blockwise` at every seqlen: no
   [S, S] buffer either, and slightly more temporaries than the fused kernel.
 - XLA CPU runs bfloat16 matmuls in float32 and keeps a float32 copy of every
@@ -29,7 +29,7 @@ stand in for a GPU's; each is printed with the table:
   analysis does not count (a dense attention's [B, N, S, S] scores among them).
   The script turns those library fusions off (`--xla_cpu_experimental_ynn_fusion_type=`)
   so that every buffer is in the analysis, as a GPU compiler's would be.
-`--target cpu` compiles what a CPU runs (`attention.choose("cpu", ...)`) and
+`--target cpu` compiles what a CPU runs (`attention.xla_impl`) and
 takes nothing off (library fusions stay off: their scratch is real memory).
 """
 
@@ -64,11 +64,10 @@ def read_config(source: str) -> dict:
 
 
 def implementation(target: str, seqlen: int) -> str:
-    """The attention compiled for `target`: on a GPU blockwise stands in for the Pallas kernel."""
+    """The attention compiled for `target`: on a GPU blockwise stands in for the fused kernels."""
     from jaxserve.models import attention
 
-    impl = attention.choose(target, seqlen)
-    return "blockwise" if impl == "pallas" else impl
+    return "blockwise" if target == "gpu" else attention.xla_impl(seqlen)
 
 
 class Compiled:

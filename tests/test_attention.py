@@ -145,9 +145,9 @@ def test_pallas_interpreted_equals_dense(kv):
     """The Pallas GPU kernel, run by Pallas' interpreter on the CPU at tiny shapes: packed rows,
     causal or not, grouped heads repeated; a windowed layer falls back and still equals dense."""
     rng = np.random.default_rng(2)
-    b, s, n, h = 2, 32, 4, 16
+    b, s, n, h = 2, 64, 4, 16
     q, k, v = qkv(rng, b, s, n, kv, h)
-    seg, pos = packed_rows([[10, 14], [32]], s)
+    seg, pos = packed_rows([[10, 34], [64]], s)
     real = seg > 0
     for spec in (FULL, Spec(causal=True), Spec(causal=True, window=4)):
         dense = np.asarray(attend(q, k, v, Masks(seg, pos), spec))
@@ -156,16 +156,119 @@ def test_pallas_interpreted_equals_dense(kv):
         np.testing.assert_allclose(fused[real], dense[real], atol=2e-5)
 
 
-def test_choose_and_pallas_tiles():
-    assert [attention.choose("cpu", s) for s in (256, 384, 32768)] == ["dense", "blockwise", "blockwise"]
-    assert attention.choose("gpu", 96) == "pallas" and attention.pallas_block(96) == 32
-    assert attention.pallas_block(192) == 64 and attention.pallas_block(32768) == 128
-    assert attention.pallas_block(40) == 0 and attention.choose("gpu", 40) == "dense"
-    assert attention.pallas_fits((1, 64, 2, 16), Spec(causal=True), None)
-    assert not attention.pallas_fits((1, 64, 2, 16), Spec(window=8), None)
-    assert not attention.pallas_fits((1, 64, 2, 8), FULL, None)  # head dim under Triton's smallest tile
+def test_plan_orders_candidates_and_says_why_it_skips():
+    plan = attention.plan
+    assert [plan("auto", "cpu", s, 64, "float32").candidates for s in (256, 384)] == [("dense",), ("blockwise",)]
+    assert plan("auto", "gpu", 512, 64, "bfloat16") == attention.Plan(("cudnn", "pallas", "blockwise"))
+    assert plan("auto", "gpu", 96, 64, "bfloat16") == attention.Plan(
+        ("cudnn", "dense"), ("pallas: no tile of 128/64 rows divides seqlen 96 and fits 227 KB of shared memory at "
+                             "head_dim 64",))
+    fp32 = plan("auto", "gpu", 128, 64, "float32")
+    assert fp32.candidates == ("pallas", "dense") and fp32.skipped == (
+        "cudnn: needs bfloat16 or float16 activations, not float32",)
+    assert plan("auto", "gpu", 128, 96, "bfloat16").candidates == ("cudnn", "dense")  # Pallas: powers of two only
+    assert plan("auto", "gpu", 128, 512, "bfloat16").candidates == ("dense",)
+    assert plan("cudnn", "cpu", 128, 64, "bfloat16") == attention.Plan(("dense",), ("cudnn: needs a CUDA GPU (this is cpu)",))
+    assert plan("pallas", "gpu", 1024, 64, "bfloat16").candidates == ("pallas", "blockwise")  # forced: no cuDNN
+    assert plan("xla", "gpu", 128, 64, "bfloat16").candidates == ("dense",)
+    assert plan("blockwise", "gpu", 128, 64, "bfloat16").candidates == ("blockwise",)
+    with pytest.raises(ValueError, match="unknown attention 'flash'"):
+        plan("flash", "gpu", 128, 64, "bfloat16")
     with pytest.raises(ValueError, match="unknown attention implementation"):
         Masks(np.ones((1, 4), np.int32), np.zeros((1, 4), np.int32), impl="flash")
+
+
+def test_pallas_tiles_fit_hoppers_shared_memory():
+    """bf16: 128-row tiles to head_dim 128 (upstream's tested default), 64 at head_dim 256, where 128 would
+    need 352 KB of the 227 KB; none under the 64-row minimum or where no tile divides the seqlen."""
+    block = attention.pallas_block
+    assert [block(4096, h) for h in (16, 32, 64, 128, 256)] == [128, 128, 128, 128, 64]
+    assert attention.pallas_shared_bytes(128, 128, 2) == 192 * 1024
+    assert attention.pallas_shared_bytes(64, 256, 2) == 168 * 1024
+    assert attention.pallas_shared_bytes(128, 256, 2) == 352 * 1024 > attention.SHARED_MEMORY_BYTES
+    assert block(192, 64) == 64 and block(64, 64) == 64 and block(96, 64) == 0 and block(32, 64) == 0
+    assert block(4096, 128, 4) == 64 and block(4096, 256, 4) == 0  # float32 tiles hold twice the bytes
+    assert attention.pallas_fits((1, 64, 2, 16), Spec(causal=True), None)
+    assert not attention.pallas_fits((1, 64, 2, 16), Spec(window=8), None)
+    assert not attention.pallas_fits((1, 64, 2, 8), FULL, None)  # head dim under Triton's smallest dot
+    assert not attention.pallas_fits((1, 32, 2, 16), FULL, None)  # seqlen under the minimum tile
+    assert attention.cudnn_fits(Spec(causal=True, window=8), None) and not attention.cudnn_fits(Spec(window=8), None)
+    assert not attention.cudnn_fits(FULL, lambda q, k: 0.0)
+
+
+_segment_layout = jax.jit(attention.segment_layout, static_argnums=1)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.lists(st.integers(1, 12), max_size=4), min_size=3, max_size=3))
+def test_segment_layout_is_each_documents_first_slot_and_length(rows):
+    """cuDNN's ragged layout from packed segment ids: per row, document d starts at the sum of the lengths
+    before it and holds its length; absent documents and the last offset are -1 (rows of [3, 50]: one compile)."""
+    slots = 4
+    seg, _ = packed_rows(rows, 50)  # up to 48 real tokens: some rows end in padding, some are all padding
+    offsets, lengths = (np.asarray(x) for x in _segment_layout(seg, slots))
+    assert offsets.shape == (len(rows), slots + 1) and lengths.shape == (len(rows), slots)
+    for r, docs in enumerate(rows):
+        starts = np.cumsum([0, *docs])[:-1]
+        assert offsets[r].tolist() == [*starts.tolist(), *[-1] * (slots + 1 - len(docs))]
+        assert lengths[r].tolist() == [*docs, *[-1] * (slots - len(docs))]
+        for d, (o, n) in enumerate(zip(starts, docs)):  # the slots it names are exactly document d's
+            assert (seg[r, o:o + n] == d + 1).all() and (seg[r] == d + 1).sum() == n
+
+
+@pytest.mark.parametrize("h,s", [(256, 128), (64, 256)], ids=["head_dim256-tile64", "head_dim64-tile128"])
+def test_pallas_interpreted_at_the_tiles_auto_picks(h, s):
+    """bf16 at the tiles `pallas_block` picks for a GPU (64 rows at head_dim 256, 128 at 64), run by Pallas'
+    interpreter on the CPU: packed rows, causal or not, grouped heads; equal to the float64 reference."""
+    assert attention.plan("auto", "gpu", s, h, "bfloat16").candidates[1] == "pallas"
+    block = attention.pallas_block(s, h)
+    assert block == (64 if h == 256 else 128) and s // block == 2  # two query tiles, two key tiles
+    rng = np.random.default_rng(3)
+    q, k, v = qkv(rng, 1, s, 2, 1, h)
+    seg, pos = packed_rows([[block - 10, 30, s - block - 20]], s)  # a document across the tile edge; padding
+    real = seg > 0
+    q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v))
+    for spec in (FULL, Spec(causal=True)):
+        want = reference(*(np.asarray(x, np.float32) for x in (q, k, v)), seg, pos, spec)
+        got = np.asarray(attend(q, k, v, Masks(seg, pos, impl="pallas"), spec), np.float32)
+        assert np.isfinite(got).all()
+        np.testing.assert_allclose(got[real], want[real], atol=3e-2)
+
+
+@pytest.mark.parametrize("impl,slots", [("cudnn", 4), ("cudnn", 1), ("pallas", 4)])
+def test_fused_kernels_lower_for_cuda_on_this_cpu(impl, slots, monkeypatch):
+    """The GPU programs are built here as a GPU would build them (jax.export for the cuda platform runs
+    the CUDA lowering rules): cuDNN's custom call gets the ragged layout (q/kv seqlens and offsets) for
+    packed rows, the padding mask for one-document rows, causal and window by its config; grouped KV
+    heads as they are. Only jax's probes of the hardware (cuDNN version, compute capability) are stubbed."""
+    import re
+
+    from jax._src.cudnn import fused_attention_stablehlo as fa
+
+    monkeypatch.setattr(fa, "check_cudnn_version", lambda: 90800)
+    monkeypatch.setattr(fa, "check_compute_capability", lambda capability: True)  # Hopper
+    q = jax.ShapeDtypeStruct((2, 128, 4, 256), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((2, 128, 2, 256), jnp.bfloat16)
+    ids = jax.ShapeDtypeStruct((2, 128), jnp.int32)
+    targets = ("__cudnn$fmhaSoftmax", "__gpu$xla.gpu.triton")
+    checks = [jax.export.DisabledSafetyCheck.custom_call(t) for t in targets]
+    for spec in (FULL, Spec(causal=True), Spec(causal=True, window=16)):
+        fn = jax.jit(lambda q, k, v, s, p: attend(q, k, v, Masks(s, p, slots > 1, attention.Kernel(impl, slots)), spec))
+        text = jax.export.export(fn, platforms=["cuda"], disabled_checks=checks)(q, kv, kv, ids, ids).mlir_module()
+        text = text.replace("\\22", '"')
+        calls = re.findall(r"custom_call @([\w$.]+)\(([^)]*)\)", text)
+        if impl == "pallas":  # the Triton kernel, except in the windowed layer (xla there)
+            assert ("mha_forward" in text) == (spec.window is None) and not any(c == targets[0] for c, _ in calls)
+            continue
+        (operands,) = [args.count("%") for c, args in calls if c == targets[0]]
+        assert operands == (7 if slots > 1 else 5)  # q, k, v, q/kv seqlens (+ q/kv offsets when packed)
+        mask = re.search(r'"mask_type": "(\w+)"', text).group(1)
+        padding = "" if slots > 1 else "PADDING"
+        want = {FULL: padding or "NO_MASK"}.get(spec, "_".join(filter(None, (padding, "CAUSAL"))))
+        assert mask == want
+        assert re.search(r'"max_seg_per_batch": "?(\d+)', text).group(1) == str(slots)
+        window = re.search(r'"sliding_window_length": "?(\d+)', text)
+        assert (window and int(window.group(1))) == (spec.window or 0) or (not window and spec.window is None)
 
 
 # ---- the memory estimate (no JAX below) ----

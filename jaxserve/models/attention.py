@@ -11,7 +11,7 @@ A family with a per-head score bias (MPNet's relative position buckets) passes
 `score_bias`, a function of the query's and key's positions (`ScoreBias`): it
 sees the document's own positions too, so packed rows stay exact with it.
 
-Implementations, chosen per bucket by `choose` (static, compiled in):
+Implementations (`IMPLEMENTATIONS`), chosen per bucket by `plan` (static, compiled in):
 - `dense`: scores [B, N, S, S] with an additive float32 bias made once per
   forward per spec. Written for XLA CPU, which hands the whole attention of a
   layer to one YNNPACK fusion (see `_dense`).
@@ -19,10 +19,17 @@ Implementations, chosen per bucket by `choose` (static, compiled in):
   memory grows with block², not S². A query block visits only the key blocks
   its rule can reach (up to its own block when causal, its window's span when
   sliding), so windowed layers cost S * window, not S².
-- `pallas`: the Pallas GPU flash-attention kernel (fused, no score matrix in
-  memory) for the layers it can express: segment ids and causal. A layer with a
-  sliding window or a score bias falls back to `dense` or `blockwise` (by
-  seqlen); grouped-query heads are repeated to the query heads' count.
+- `pallas`: the Pallas GPU flash-attention kernel (Triton; fused, no score
+  matrix in memory): segment ids and causal in the kernel, tiles sized per
+  head_dim and seqlen (`pallas_block`).
+- `cudnn`: cuDNN's fused flash attention (XLA's `__cudnn$fmha` custom call):
+  packed rows as cuDNN's ragged layout (`segment_layout`: each document's first
+  slot and length), causal and causal sliding windows by mask type.
+`dense` and `blockwise` are "xla" (what XLA compiles from jnp ops), chosen by
+seqlen. A layer a fused kernel cannot express (a score bias; a window, or for
+cuDNN a non-causal one) runs the xla implementation inside the same bucket;
+grouped-query heads are repeated for Pallas. A bucket whose fused kernel fails
+to compile is compiled again with the next candidate (`jaxserve.engine`).
 
 Skipping key blocks (blockwise) and the kernel's causal rule (pallas) count in
 row slots, where the masks count in document positions: both agree because a
@@ -33,7 +40,9 @@ their outputs are never pooled, and no real query sees a padding key.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import threading
 from typing import Callable
 
 import jax
@@ -41,16 +50,44 @@ import jax.numpy as jnp
 
 from jaxserve.buckets import blockwise_block
 
-IMPLEMENTATIONS = ("dense", "blockwise", "pallas")
+IMPLEMENTATIONS = ("dense", "blockwise", "pallas", "cudnn")
+CHOICES = ("auto", "pallas", "cudnn", "xla", "blockwise")  # what `--attention` takes
 # Finite, and far below any real score: adding it absorbs the score (s + MASKED == MASKED
 # in float32), and a query with every key masked gets a uniform softmax, not NaN.
 MASKED = -1e30
 DENSE_MAX_SEQLEN = 256  # past this blockwise is faster on CPU (and dense scores [B, N, S, S] grow as S²)
 KEY_BLOCK = 256  # queries and keys per block of the blockwise kernel
-# The Pallas kernel tiles queries and keys alike: a power of two (Triton) dividing the seqlen,
-# at most its default tile, at least the smallest tile Triton's dot takes.
-PALLAS_MAX_BLOCK = 128
-PALLAS_MIN_BLOCK = 16
+# Pallas tiles (queries and keys alike): the sizes upstream tests the kernel at, largest first. Below
+# the smallest (the minimum tile), XLA: Hopper's wgmma works on 64-row tiles, and a seqlen under 64
+# has few scores anyway.
+PALLAS_BLOCKS = (128, 64)
+PALLAS_HEAD_DIMS = (16, 256)  # powers of two in this range (Triton's dot takes K >= 16; cuDNN's limit above)
+PALLAS_STAGES = 2  # mha's default num_stages: the k and v tiles are double-buffered
+SHARED_MEMORY_BYTES = 227 * 1024  # Hopper (H100/H200): 228 KB per SM, 227 KB usable by one block
+CUDNN_MAX_HEAD_DIM = 256  # Hopper; and a multiple of 8 (jax's check_is_flash_attention)
+CUDNN_DTYPES = ("bfloat16", "float16")
+
+
+_traced = threading.local()  # the implementations `attend` ran in this thread's current trace (`recording`)
+
+
+@contextlib.contextmanager
+def recording():
+    """Collect the implementation each attention layer traced in this thread runs (a list, in layer order):
+    a bucket compiled for cuDNN may run some layers in XLA (score bias, bidirectional windows)."""
+    outer = getattr(_traced, "used", None)
+    _traced.used = used = []
+    try:
+        yield used
+    finally:
+        _traced.used = outer
+
+
+def ran(chosen: str, used: list[str]) -> str:
+    """What a bucket's layers ran, as one name: `chosen`, or e.g. `cudnn+blockwise` when some layers
+    could not take it, or only the xla one when none could."""
+    names = sorted(set(used) or {chosen}, key=lambda n: (n != chosen, IMPLEMENTATIONS.index(n)))
+    return "+".join(names)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,32 +105,115 @@ FULL = Spec()
 ScoreBias = Callable[[jax.Array, jax.Array], jax.Array]
 
 
-def choose(platform: str, seqlen: int) -> str:
-    """The implementation for one bucket: on a GPU the fused Pallas kernel where it tiles the
-    seqlen; elsewhere dense while its scores are small, blockwise past that."""
-    if platform == "gpu" and pallas_block(seqlen):
-        return "pallas"
+def xla_impl(seqlen: int) -> str:
+    """What XLA compiles well at this seqlen: dense while its scores are small, blockwise past that."""
     return "dense" if seqlen <= DENSE_MAX_SEQLEN else "blockwise"
 
 
-def pallas_block(seqlen: int) -> int:
-    """The Pallas kernel's tile for this seqlen (0 where none fits)."""
-    block = PALLAS_MAX_BLOCK
-    while block >= PALLAS_MIN_BLOCK and seqlen % block:
-        block //= 2
-    return block if block >= PALLAS_MIN_BLOCK else 0
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """One bucket's implementations to try, in order (the last, dense or blockwise, always
+    compiles), and why the ones before them in the choice's order were not tried."""
+
+    candidates: tuple[str, ...]
+    skipped: tuple[str, ...] = ()
+
+
+def plan(choice: str, platform: str, seqlen: int, head_dim: int, dtype: str) -> Plan:
+    """The candidates for one bucket under `--attention choice`.
+
+    auto: on a GPU cuDNN, then Pallas, then xla; elsewhere xla (dense or blockwise by seqlen).
+    cuDNN first because on H100/H200 its flash attention is usually the fastest at head_dim
+    64-128 in bf16, Pallas' Triton kernel second (scripts/bench_attention.py measures it; the
+    choice is overridable). A forced `pallas` or `cudnn` falls back to xla where it cannot take
+    the bucket, and where it fails to compile; `xla` and `blockwise` are taken as said.
+    """
+    if choice not in CHOICES:
+        raise ValueError(f"unknown attention {choice!r}; choose from {', '.join(CHOICES)}")
+    xla = xla_impl(seqlen)
+    if choice == "blockwise":
+        return Plan(("blockwise",))
+    if choice == "xla" or (choice == "auto" and platform != "gpu"):
+        return Plan((xla,))
+    wanted = ("cudnn", "pallas") if choice == "auto" else (choice,)
+    tried, skipped = [], []
+    for impl in wanted:
+        if impl == "cudnn":
+            why = cudnn_unfit(platform, head_dim, dtype)
+        else:
+            why = pallas_unfit(seqlen, head_dim, jnp.dtype(dtype).itemsize)
+        if why:
+            skipped.append(f"{impl}: {why}")
+        else:
+            tried.append(impl)
+    return Plan((*tried, xla), tuple(skipped))
+
+
+def cudnn_unfit(platform: str, head_dim: int, dtype: str) -> str:
+    """Why cuDNN's fused attention cannot take this model ('' when it can: the rest is checked when tracing)."""
+    if platform != "gpu":
+        return f"needs a CUDA GPU (this is {platform})"
+    if dtype not in CUDNN_DTYPES:
+        return f"needs bfloat16 or float16 activations, not {dtype}"
+    if head_dim > CUDNN_MAX_HEAD_DIM or head_dim % 8:
+        return f"head_dim {head_dim} is not a multiple of 8 up to {CUDNN_MAX_HEAD_DIM}"
+    return ""
+
+
+def pallas_unfit(seqlen: int, head_dim: int, itemsize: int) -> str:
+    """Why the Pallas kernel cannot take this bucket ('' when it can)."""
+    lo, hi = PALLAS_HEAD_DIMS
+    if head_dim & (head_dim - 1) or not lo <= head_dim <= hi:
+        return f"head_dim {head_dim} is not a power of two in {lo}..{hi}"
+    if not pallas_block(seqlen, head_dim, itemsize):
+        return (f"no tile of {'/'.join(map(str, PALLAS_BLOCKS))} rows divides seqlen {seqlen} and fits "
+                f"{SHARED_MEMORY_BYTES // 1024} KB of shared memory at head_dim {head_dim}")
+    return ""
+
+
+def pallas_shared_bytes(block: int, head_dim: int, itemsize: int) -> int:
+    """Shared memory one program of Pallas' mha can hold, an upper bound: the q tile [block, H], the k
+    and v tiles [block, H] for each of PALLAS_STAGES pipeline stages, and the probabilities [block, block]
+    cast for the second dot, all in the activations' dtype (H padded to a power of two, as mha pads).
+    The float32 accumulators (output [block, H], scores [block, block]) live in registers."""
+    h = 1 << max(head_dim - 1, 0).bit_length()
+    return itemsize * (block * h + 2 * PALLAS_STAGES * block * h + block * block)
+
+
+def pallas_block(seqlen: int, head_dim: int = 64, itemsize: int = 2) -> int:
+    """The Pallas kernel's tile for this seqlen and head_dim: the largest of PALLAS_BLOCKS that divides
+    the seqlen and fits Hopper's shared memory (0 where none does: the bucket runs another kernel).
+    bf16: 128 up to head_dim 128 (192 KB at 128), 64 at head_dim 256 (168 KB; 128 would need 352 KB)."""
+    for block in PALLAS_BLOCKS:
+        if seqlen % block == 0 and pallas_shared_bytes(block, head_dim, itemsize) <= SHARED_MEMORY_BYTES:
+            return block
+    return 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    """A family module's `attention`: the implementation, and the documents per row (cuDNN's ragged
+    layout needs their number statically). A plain string is taken as Kernel(name, slots=1)."""
+
+    name: str = "dense"
+    slots: int = 1
 
 
 class Masks:
     """The mask inputs of one forward; each spec's dense bias is made once and shared by the layers."""
 
-    def __init__(self, segment_ids: jax.Array, positions: jax.Array, packed: bool = True, impl: str = "dense"):
+    def __init__(self, segment_ids: jax.Array, positions: jax.Array, packed: bool = True,
+                 impl: str | Kernel = "dense"):
+        kernel = impl if isinstance(impl, Kernel) else Kernel(impl)
+        impl = kernel.name
         if impl not in IMPLEMENTATIONS:
             raise ValueError(f"unknown attention implementation {impl!r}; choose from {', '.join(IMPLEMENTATIONS)}")
         self.segment_ids = segment_ids  # [B, S]
         self.positions = positions  # [B, S]
         self.packed = packed
         self.impl = impl
+        self.slots = kernel.slots
+        self._layout: tuple[jax.Array, jax.Array] | None = None
         self._bias: dict[tuple[Spec, ScoreBias | None], jax.Array] = {}
 
     def bias(self, spec: Spec, score_bias: ScoreBias | None = None) -> jax.Array:
@@ -110,6 +230,17 @@ class Masks:
             else:
                 self._bias[key] = self.bias(spec) + score_bias(self.positions, self.positions)
         return self._bias[key]
+
+    def layout(self) -> tuple[jax.Array, jax.Array]:
+        """cuDNN's view of the rows, made once per forward: `segment_layout`, or with one document per row
+        its real tokens [B]."""
+        if self._layout is None:
+            seg = jnp.asarray(self.segment_ids, jnp.int32)
+            if self.packed and self.slots > 1:
+                self._layout = segment_layout(seg, self.slots)
+            else:
+                self._layout = (None, jnp.sum(seg > 0, axis=1, dtype=jnp.int32))  # [B]
+        return self._layout
 
 
 def visible(seg_q, pos_q, seg_k, pos_k, spec: Spec, packed: bool = True) -> jax.Array:
@@ -154,12 +285,17 @@ def attend(q, k, v, masks: Masks, spec: Spec = FULL, scale: float | None = None,
     scale = (1.0 / float(q.shape[-1]) ** 0.5) if scale is None else scale
     q = q * jnp.asarray(scale, q.dtype)
     impl = masks.impl
-    if impl == "pallas" and not pallas_fits(q.shape, spec, score_bias):
-        impl = "dense" if q.shape[1] <= DENSE_MAX_SEQLEN else "blockwise"
+    if (impl == "pallas" and not pallas_fits(q.shape, spec, score_bias, q.dtype.itemsize)
+            or impl == "cudnn" and not cudnn_fits(spec, score_bias)):
+        impl = xla_impl(q.shape[1])
+    if getattr(_traced, "used", None) is not None:
+        _traced.used.append(impl)
     if impl == "dense":
         return _dense(q, k, v, masks.bias(spec, score_bias))
     if impl == "pallas":
         return _pallas(q, k, v, masks, spec)
+    if impl == "cudnn":
+        return _cudnn(q, k, v, masks, spec)
     return _blockwise(q, k, v, masks, spec, score_bias)
 
 
@@ -255,10 +391,16 @@ def key_blocks(i, block: int, nblocks: int, spec: Spec):
     return lo, hi
 
 
-def pallas_fits(shape: tuple[int, ...], spec: Spec, score_bias: ScoreBias | None) -> bool:
-    """The Pallas kernel takes this layer: no window, no score bias, a tiled seqlen, head dim >= 16."""
+def pallas_fits(shape: tuple[int, ...], spec: Spec, score_bias: ScoreBias | None, itemsize: int = 2) -> bool:
+    """The Pallas kernel takes this layer: no window, no score bias, a tile for its seqlen and head_dim."""
     _, s, _, h = shape
-    return spec.window is None and score_bias is None and bool(pallas_block(s)) and h >= PALLAS_MIN_BLOCK
+    return spec.window is None and score_bias is None and not pallas_unfit(s, h, itemsize)
+
+
+def cudnn_fits(spec: Spec, score_bias: ScoreBias | None) -> bool:
+    """cuDNN takes this layer: no score bias; a window only when causal (cuDNN's sliding window is
+    the keys in (i - w, i], which is Spec(causal=True, window=w))."""
+    return score_bias is None and (spec.window is None or spec.causal)
 
 
 def _pallas(q, k, v, masks: Masks, spec: Spec):
@@ -266,16 +408,68 @@ def _pallas(q, k, v, masks: Masks, spec: Spec):
 
     It wants as many KV heads as query heads: grouped heads are repeated (a [B, S, N, H]
     copy per layer, small beside the scores it saves). On a CPU backend it runs in
-    Pallas' interpreter (tests at tiny shapes only; `choose` never picks it there).
+    Pallas' interpreter (tests at tiny shapes only; `plan` never picks it there by itself).
     """
-    from jax.experimental.pallas.ops.gpu import attention as pallas_attention
+    import warnings
+
+    with warnings.catch_warnings():  # jax >= 0.11 deprecates the module (for tokamax) but keeps it
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from jax.experimental.pallas.ops.gpu import attention as pallas_attention
 
     n, kv = q.shape[2], k.shape[2]
     if kv != n:
         k, v = (jnp.repeat(x, n // kv, axis=2) for x in (k, v))
-    block = pallas_block(q.shape[1])
+    block = pallas_block(q.shape[1], q.shape[3], q.dtype.itemsize)
     return pallas_attention.mha(
         q, k, v, jnp.asarray(masks.segment_ids, jnp.int32), sm_scale=1.0, causal=spec.causal,
         block_sizes=pallas_attention.BlockSizes(block_q=block, block_k=block),
         interpret=jax.default_backend() == "cpu",
     )
+
+
+def segment_layout(segment_ids: jax.Array, slots: int) -> tuple[jax.Array, jax.Array]:
+    """Packed rows as cuDNN's ragged layout: (offsets [B, K + 1], lengths [B, K]) int32, K = slots.
+
+    Document d (segment id d + 1) of a row starts at offsets[:, d] and holds lengths[:, d] tokens; a
+    slot without a document has -1 in both, and so does the last offset (jax's
+    fused_attention_stablehlo packs the entries left and adds each row's base itself). Documents
+    occupy consecutive slots, so the first slot and the count say where each one is.
+    """
+    seg = jnp.asarray(segment_ids, jnp.int32)  # [B, S]
+    ids = jnp.arange(1, slots + 1, dtype=jnp.int32)
+    here = seg[:, :, None] == ids[None, None, :]  # [B, S, K]
+    lengths = here.sum(axis=1, dtype=jnp.int32)  # [B, K]
+    first = jnp.argmax(here, axis=1).astype(jnp.int32)  # [B, K] first slot of each document (0 if absent)
+    present = lengths > 0
+    offsets = jnp.where(present, first, -1)
+    offsets = jnp.concatenate([offsets, jnp.full((seg.shape[0], 1), -1, jnp.int32)], axis=1)  # [B, K + 1]
+    return offsets, jnp.where(present, lengths, -1)
+
+
+def _cudnn(q, k, v, masks: Masks, spec: Spec):
+    """cuDNN's fused attention over packed rows (jax's `fused_attention_stablehlo.dot_product_attention`,
+    the function behind `jax.nn.dot_product_attention(implementation="cudnn")`, which itself takes no
+    segment ids): q already scaled.
+
+    Several documents per row: the ragged layout (`segment_layout`; Hopper or later). One per row:
+    the padding mask from each row's real tokens. Causal layers add the causal mask, causal windows
+    cuDNN's sliding window. Outputs at padding slots (no document) are zeroed: cuDNN writes nothing
+    there, and no later layer may read unwritten memory.
+    """
+    from jax._src.cudnn.fused_attention_stablehlo import MaskType, dot_product_attention
+
+    offsets, lengths = masks.layout()
+    n, kv = q.shape[2], k.shape[2]
+    if offsets is not None:
+        if kv != n and jax.__version_info__ < (0, 11):  # jax 0.10 strides kv_offsets by the query heads
+            k, v = (jnp.repeat(x, n // kv, axis=2) for x in (k, v))
+        mask = MaskType.CAUSAL if spec.causal else MaskType.NO_MASK
+        out = dot_product_attention(q, k, v, q_seqlen=lengths, kv_seqlen=lengths, q_offsets=offsets,
+                                    kv_offsets=offsets, scale=1.0, mask_type=mask, qkv_layout="BTNH",
+                                    sliding_window_length=spec.window)
+    else:
+        mask = MaskType.PADDING_CAUSAL if spec.causal else MaskType.PADDING
+        out = dot_product_attention(q, k, v, q_seqlen=lengths, kv_seqlen=lengths, scale=1.0, mask_type=mask,
+                                    qkv_layout="BTNH", sliding_window_length=spec.window)
+    real = jnp.asarray(masks.segment_ids) > 0  # [B, S]
+    return jnp.where(real[:, :, None, None], out, jnp.zeros((), out.dtype))
