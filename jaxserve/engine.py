@@ -12,7 +12,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import os
-import statistics
 import threading
 import time
 from typing import Callable, NamedTuple
@@ -23,11 +22,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxserve import compiles  # noqa: F401  (installs the compile counter)
-from jaxserve import derivation
+from jaxserve import derivation, timing
 from jaxserve.buckets import Bucket, BucketTable
 from jaxserve.jobs import INPUT_NAMES
-
-TIMED_RUNS = 1  # timed runs per bucket at warmup, after one burn-in (live timings refine it later)
 
 Forward = Callable[[dict, dict], jax.Array]  # (params, {name: [B, S] int32}) -> [B, K, D]
 
@@ -121,9 +118,11 @@ class Engine:
     def measure(self, batch: int, seqlen: int, slots: int) -> int:
         return compiled_bytes(self.compile(batch, seqlen, slots))
 
-    def use(self, table: BucketTable, progress: bool = False, output: str = "pooled") -> BucketTable:
+    def use(self, table: BucketTable, progress: bool = False, output: str = "pooled",
+            check: Callable[[list[Bucket]], None] | None = None) -> BucketTable:
         """Warm up one output's table as given: compile every bucket (in parallel), then run each, one at a
-        time, recording compile and run times. Returns the table with the timings filled in."""
+        time, recording compile and run times. Returns the table with the timings filled in. `check` gets the
+        buckets with their compiled bytes before anything runs (it raises to refuse the table)."""
         from tqdm import tqdm
 
         keys = sorted({(b.batch, b.seqlen, b.slots) for b in table.buckets})
@@ -134,6 +133,10 @@ class Engine:
                             unit="bucket", disable=not progress):
                 job.result()
         self.spent["compile"] += time.perf_counter() - start
+        if check is not None:
+            check([_with(b, compiled_bytes=compiled_bytes(self.compile(b.batch, b.seqlen, b.slots, output)))
+                   for b in table.buckets])
+        self._spin_up(output)
         timed = [self._time(b, output) for b in tqdm(table.buckets, desc="run", unit="bucket", disable=not progress)]
         return self.install(_with(table, buckets=tuple(timed)), output)
 
@@ -148,6 +151,7 @@ class Engine:
                 jobs = [pool.submit(self.compile, *shape, output) for shape in shapes]
                 sizes = [compiled_bytes(job.result()) for job in jobs]
                 self.spent["compile"] += time.perf_counter() - start
+                self._spin_up(output)  # the device idled through the compiles: its clock is down
                 return sizes
 
             def time_one(bucket: Bucket) -> float:
@@ -193,20 +197,36 @@ class Engine:
         """XLA compiles release the GIL: one per core at once."""
         return concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1)
 
+    @property
+    def platform(self) -> str:
+        return self.device_list[0].platform
+
+    def _spin_up(self, output: str) -> int:
+        """Run the largest compiled bucket of `output` back to back for `timing.spin_up_s` (none on a CPU),
+        so that the timings after it see the device at its working clock -> the runs made."""
+        seconds = timing.spin_up_s(self.platform)
+        with self._lock:
+            done = [k for k, f in self._compiled.items() if k[3] == output and f.done() and not f.exception()]
+        if not seconds or not done:
+            return 0
+        began = time.perf_counter()
+        batch, seqlen, slots, _ = max(done, key=lambda k: k[0] * k[1])
+        exe = self._compiled[(batch, seqlen, slots, output)].result()
+        inputs = self._place(dummy_batch(Bucket(batch, seqlen, slots)))
+        runs = timing.spin_up(lambda: exe(self.params, inputs).block_until_ready(), seconds)
+        self.spent["timing"] += time.perf_counter() - began
+        return runs
+
     def _time(self, bucket: Bucket, output: str) -> Bucket:
-        """One burn-in run and TIMED_RUNS timed runs of a compiled bucket."""
+        """A compiled bucket's run time: the median of `timing.timed_runs` back-to-back runs after a burn-in."""
         began = time.perf_counter()
         exe = self.compile(bucket.batch, bucket.seqlen, bucket.slots, output)
         inputs = self._place(dummy_batch(bucket))
-        times = []
-        for _ in range(TIMED_RUNS + 1):
-            start = time.perf_counter()
-            exe(self.params, inputs).block_until_ready()
-            times.append(time.perf_counter() - start)
+        run_s = timing.median_run_s(lambda: exe(self.params, inputs).block_until_ready(),
+                                    timing.timed_runs(self.platform))
         key = (bucket.batch, bucket.seqlen, bucket.slots, output)
         self.spent["timing"] += time.perf_counter() - began
-        return _with(bucket, compiled_bytes=compiled_bytes(exe), compile_s=self._compile_s.get(key),
-                     run_s=statistics.median(times[1:]))
+        return _with(bucket, compiled_bytes=compiled_bytes(exe), compile_s=self._compile_s.get(key), run_s=run_s)
 
     def put(self, bucket: Bucket, inputs: np.ndarray, output: str = "pooled") -> Prepared:
         """Check the shape and copy the [4, B, S] inputs to the device (the host part of a dispatch)."""

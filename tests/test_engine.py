@@ -118,3 +118,22 @@ def test_derived_table_climbs_each_ladder_and_compiles_one_step_past_its_knee(ti
     with pytest.raises(ShapeError):
         enc.engine.put(fixed([(16, 16)], layout="packed").buckets[0], np.zeros((4, 16, 16), np.int32))
     assert enc.embed(["the model", "a query"]).shape == (2, 32) and pieces.count == 1
+
+
+def test_warmup_spins_an_accelerator_up_then_times_each_bucket_by_its_median(tiny_checkpoint, monkeypatch):
+    """On an accelerator (the platform injected): one spin-up on the largest bucket, then per bucket the median
+    of `timing.ACCELERATOR_TIMED_RUNS` runs (the runs and clock are timing's, tested with fake clocks)."""
+    from jaxserve import timing
+    from jaxserve.engine import Engine
+
+    enc = Encoder.from_pretrained(str(tiny_checkpoint()))
+    monkeypatch.setattr(Engine, "platform", property(lambda self: "gpu"))
+    placed, calls = [], []
+    place = enc.engine._place
+    monkeypatch.setattr(enc.engine, "_place", lambda x: placed.append(x.shape[1:]) or place(x))
+    monkeypatch.setattr(timing, "spin_up", lambda run, seconds: (calls.append(("spin", seconds)), run(), 1)[-1])
+    monkeypatch.setattr(timing, "median_run_s", lambda run, runs: (calls.append(("median", runs)), run(), 1e-3)[-1])
+    table = enc.warmup(fixed([(1, 16), (4, 16), (2, 64)]))
+    assert placed == [(2, 64), (1, 16), (4, 16), (2, 64)]  # the largest (most tokens) spins, then each in turn
+    assert calls == [("spin", timing.ACCELERATOR_SPIN_UP_S)] + [("median", timing.ACCELERATOR_TIMED_RUNS)] * 3
+    assert [b.run_s for b in table.buckets] == [1e-3] * 3
