@@ -6,7 +6,7 @@ import pytest
 
 from conftest import TINY_TABLE
 from jaxserve import Encoder, device
-from jaxserve.buckets import Bucket, TableTooLarge, batch_fitter, check_fits, fixed
+from jaxserve.buckets import Bucket, TableTooLarge, batch_fitter, check_fits
 from jaxserve.engine import compiled_bytes
 
 GB = 10**9

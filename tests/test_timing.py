@@ -1,6 +1,7 @@
 """Warmup timing with injected clocks: the median of back-to-back runs, and the spin-up before them."""
 
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from jaxserve import timing
 
