@@ -136,7 +136,7 @@ class Engine:
         if check is not None:
             check([_with(b, compiled_bytes=compiled_bytes(self.compile(b.batch, b.seqlen, b.slots, output)))
                    for b in table.buckets])
-        self._spin_up(output)
+        self._spin_up(table.buckets, output)
         timed = [self._time(b, output) for b in tqdm(table.buckets, desc="run", unit="bucket", disable=not progress)]
         return self.install(_with(table, buckets=tuple(timed)), output)
 
@@ -145,16 +145,24 @@ class Engine:
         (each round's candidates in parallel) and times; `install` the table made of the result."""
         from tqdm import tqdm
 
+        ran: list[Bucket] = []  # buckets timed so far: within the budget, safe to spin the device up with
+        round_begins = [False]
+
         with self._pool() as pool, tqdm(desc="derive", unit="compile", disable=not progress) as bar:
             def compile_many(shapes):
                 start = time.perf_counter()
                 jobs = [pool.submit(self.compile, *shape, output) for shape in shapes]
                 sizes = [compiled_bytes(job.result()) for job in jobs]
                 self.spent["compile"] += time.perf_counter() - start
-                self._spin_up(output)  # the device idled through the compiles: its clock is down
+                round_begins[0] = True  # the device idled through the compiles: its clock is down
                 return sizes
 
-            def time_one(bucket: Bucket) -> float:
+            def time_one(bucket: Bucket) -> float:  # the climb times only candidates within the budget
+                # A round's spin-up: the largest of its first bucket and those timed in earlier rounds.
+                if round_begins[0]:
+                    round_begins[0] = False
+                    self._spin_up([bucket, *ran], output)
+                ran.append(bucket)
                 return self._time(bucket, output).run_s
 
             def on_round(compiled: int, active: int):
@@ -201,18 +209,17 @@ class Engine:
     def platform(self) -> str:
         return self.device_list[0].platform
 
-    def _spin_up(self, output: str) -> int:
-        """Run the largest compiled bucket of `output` back to back for `timing.spin_up_s` (none on a CPU),
-        so that the timings after it see the device at its working clock -> the runs made."""
+    def _spin_up(self, buckets, output: str) -> int:
+        """Run the largest of `buckets` (compiled, within the memory budget) back to back for
+        `timing.spin_up_s` (none on a CPU), so that the timings after it see the device at its working
+        clock -> the runs made."""
         seconds = timing.spin_up_s(self.platform)
-        with self._lock:
-            done = [k for k, f in self._compiled.items() if k[3] == output and f.done() and not f.exception()]
-        if not seconds or not done:
+        if not seconds or not buckets:
             return 0
         began = time.perf_counter()
-        batch, seqlen, slots, _ = max(done, key=lambda k: k[0] * k[1])
-        exe = self._compiled[(batch, seqlen, slots, output)].result()
-        inputs = self._place(dummy_batch(Bucket(batch, seqlen, slots)))
+        largest = max(buckets, key=lambda b: b.tokens)
+        exe = self.compile(largest.batch, largest.seqlen, largest.slots, output)
+        inputs = self._place(dummy_batch(largest))
         runs = timing.spin_up(lambda: exe(self.params, inputs).block_until_ready(), seconds)
         self.spent["timing"] += time.perf_counter() - began
         return runs
