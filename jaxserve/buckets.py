@@ -21,6 +21,8 @@ import math
 from pathlib import Path
 from typing import Callable
 
+from jaxserve.errors import JaxserveError
+
 LADDERS = ("default", "max", "pow2", "fine")
 LAYOUTS = ("padded", "packed")  # one document per row, or several (segment ids)
 MAX_SLOTS = 32  # most documents one packed row holds
@@ -349,6 +351,33 @@ def derive(
         buckets=tuple(buckets), layout=layout, budget_bytes=budget_bytes, weights_bytes=weights_bytes,
         max_batch_tokens=max_batch_tokens, dropped=tuple(dropped), **table_fields,
     )
+
+
+class TableTooLarge(JaxserveError, ValueError):
+    """A given table with buckets over this device's memory budget (the CLI prints it without a traceback)."""
+
+
+def check_fits(compiled: list[Bucket], budget_bytes: int, weights_bytes: int, fit: Callable[[int], int],
+               budget_rule: str = "") -> None:
+    """Raise `TableTooLarge` naming every bucket whose compiled bytes (this device's compiler) exceed the budget,
+    with per seqlen the largest batch that fits: estimated from its largest bucket's figure, the bytes past
+    the weights taken as linear in the batch, rounded by `fit` (the device's batch multiple)."""
+    over = [b for b in compiled if b.compiled_bytes > budget_bytes]
+    if not over:
+        return
+    free = budget_bytes - weights_bytes
+    fits = []
+    for s in sorted({b.seqlen for b in over}):
+        worst = max((b for b in over if b.seqlen == s), key=lambda b: b.batch)
+        per_row = (worst.compiled_bytes - weights_bytes) / worst.batch
+        batch = fit(min(int(free / per_row), worst.batch - 1)) if free > 0 and per_row > 0 else 0
+        fits.append(f"seqlen {s}: batch {batch}" if batch >= 1 else f"seqlen {s}: none")
+    raise TableTooLarge(
+        f"the bucket table does not fit this device: {len(over)} bucket(s) need more than the budget of "
+        f"{budget_bytes} bytes{f' ({budget_rule})' if budget_rule else ''}, weights {weights_bytes}: "
+        + ", ".join(f"batch {b.batch} x seqlen {b.seqlen} needs {b.compiled_bytes}" for b in over)
+        + ". Largest batches that fit (estimated): " + ", ".join(fits)
+        + ". Derive a table on this device (--buckets auto, or `jaxserve buckets --write FILE`), or shrink these.")
 
 
 def batch_sizes(largest: int) -> list[int]:

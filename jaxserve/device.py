@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from pathlib import Path
 
 import jax
 import psutil
 
+log = logging.getLogger("jaxserve")
 # Share of free host RAM a CPU "device" may use: the rest stays for the
 # tokenizer, the HTTP server and the OS.
 CPU_MEMORY_SHARE = 0.5
@@ -34,9 +36,15 @@ class DeviceInfo:
 
 
 def describe(memory_override: int | None = None) -> DeviceInfo:
+    """This device, its memory the live pool's (`pool_bytes`) or `memory_override` (a warning if that is larger:
+    a table derived for it will not fit here)."""
     dev = jax.devices()[0]
     platform = dev.platform
-    memory = memory_override or _memory_limit(dev)
+    live = _memory_limit(dev)
+    if memory_override and memory_override > live:
+        log.warning("device memory of %d bytes given, above this device's pool of %d bytes (%s): a table derived "
+                    "for it is refused here at warmup", memory_override, live, POOL_RULE.get(platform, POOL_RULE["gpu"]))
+    memory = memory_override or live
     if platform == "cpu":
         # On CPU, big dispatches gain nothing over medium ones once both cores are
         # busy, and cost latency: cap the tokens per dispatch.
@@ -56,6 +64,18 @@ def streams() -> int:
     XLA's single-threaded fusions leave a core idle that a second batch fills. On an
     accelerator one thread launches for the device, which runs batches in order."""
     return 2 if jax.devices()[0].platform == "cpu" else 1
+
+
+POOL_RULE = {
+    "cpu": f"{CPU_MEMORY_SHARE:.0%} of the host's available RAM",
+    "gpu": "XLA's allocator limit: XLA_PYTHON_CLIENT_MEM_FRACTION of the card, 75% unless set",
+}
+
+
+def pool_bytes() -> int:
+    """The memory the first device's buffers may take now: on an accelerator XLA's pool (`bytes_limit`), on a
+    CPU a share of the host's available RAM (`POOL_RULE`)."""
+    return _memory_limit(jax.devices()[0])
 
 
 def _memory_limit(dev) -> int:

@@ -231,7 +231,16 @@ class Encoder:
                 f"bucket table stops at seqlen {table.max_seqlen}, below the model's "
                 f"max_seq_length {self.embedding_config.max_seq_length}"
             )
-        return self.engine.use(table, progress=progress)
+        return self.engine.use(table, progress=progress, check=self._fits_check())
+
+    def _fits_check(self):
+        """A given table's check against the live pool: its compiled buckets within the budget derivation uses."""
+        info = device.describe()
+        budget = int(DEFAULT_HEADROOM * info.memory_bytes)
+        rule = (f"{DEFAULT_HEADROOM} x this device's pool of {info.memory_bytes} bytes, "
+                f"{device.POOL_RULE.get(info.platform, device.POOL_RULE['gpu'])}")
+        return partial(buckets.check_fits, budget_bytes=budget, weights_bytes=self.engine.weights_bytes,
+                       fit=buckets.batch_fitter(info.batch_multiple, self.engine.devices), budget_rule=rule)
 
     def warm_start(self, table: BucketTable | TableOptions | None = None, cache: str | Path | None = None,
                    tokens: bool = False, progress: bool = False) -> BucketTable:
@@ -250,7 +259,8 @@ class Encoder:
     def warmup_tokens(self, progress: bool = False) -> BucketTable:
         """Compile and time token outputs (/embed_all) at each seqlen's smallest batch of the warm table."""
         smallest = tuple(self.table.at(s)[0] for s in self.table.seqlens)
-        return self.engine.use(dataclasses.replace(self.table, buckets=smallest), progress=progress, output="tokens")
+        return self.engine.use(dataclasses.replace(self.table, buckets=smallest), progress=progress, output="tokens",
+                               check=self._fits_check())
 
     @property
     def token_table(self) -> BucketTable:

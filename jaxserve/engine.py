@@ -24,14 +24,13 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxserve import compiles  # noqa: F401  (installs the compile counter)
-from jaxserve import derivation
+from jaxserve import derivation, timing
 from jaxserve.buckets import Bucket, BucketTable
 from jaxserve.jobs import INPUT_NAMES
 from jaxserve.models import attention
 from jaxserve.models.attention import Plan, xla_impl
 
 log = logging.getLogger("jaxserve.engine")
-TIMED_RUNS = 1  # timed runs per bucket at warmup, after one burn-in (live timings refine it later)
 HOST_RUNS = 5  # dispatches of the smallest bucket timed for the host's cost per dispatch (their median)
 
 Forward = Callable[[dict, dict], jax.Array]  # (params, {name: [B, S] int32}) -> [B, K, D]
@@ -181,9 +180,11 @@ class Engine:
     def measure(self, batch: int, seqlen: int, slots: int) -> int:
         return compiled_bytes(self.compile(batch, seqlen, slots))
 
-    def use(self, table: BucketTable, progress: bool = False, output: str = "pooled") -> BucketTable:
+    def use(self, table: BucketTable, progress: bool = False, output: str = "pooled",
+            check: Callable[[list[Bucket]], None] | None = None) -> BucketTable:
         """Warm up one output's table as given: compile every bucket (in parallel), then run each, one at a
-        time, recording compile and run times. Returns the table with the timings filled in."""
+        time, recording compile and run times. Returns the table with the timings filled in. `check` gets the
+        buckets with their compiled bytes before anything runs (it raises to refuse the table)."""
         from tqdm import tqdm
 
         keys = sorted({(b.batch, b.seqlen, b.slots) for b in table.buckets})
@@ -194,6 +195,10 @@ class Engine:
                             unit="bucket", disable=not progress):
                 job.result()
         self.spent["compile"] += time.perf_counter() - start
+        if check is not None:
+            check([_with(b, compiled_bytes=compiled_bytes(self.compile(b.batch, b.seqlen, b.slots, output)))
+                   for b in table.buckets])
+        self._spin_up(table.buckets, output)
         host_s = self.measure_host(table.buckets[0], output)
         timed = [self._time(b, output) for b in tqdm(table.buckets, desc="run", unit="bucket", disable=not progress)]
         return self.install(_with(table, buckets=tuple(timed), host_dispatch_s=host_s), output)
@@ -208,15 +213,24 @@ class Engine:
             host_s = self.measure_host(Bucket(first.next(), first.seqlen, first.slots), output)
             for c in ladders:
                 c.host_s = host_s
+        ran: list[Bucket] = []  # buckets timed so far: within the budget, safe to spin the device up with
+        round_begins = [False]
+
         with self._pool() as pool, tqdm(desc="derive", unit="compile", disable=not progress) as bar:
             def compile_many(shapes):
                 start = time.perf_counter()
                 jobs = [pool.submit(self.compile, *shape, output) for shape in shapes]
                 sizes = [compiled_bytes(job.result()) for job in jobs]
                 self.spent["compile"] += time.perf_counter() - start
+                round_begins[0] = True  # the device idled through the compiles: its clock is down
                 return sizes
 
-            def time_one(bucket: Bucket) -> float:
+            def time_one(bucket: Bucket) -> float:  # the climb times only candidates within the budget
+                # A round's spin-up: the largest of its first bucket and those timed in earlier rounds.
+                if round_begins[0]:
+                    round_begins[0] = False
+                    self._spin_up([bucket, *ran], output)
+                ran.append(bucket)
                 return self._time(bucket, output).run_s
 
             def on_round(compiled: int, active: int):
@@ -271,20 +285,35 @@ class Engine:
         """XLA compiles release the GIL: one per core at once."""
         return concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1)
 
+    @property
+    def platform(self) -> str:
+        return self.device_list[0].platform
+
+    def _spin_up(self, buckets, output: str) -> int:
+        """Run the largest of `buckets` (compiled, within the memory budget) back to back for
+        `timing.spin_up_s` (none on a CPU), so that the timings after it see the device at its working
+        clock -> the runs made."""
+        seconds = timing.spin_up_s(self.platform)
+        if not seconds or not buckets:
+            return 0
+        began = time.perf_counter()
+        largest = max(buckets, key=lambda b: b.tokens)
+        exe = self.compile(largest.batch, largest.seqlen, largest.slots, output)
+        inputs = self._place(dummy_batch(largest))
+        runs = timing.spin_up(lambda: exe(self.params, inputs).block_until_ready(), seconds)
+        self.spent["timing"] += time.perf_counter() - began
+        return runs
+
     def _time(self, bucket: Bucket, output: str) -> Bucket:
-        """One burn-in run and TIMED_RUNS timed runs of a compiled bucket."""
+        """A compiled bucket's run time: the median of `timing.timed_runs` back-to-back runs after a burn-in."""
         began = time.perf_counter()
         exe = self.compile(bucket.batch, bucket.seqlen, bucket.slots, output)
         inputs = self._place(dummy_batch(bucket))
-        times = []
-        for _ in range(TIMED_RUNS + 1):
-            start = time.perf_counter()
-            exe(self.params, inputs).block_until_ready()
-            times.append(time.perf_counter() - start)
+        run_s = timing.median_run_s(lambda: exe(self.params, inputs).block_until_ready(),
+                                    timing.timed_runs(self.platform))
         key = (bucket.batch, bucket.seqlen, bucket.slots, output)
         self.spent["timing"] += time.perf_counter() - began
-        return _with(bucket, compiled_bytes=compiled_bytes(exe), compile_s=self._compile_s.get(key),
-                     run_s=statistics.median(times[1:]))
+        return _with(bucket, compiled_bytes=compiled_bytes(exe), compile_s=self._compile_s.get(key), run_s=run_s)
 
     def measure_host(self, bucket: Bucket, output: str = "pooled") -> float:
         """The host's own time per dispatch, measured on `bucket` (the smallest: least device work): the

@@ -137,7 +137,8 @@ def pooled_weights(sparse: SparseConfig, t_bsd, decoder_vd, bias_v, member_bsk) 
         dec_b, bias_b = args
         logits = jnp.einsum("bsd,vd->bsv", t_bsd, dec_b) + bias_b  # [B, S, VB]
         if sparse.strategy == "sum":
-            return jnp.einsum("bsk,bsv->bkv", member_bsk, _activate(sparse, logits))  # [B, K, VB]
+            return jnp.einsum("bsk,bsv->bkv", member_bsk, _activate(sparse, logits),
+                              precision=jax.lax.Precision.HIGHEST)  # [B, K, VB]
         slot_max = [jnp.where(member_bsk[:, :, j : j + 1] > 0, logits, 0.0).max(axis=1) for j in range(k)]
         return _activate(sparse, jnp.stack(slot_max, axis=1))  # [B, K, VB]
 

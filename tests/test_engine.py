@@ -144,3 +144,48 @@ def test_outputs_copied_ahead_of_fetch_are_the_same_vectors(warm):
     finally:
         enc.engine.copy_ahead = False
     np.testing.assert_array_equal(plain, ahead)
+
+
+def test_warmup_spins_an_accelerator_up_then_times_each_bucket_by_its_median(tiny_checkpoint, monkeypatch):
+    """On an accelerator (the platform injected): one spin-up on the largest bucket, then per bucket the median
+    of `timing.ACCELERATOR_TIMED_RUNS` runs (the runs and clock are timing's, tested with fake clocks)."""
+    from jaxserve import timing
+    from jaxserve.engine import Engine
+
+    enc = Encoder.from_pretrained(str(tiny_checkpoint()))
+    monkeypatch.setattr(Engine, "platform", property(lambda self: "gpu"))
+    monkeypatch.setattr(enc.engine, "measure_host", lambda bucket, output="pooled": 1e-4)  # its own test above
+    placed, calls = [], []
+    place = enc.engine._place
+    monkeypatch.setattr(enc.engine, "_place", lambda x: placed.append(x.shape[1:]) or place(x))
+    monkeypatch.setattr(timing, "spin_up", lambda run, seconds: (calls.append(("spin", seconds)), run(), 1)[-1])
+    monkeypatch.setattr(timing, "median_run_s", lambda run, runs: (calls.append(("median", runs)), run(), 1e-3)[-1])
+    table = enc.warmup(fixed([(1, 16), (4, 16), (2, 64)]))
+    assert placed == [(2, 64), (1, 16), (4, 16), (2, 64)]  # the largest (most tokens) spins, then each in turn
+    assert calls == [("spin", timing.ACCELERATOR_SPIN_UP_S)] + [("median", timing.ACCELERATOR_TIMED_RUNS)] * 3
+    assert [b.run_s for b in table.buckets] == [1e-3] * 3
+
+
+def test_climb_spins_up_each_round_only_with_buckets_it_times(tiny_checkpoint, monkeypatch):
+    """A derived table on an accelerator (injected): a spin-up per round of timings, each with a bucket the climb
+    times (within the budget), never a candidate it has not checked."""
+    import dataclasses
+
+    from jaxserve import timing
+    from jaxserve.derivation import TableOptions
+    from jaxserve.engine import Engine
+
+    enc = Encoder.from_pretrained(str(tiny_checkpoint()))
+    monkeypatch.setattr(Engine, "platform", property(lambda self: "gpu"))
+    monkeypatch.setattr(enc.engine, "measure_host", lambda bucket, output="pooled": 1e-4)
+    rates = {1: 1e3, 4: 4e3, 16: 4.1e3, 64: 9e3}
+    ran, spun = [], []
+    monkeypatch.setattr(enc.engine, "_time", lambda b, output: ran.append(b.shape) or dataclasses.replace(
+        b, run_s=b.tokens / rates[b.batch]))
+    place = enc.engine._place
+    monkeypatch.setattr(enc.engine, "_place", lambda x: spun.append(x.shape[1:]) or place(x))
+    monkeypatch.setattr(timing, "spin_up", lambda run, seconds: (run(), 1)[-1])
+    enc.warmup(TableOptions(seqlens=(16, 64), max_batch=64))
+    assert len(spun) == 3  # rounds: batch 1, 4, 16 of both seqlens
+    # the largest of the round's first bucket and those timed before it (ties: the round's own)
+    assert spun == [(1, 16), (4, 16), (16, 16)] and set(spun) <= set(ran)

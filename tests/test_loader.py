@@ -3,6 +3,7 @@
 import json
 import os
 
+import jax
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
@@ -153,3 +154,26 @@ def test_unnamed_model_comes_from_jaxserve_model_env(tiny_checkpoint, monkeypatc
     monkeypatch.setenv("JAXSERVE_MODEL", str(path / "nope"))
     with pytest.raises(CheckpointError, match="does not exist"):
         Encoder.from_pretrained(None)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_bfloat16_checkpoint_loads(tiny_checkpoint, dtype):
+    """A checkpoint stored in bfloat16 (as Qwen3-Embedding ships) embeds as the float32 checkpoint of the
+    same values does: safetensors.numpy reads BF16 once ml_dtypes is imported (jax imports it)."""
+    import ml_dtypes
+
+    path = tiny_checkpoint(pooling="mean")
+    as_bf16 = {k: v.astype(ml_dtypes.bfloat16) for k, v in load_file(path / "model.safetensors").items()}
+    save_file(as_bf16, str(path / "model.safetensors"))
+    raw = (path / "model.safetensors").read_bytes()
+    header = json.loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")])
+    assert {v["dtype"] for k, v in header.items() if k != "__metadata__"} == {"BF16"}
+    reference = tiny_checkpoint("f32", pooling="mean")
+    save_file({k: v.astype(np.float32) for k, v in as_bf16.items()}, str(reference / "model.safetensors"))
+
+    got = Encoder.from_pretrained(str(path), dtype=dtype, buckets=TINY_TABLE)
+    want = Encoder.from_pretrained(str(reference), dtype=dtype, buckets=TINY_TABLE)
+    texts = ["the model", "a batch of jax documents", "x"]
+    # the same values, but two compiles: float32 matmuls may differ in the last bit (bf16 rounding moves them ~1e-3)
+    np.testing.assert_allclose(got.embed(texts), want.embed(texts), rtol=1e-6, atol=1e-7)
+    assert {str(x.dtype) for x in jax.tree.leaves(got.params)} == {dtype}

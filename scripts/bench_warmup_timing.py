@@ -1,0 +1,34 @@
+"""What the timed runs per bucket cost a cold warmup: MiniLM's derived warmup with the CPU's run count at
+1 (the count before jaxserve/timing.py) and at timing.TIMED_RUNS, alternating, a fresh Encoder each time.
+
+    flock /tmp/jaxserve-bench.lock .venv/bin/python scripts/bench_warmup_timing.py --rounds 2
+"""
+
+import argparse
+import time
+
+from jaxserve import Encoder, device, timing
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--model", default=None)
+    args = ap.parse_args()
+    import jax
+
+    platform = jax.devices()[0].platform
+    counts = (1, timing.timed_runs(platform))
+    for rnd in range(args.rounds):
+        for runs in counts:
+            timing.TIMED_RUNS[platform] = runs
+            enc = Encoder.from_pretrained(args.model)
+            start = time.perf_counter()
+            table = enc.warmup()
+            print(f"round {rnd} runs {runs}: warmup {time.perf_counter() - start:.1f} s, "
+                  f"timing {enc.engine.spent['timing']:.1f} s, compile {enc.engine.spent['compile']:.1f} s, "
+                  f"buckets {len(table.buckets)} (streams {device.streams()})", flush=True)
+
+
+if __name__ == "__main__":
+    main()

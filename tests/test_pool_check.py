@@ -1,0 +1,56 @@
+"""A given bucket table against the live pool: refused at warmup, naming what fails and what fits."""
+
+import logging
+
+import pytest
+
+from conftest import TINY_TABLE
+from jaxserve import Encoder, device
+from jaxserve.buckets import Bucket, TableTooLarge, batch_fitter, check_fits
+from jaxserve.engine import compiled_bytes
+
+GB = 10**9
+
+
+def test_check_names_each_bucket_over_the_budget_and_the_batch_that_fits():
+    # weights 1 GB, 0.5 GB per row at seqlen 512: a budget of 20 GB holds 38 rows, rounded to 8 -> 32
+    table = [Bucket(64, 512, compiled_bytes=33 * GB), Bucket(16, 512, compiled_bytes=9 * GB),
+             Bucket(4096, 16, compiled_bytes=5 * GB), Bucket(256, 4096, compiled_bytes=61 * GB)]
+    with pytest.raises(TableTooLarge) as err:
+        check_fits(table, 20 * GB, 1 * GB, batch_fitter(8, 1), "0.9 x a pool")
+    msg = str(err.value)
+    assert "2 bucket(s) need more than the budget of 20000000000 bytes (0.9 x a pool)" in msg
+    assert "batch 64 x seqlen 512 needs 33000000000" in msg and "batch 256 x seqlen 4096 needs 61000000000" in msg
+    assert "seqlen 512: batch 32" in msg and "seqlen 4096: batch 80" in msg  # (20 - 1) / (60 / 256) = 81 -> 80
+    assert "seqlen 16" not in msg
+
+
+def test_check_passes_a_table_within_the_budget_and_says_when_nothing_fits():
+    check_fits([Bucket(8, 64, compiled_bytes=GB)], GB, GB // 2, batch_fitter(1, 1))
+    with pytest.raises(TableTooLarge, match="seqlen 64: none"):
+        check_fits([Bucket(8, 64, compiled_bytes=3 * GB)], GB, 2 * GB, batch_fitter(1, 1))
+
+
+def test_table_file_over_the_live_pool_is_refused_at_warmup(tiny_checkpoint, monkeypatch, tmp_path):
+    """The pool injected between two buckets' compiled figures: the larger is named, the warmup refused."""
+    enc = Encoder.from_pretrained(str(tiny_checkpoint()))
+    small = compiled_bytes(enc.engine.compile(1, 64, TINY_TABLE.at(64)[0].slots))
+    large = compiled_bytes(enc.engine.compile(4, 64, TINY_TABLE.at(64)[0].slots))
+    pool = int((small + large) / 2 / device.DEFAULT_HEADROOM)
+    monkeypatch.setattr(device, "_memory_limit", lambda dev: pool)
+    path = tmp_path / "table.json"
+    TINY_TABLE.save(path)
+    with pytest.raises(TableTooLarge, match=rf"batch 4 x seqlen 64 needs {large}.*seqlen 64: batch [123]\b"):
+        Encoder.from_pretrained(str(tiny_checkpoint("again")), buckets=path)
+    monkeypatch.setattr(device, "_memory_limit", lambda dev: 10 * large)
+    assert Encoder.from_pretrained(str(tiny_checkpoint("again")), buckets=path).table.max_seqlen == 64
+
+
+def test_device_memory_above_the_live_pool_warns(monkeypatch, caplog):
+    monkeypatch.setattr(device, "_memory_limit", lambda dev: 8 * GB)
+    with caplog.at_level(logging.WARNING, logger="jaxserve"):
+        assert device.describe(4 * GB).memory_bytes == 4 * GB
+        assert not caplog.records
+        assert device.describe(16 * GB).memory_bytes == 16 * GB
+    (record,) = caplog.records
+    assert "16000000000 bytes given, above this device's pool of 8000000000 bytes" in record.getMessage()
