@@ -1,0 +1,231 @@
+"""Multi-vector (ColBERT) checkpoints as sentence-transformers' MultiVectorEncoder and PyLate save them, against
+MultiVectorEncoder's own `encode_query` / `encode_document` (which loads PyLate saves as PyLate runs them).
+
+Tiny BERT checkpoints are written by transformers, with "[Q]"/"[D]" markers added to the tokenizer, then
+saved by sentence-transformers 6 (Transformer with query expansion, token-level Dense without bias,
+MultiVectorMask with a punctuation skiplist, token Normalize) or laid out as PyLate saves them
+(config_sentence_transformers.json with model_type ColBERT and its top-level knobs, Transformer + Dense).
+Parity: the same token count per text, cosine >= 0.9999 per token.
+"""
+
+import json
+import string
+
+import numpy as np
+import pytest
+
+import hf_tiny
+from jaxserve import Encoder, multivector
+from jaxserve.buckets import fixed
+from jaxserve.errors import InputError
+
+QUERY_LENGTH = 16
+DOCUMENT_LENGTH = 48
+TABLE = fixed([(4, 16), (4, 64)], layout="packed")
+QUERIES = ["x", "the model?", "a batch of jax documents, the query " * 3, "hello, world! 42"]  # the third: cut
+DOCUMENTS = ["x", "the model, of jax.", "a batch of jax documents is the query " * 6, "hello, world! 42", "!!"]
+SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             max_position_embeddings=512)
+DIM = 8
+
+
+def bert(root, markers: list[str], special: bool, seed: int = 2):
+    """A tiny BertModel and its tokenizer.json with `markers` added (special, as MultiVectorEncoder users add
+    them; or plain added tokens, as PyLate's add_tokens does)."""
+    import transformers
+    from tokenizers import AddedToken, Tokenizer
+
+    config = transformers.BertConfig(vocab_size=len(hf_tiny.vocab("bert")) + len(markers), pad_token_id=0, **SMALL)
+    raw = hf_tiny.write(root / "hf", "BertModel", config, kind="bert", seed=seed, scale=0.3)
+    tok = Tokenizer.from_file(str(raw / "tokenizer.json"))
+    added = [AddedToken(m, special=special, normalized=False) for m in markers]
+    (tok.add_special_tokens if special else tok.add_tokens)(added)
+    tok.save(str(raw / "tokenizer.json"))
+    return raw
+
+
+def processor(raw):
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(tokenizer_file=str(raw / "tokenizer.json"), pad_token="[PAD]", mask_token="[MASK]",
+                                   unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]")
+
+
+def st_checkpoint(root, attend: bool = False, strategy: str = "fixed", expansion: bool = True,
+                  skiplist=tuple(string.punctuation), normalize: bool = True):
+    """A tiny ColBERT saved by sentence-transformers 6 as a MultiVectorEncoder."""
+    import torch
+    from sentence_transformers import MultiVectorEncoder
+    from sentence_transformers.base.modules import Normalize
+    from sentence_transformers.base.modules.dense import Dense
+    from sentence_transformers.base.modules.transformer import Transformer
+    from sentence_transformers.multi_vector_encoder.modules import MultiVectorMask
+
+    raw = bert(root, ["[Q]", "[D]"], special=True)
+    query = {"strategy": strategy, "attend": attend, "length": QUERY_LENGTH} if expansion else None
+    ceiling = 2 * QUERY_LENGTH if strategy == "min" else None  # "min": a floor; the ceiling is query_length
+    t = Transformer(str(raw), query_length=ceiling if expansion else QUERY_LENGTH, document_length=DOCUMENT_LENGTH,
+                    query_expansion=None)
+    t.processor = processor(raw)
+    t.query_expansion = query
+    torch.manual_seed(3)
+    dense = Dense(32, DIM, bias=False, activation_function=torch.nn.Identity(), module_input_name="token_embeddings")
+    modules = [t, dense, MultiVectorMask(skiplist_words=list(skiplist))]
+    if normalize:
+        modules.append(Normalize(module_input_name="token_embeddings"))
+    st = MultiVectorEncoder(modules=modules, device="cpu", prompts={"query": "[Q] ", "document": "[D] "})
+    st.save(str(root / "st"))
+    return root / "st"
+
+
+def pylate_checkpoint(root, attend: bool = False, skiplist=None, expansion: bool = True):
+    """A tiny ColBERT laid out as PyLate saves one: markers "[Q] " / "[D] " as added tokens, its knobs at the top
+    of config_sentence_transformers.json (model_type ColBERT), modules Transformer + pylate Dense."""
+    import torch
+    from safetensors.torch import save_file
+
+    raw = bert(root, ["[Q] ", "[D] "], special=False)
+    processor(raw).save_pretrained(str(raw))
+    (raw / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Dense", "type": "pylate.models.Dense.Dense"}]))
+    (raw / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": DOCUMENT_LENGTH - 1,
+                                                               "do_lower_case": False}))
+    st = {"model_type": "ColBERT", "query_prefix": "[Q] ", "document_prefix": "[D] ", "query_length": QUERY_LENGTH,
+          "document_length": DOCUMENT_LENGTH, "attend_to_expansion_tokens": attend, "do_query_expansion": expansion,
+          "prompts": {}, "default_prompt_name": None, "similarity_fn_name": "MaxSim",
+          "__version__": {"pylate": "1.6.0"}}
+    if skiplist is not None:
+        st["skiplist_words"] = list(skiplist)
+    (raw / "config_sentence_transformers.json").write_text(json.dumps(st))
+    (raw / "1_Dense").mkdir()
+    (raw / "1_Dense" / "config.json").write_text(json.dumps({
+        "in_features": 32, "out_features": DIM, "bias": False,
+        "activation_function": "torch.nn.modules.linear.Identity", "use_residual": False}))
+    gen = torch.Generator().manual_seed(4)
+    save_file({"linear.weight": torch.randn(DIM, 32, generator=gen) * 0.3}, str(raw / "1_Dense" / "model.safetensors"))
+    return raw
+
+
+def reference(path, texts, kind):
+    from sentence_transformers import MultiVectorEncoder
+
+    st = MultiVectorEncoder(str(path), device="cpu")
+    encode = st.encode_query if kind == "query" else st.encode_document
+    return [np.asarray(x, np.float32) for x in encode(texts, convert_to_numpy=True)]
+
+
+def assert_same_tokens(got, want, min_cos=0.9999):
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.dtype == np.float32 and g.shape == w.shape, (g.shape, w.shape)
+        cos = (g * w).sum(-1) / np.maximum(np.linalg.norm(g, axis=-1) * np.linalg.norm(w, axis=-1), 1e-12)
+        assert cos.min() >= min_cos, cos.min()
+        np.testing.assert_allclose(np.linalg.norm(g, axis=-1), np.linalg.norm(w, axis=-1), rtol=1e-4, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def st_model(tmp_path_factory):
+    path = st_checkpoint(tmp_path_factory.mktemp("mve"))
+    return path, Encoder.from_pretrained(str(path), dtype="float32", buckets=TABLE)
+
+
+@pytest.mark.parametrize("kind", ["query", "document"])
+def test_multivector_encoder_parity(st_model, kind):
+    path, enc = st_model
+    texts = QUERIES if kind == "query" else DOCUMENTS
+    got = enc.embed_multivector(texts, kind=kind)
+    want = reference(path, texts, kind)
+    assert_same_tokens(got, want)
+    if kind == "query":
+        assert {len(g) for g in got} == {QUERY_LENGTH}  # expanded (and the long one cut) to the fixed length
+    else:
+        assert len(got[-1]) == 3 and len(got[1]) < 8  # "!!": [CLS] [D] [SEP]; punctuation dropped
+
+
+@pytest.mark.parametrize("options", [
+    dict(attend=True), dict(strategy="min"), dict(expansion=False), dict(normalize=False, skiplist=()),
+])
+def test_multivector_encoder_variants(tmp_path, options):
+    """Expansion tokens attended to, a floor-only expansion, none, and neither normalisation nor skiplist."""
+    path = st_checkpoint(tmp_path, **options)
+    enc = Encoder.from_pretrained(str(path), dtype="float32", buckets=TABLE)
+    for kind, texts in (("query", QUERIES), ("document", DOCUMENTS)):
+        assert_same_tokens(enc.embed_multivector(texts, kind=kind), reference(path, texts, kind))
+
+
+@pytest.mark.parametrize("options", [dict(), dict(attend=True), dict(skiplist=["!"]), dict(expansion=False)])
+def test_pylate_checkpoint_parity(tmp_path, options):
+    """PyLate's layout: the marker token inserted after [CLS], its lengths, its default punctuation skiplist."""
+    path = pylate_checkpoint(tmp_path, **options)
+    enc = Encoder.from_pretrained(str(path), dtype="float32", buckets=TABLE)
+    assert enc.head.kind == "multivector" and enc.colbert.prefix_ids[0] is not None
+    for kind, texts in (("query", QUERIES), ("document", DOCUMENTS)):
+        got = enc.embed_multivector(texts, kind=kind)
+        assert_same_tokens(got, reference(path, texts, kind))
+        assert all(enc.multivector_pieces([t], kind).seqs[0][1] == enc.colbert.prefix_ids[KIND[kind]] for t in texts)
+
+
+KIND = {"query": 0, "document": 1}
+
+
+def run_pieces(enc, pieces):
+    from jaxserve.jobs import Job
+    from jaxserve.planner import pack
+    from jaxserve.service import run_jobs
+
+    job = Job(pack(pieces.lengths, enc.token_table), pieces.ids, pieces.offsets, None, enc.token_dim, output="tokens")
+    run_jobs(enc.engine, enc.token_table, [job])
+    return [job.token_vectors(p) for p in range(pieces.count)]
+
+
+def test_hidden_expansion_tokens_are_no_keys(st_model):
+    """attend=False: the real tokens' vectors are those of the query without its expansion tokens (they are no
+    keys); the expansion tokens' own vectors differ from those of plain mask tokens (which are keys)."""
+    from jaxserve.tokenize import from_sequences
+
+    _, enc = st_model
+    ids = enc.multivector_pieces(["the model"], "query").seqs[0]
+    vocab = enc.model_config.vocab_size
+    real = int((ids < vocab).sum())
+    assert real == 5 and len(ids) == QUERY_LENGTH  # [CLS] [Q] the model [SEP], then expansion
+    expanded, bare, attended = run_pieces(enc, from_sequences(
+        [ids, ids[:real], np.where(ids >= vocab, ids - vocab, ids)], np.arange(3), np.ones(3)))
+    np.testing.assert_allclose(expanded[:real], bare, atol=1e-5)
+    assert np.abs(attended[:real] - bare).max() > 1e-3
+
+
+def test_packed_rows_match_one_per_row(st_model):
+    """Several queries and documents packed in one row give each text's own vectors."""
+    path, enc = st_model
+    one = Encoder.from_pretrained(str(path), dtype="float32", buckets=fixed([(4, 16), (4, 64)], layout="padded"))
+    for kind, texts in (("query", QUERIES), ("document", DOCUMENTS)):
+        packed = enc.embed_multivector(texts, kind=kind)
+        assert max(len(d.parts) for d in enc.last_dispatches) >= 1
+        for a, b in zip(packed, one.embed_multivector(texts, kind=kind)):
+            np.testing.assert_allclose(a, b, atol=2e-5)
+
+
+def test_maxsim_matches_multivector_encoder_similarity(st_model):
+    import torch
+    from sentence_transformers import MultiVectorEncoder
+
+    path, enc = st_model
+    q = enc.embed_multivector(QUERIES[:2], kind="query")
+    d = enc.embed_multivector(DOCUMENTS, kind="document")
+    st = MultiVectorEncoder(str(path), device="cpu")
+    want = st.similarity([torch.from_numpy(x) for x in q], [torch.from_numpy(x) for x in d]).numpy()
+    got = np.stack([multivector.maxsim(x, d) for x in q])
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_bad_kind_and_long_inputs(st_model):
+    _, enc = st_model
+    with pytest.raises(InputError, match="kind"):
+        enc.embed_multivector(["x"], kind="passage")
+    with pytest.raises(InputError, match="length of 48"):
+        enc.embed_multivector(["the query " * 40], kind="document", long="error")
+    with pytest.raises(InputError, match="truncate or error"):
+        enc.embed_multivector(["x"], long="chunk")
+    with pytest.raises(InputError, match="multivector model"):
+        enc.embed(["x"])
