@@ -123,6 +123,7 @@ class Encoder:
                                                cfg.max_positions)
                    if head.kind == "multivector" else None)
         if colbert is not None:  # its sequences are at most its query or document length: the buckets' limit
+            multivector.check_windows(colbert, getattr(cfg, "specs", ()))
             emb = dataclasses.replace(emb, max_seq_length=max(colbert.lengths))
             if colbert.dense:
                 params["dense"] = checkpoint.load_dense(path, colbert.dense)

@@ -257,6 +257,23 @@ def forward(module, mv: MultiVectorConfig, vocab: int, num_segments: int, params
     return x
 
 
+def check_windows(mv: MultiVectorConfig, specs) -> None:
+    """Refuse hidden expansion tokens that a sliding-window layer would leave without any key.
+
+    An expansion token at position p sees the query's first token (position 0) in a layer of window w
+    (|q - k| < w) while p < w. Past that, in a short query, it may see no real token at all: an
+    all-masked attention row, which transformers and jaxserve resolve differently (neither is meaningful),
+    so such a checkpoint is refused rather than served with different vectors. Trained ModernBERT ColBERTs
+    (local_attention 128: w = 65, queries of 32) are far from it."""
+    if mv.expansion is None or mv.attend:
+        return
+    windows = [s.window for s in specs if s.window is not None]
+    if windows and mv.expansion > min(windows):
+        raise CheckpointError(f"query expansion to {mv.expansion} tokens, not attended to, past this model's "
+                              f"sliding window ({min(windows) - 1} positions either side): expansion tokens far "
+                              "from every real token would see no key at all; jaxserve does not serve it")
+
+
 def attention_impl(impl: str, mv: MultiVectorConfig, seqlen: int) -> str:
     """The Pallas kernel sees segment ids as equal-or-not: expansion tokens hidden as keys need the mask
     rule of the dense and blockwise kernels."""

@@ -29,14 +29,24 @@ SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_atte
 DIM = 8
 
 
-def bert(root, markers: list[str], special: bool, seed: int = 2):
-    """A tiny BertModel and its tokenizer.json with `markers` added (special, as MultiVectorEncoder users add
-    them; or plain added tokens, as PyLate's add_tokens does)."""
+def bert(root, markers: list[str], special: bool, seed: int = 2, family: str = "bert", local: int = 40):
+    """A tiny BertModel (or ModernBertModel, local attention `local` // 2 positions each side) and its tokenizer.json with
+    `markers` added (special, as MultiVectorEncoder users add them; or plain added tokens, as PyLate's
+    add_tokens does)."""
     import transformers
     from tokenizers import AddedToken, Tokenizer
 
-    config = transformers.BertConfig(vocab_size=len(hf_tiny.vocab("bert")) + len(markers), pad_token_id=0, **SMALL)
-    raw = hf_tiny.write(root / "hf", "BertModel", config, kind="bert", seed=seed, scale=0.3)
+    vocab = hf_tiny.vocab("bert")
+    if family == "modernbert":
+        config = transformers.ModernBertConfig(
+            vocab_size=len(vocab) + len(markers), hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+            num_attention_heads=2, local_attention=local, max_position_embeddings=512, pad_token_id=vocab["[PAD]"],
+            bos_token_id=vocab["[CLS]"], cls_token_id=vocab["[CLS]"], eos_token_id=vocab["[SEP]"],
+            sep_token_id=vocab["[SEP]"])
+        raw = hf_tiny.write(root / "hf", "ModernBertModel", config, kind="bert", seed=seed, scale=0.3)
+    else:
+        config = transformers.BertConfig(vocab_size=len(vocab) + len(markers), pad_token_id=0, **SMALL)
+        raw = hf_tiny.write(root / "hf", "BertModel", config, kind="bert", seed=seed, scale=0.3)
     tok = Tokenizer.from_file(str(raw / "tokenizer.json"))
     added = [AddedToken(m, special=special, normalized=False) for m in markers]
     (tok.add_special_tokens if special else tok.add_tokens)(added)
@@ -44,15 +54,16 @@ def bert(root, markers: list[str], special: bool, seed: int = 2):
     return raw
 
 
-def processor(raw):
+def processor(raw, family: str = "bert"):
     from transformers import PreTrainedTokenizerFast
 
+    names = {"model_input_names": ["input_ids", "attention_mask"]} if family == "modernbert" else {}
     return PreTrainedTokenizerFast(tokenizer_file=str(raw / "tokenizer.json"), pad_token="[PAD]", mask_token="[MASK]",
-                                   unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]")
+                                   unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]", **names)
 
 
 def st_checkpoint(root, attend: bool = False, strategy: str = "fixed", expansion: bool = True,
-                  skiplist=tuple(string.punctuation), normalize: bool = True):
+                  skiplist=tuple(string.punctuation), normalize: bool = True, family: str = "bert", local: int = 40):
     """A tiny ColBERT saved by sentence-transformers 6 as a MultiVectorEncoder."""
     import torch
     from sentence_transformers import MultiVectorEncoder
@@ -61,12 +72,12 @@ def st_checkpoint(root, attend: bool = False, strategy: str = "fixed", expansion
     from sentence_transformers.base.modules.transformer import Transformer
     from sentence_transformers.multi_vector_encoder.modules import MultiVectorMask
 
-    raw = bert(root, ["[Q]", "[D]"], special=True)
+    raw = bert(root, ["[Q]", "[D]"], special=True, family=family, local=local)
     query = {"strategy": strategy, "attend": attend, "length": QUERY_LENGTH} if expansion else None
     ceiling = 2 * QUERY_LENGTH if strategy == "min" else None  # "min": a floor; the ceiling is query_length
     t = Transformer(str(raw), query_length=ceiling if expansion else QUERY_LENGTH, document_length=DOCUMENT_LENGTH,
                     query_expansion=None)
-    t.processor = processor(raw)
+    t.processor = processor(raw, family)
     t.query_expansion = query
     torch.manual_seed(3)
     dense = Dense(32, DIM, bias=False, activation_function=torch.nn.Identity(), module_input_name="token_embeddings")
@@ -145,13 +156,29 @@ def test_multivector_encoder_parity(st_model, kind):
 
 @pytest.mark.parametrize("options", [
     dict(attend=True), dict(strategy="min"), dict(expansion=False), dict(normalize=False, skiplist=()),
+    dict(family="modernbert"), dict(family="modernbert", attend=True),
 ])
 def test_multivector_encoder_variants(tmp_path, options):
-    """Expansion tokens attended to, a floor-only expansion, none, and neither normalisation nor skiplist."""
+    """Expansion tokens attended to, a floor-only expansion, none, neither normalisation nor skiplist, and
+    ModernBERT (sliding-window layers of 20 positions either side: shorter than the 48-token documents)."""
     path = st_checkpoint(tmp_path, **options)
     enc = Encoder.from_pretrained(str(path), dtype="float32", buckets=TABLE)
     for kind, texts in (("query", QUERIES), ("document", DOCUMENTS)):
         assert_same_tokens(enc.embed_multivector(texts, kind=kind), reference(path, texts, kind))
+
+
+def test_expansion_past_a_sliding_window_is_refused(tmp_path):
+    """ModernBERT with local attention 4 positions either side and 16 hidden expansion tokens: the last ones
+    would see no key at all (transformers and jaxserve differ there), so the checkpoint is refused at load;
+    attended to, the same expansion is served (and matches)."""
+    from jaxserve.errors import CheckpointError
+
+    path = st_checkpoint(tmp_path / "hidden", family="modernbert", local=8)
+    with pytest.raises(CheckpointError, match="sliding window"):
+        Encoder.from_pretrained(str(path), dtype="float32", buckets=TABLE)
+    path = st_checkpoint(tmp_path / "attended", family="modernbert", local=8, attend=True)
+    enc = Encoder.from_pretrained(str(path), dtype="float32", buckets=TABLE)
+    assert_same_tokens(enc.embed_multivector(QUERIES, kind="query"), reference(path, QUERIES, "query"))
 
 
 @pytest.mark.parametrize("options", [dict(), dict(attend=True), dict(skiplist=["!"]), dict(expansion=False)])
@@ -229,3 +256,115 @@ def test_bad_kind_and_long_inputs(st_model):
         enc.embed_multivector(["x"], long="chunk")
     with pytest.raises(InputError, match="multivector model"):
         enc.embed(["x"])
+
+
+def st_rank(path, query, texts):
+    """MultiVectorEncoder's MaxSim of one query against texts, and the order it ranks them in."""
+    import torch
+    from sentence_transformers import MultiVectorEncoder
+
+    st = MultiVectorEncoder(str(path), device="cpu")
+    q = st.encode_query([query])
+    d = st.encode_document(texts)
+    scores = st.similarity([torch.as_tensor(x) for x in q], [torch.as_tensor(x) for x in d]).numpy()[0]
+    return scores, sorted(range(len(texts)), key=lambda i: -scores[i])
+
+
+async def test_pylate_embeddings_route(make_server, st_model):
+    """PyLate's server route on loopback: per input its own token vectors (no padding), queries and documents
+    batched together with other requests."""
+    import asyncio
+
+    path, enc = st_model
+    client = await make_server(enc)
+    queries, documents, default = await asyncio.gather(
+        client.post("/v1/embeddings", json={"input": QUERIES, "is_query": True, "model": "any"}),
+        client.post("/v1/embeddings", json={"input": DOCUMENTS, "is_query": False}),
+        client.post("/embeddings", json={"input": QUERIES[1]}))  # is_query defaults to true, as PyLate's server
+    assert queries.status == documents.status == default.status == 200
+    for resp, texts, kind in ((queries, QUERIES, "query"), (documents, DOCUMENTS, "document")):
+        body = await resp.json()
+        assert body["object"] == "list" and [d["index"] for d in body["data"]] == list(range(len(texts)))
+        assert body["usage"]["prompt_tokens"] > 0
+        got = [np.asarray(d["embedding"], np.float32) for d in body["data"]]
+        assert_same_tokens(got, reference(path, texts, kind))
+    one = (await default.json())["data"]
+    assert_same_tokens([np.asarray(one[0]["embedding"], np.float32)], reference(path, QUERIES[1:2], "query"))
+
+
+async def test_rerank_by_maxsim(make_server, st_model):
+    """TEI's /rerank on a multi-vector model: MaxSim scores and their order, as MultiVectorEncoder's."""
+    path, enc = st_model
+    client = await make_server(enc)
+    query = "the jax model"
+    resp = await client.post("/rerank", json={"query": query, "texts": DOCUMENTS, "return_text": True})
+    assert resp.status == 200
+    got = await resp.json()
+    scores, order = st_rank(path, query, DOCUMENTS)
+    assert [g["index"] for g in got] == order
+    np.testing.assert_allclose([g["score"] for g in got], scores[order], rtol=1e-4)
+    assert [g["text"] for g in got] == [DOCUMENTS[i] for i in order]
+    root = await client.post("/", json={"query": query, "texts": DOCUMENTS[:2]})
+    assert root.status == 200 and len(await root.json()) == 2
+
+
+async def test_info_and_openapi_describe_it(make_server, st_model):
+    _, enc = st_model
+    client = await make_server(enc)
+    info = await (await client.get("/info")).json()
+    assert info["kind"] == "multivector" and info["dimensions"] == DIM
+    assert info["model_type"] == {"embedding": {"pooling": "multivector"}}
+    mv = info["multivector"]
+    assert mv["query_expansion"] == {"strategy": "fixed", "length": QUERY_LENGTH, "attend": False}
+    assert mv["document_length"] == DOCUMENT_LENGTH and mv["query_prefix"] == "[Q] " and mv["skiplist_ids"]
+    spec = await (await client.get("/openapi.json")).json()
+    assert "is_query" in spec["paths"]["/v1/embeddings"]["post"]["requestBody"]["content"]["application/json"][
+        "schema"]["properties"]
+
+
+async def test_dense_routes_on_a_multivector_model_and_the_reverse(make_server, st_model, tmp_path):
+    """Each side refuses the other's routes with a clear 4xx in TEI's (or OpenAI's) shape, and keeps serving."""
+    import tiny
+    from conftest import TINY_TABLE
+
+    _, enc = st_model
+    client = await make_server(enc)
+    for route in ("/embed", "/embed_all", "/similarity", "/predict"):
+        body = {"inputs": {"source_sentence": "a", "sentences": ["b"]}} if route == "/similarity" else {"inputs": "x"}
+        resp = await client.post(route, json=body)
+        assert resp.status == 422, route
+        err = await resp.json()
+        assert err["error_type"] == "Validation" and "multi-vector (ColBERT)" in err["error"]
+    bad = await client.post("/v1/embeddings", json={"input": ["x"], "encoding_format": "base64"})
+    assert bad.status == 400 and "float" in (await bad.json())["error"]["message"]
+    bad = await client.post("/v1/embeddings", json={"input": ["x"], "is_query": "yes"})
+    assert bad.status == 400
+    assert (await client.post("/v1/embeddings", json={"input": ["x"]})).status == 200
+    dense = Encoder.from_pretrained(str(tiny.write_checkpoint(tmp_path / "dense")), buckets=TINY_TABLE)
+    dense_client = await make_server(dense)
+    resp = await dense_client.post("/rerank", json={"query": "a", "texts": ["b"]})
+    assert resp.status == 422
+    assert "needs a sequence-classification or cross-encoder model" in (await resp.json())["error"]
+
+
+def test_warm_artifact_keeps_every_token_bucket(tmp_path, st_model):
+    """A multi-vector model warms its per-token output at every bucket of the table (not only each seqlen's
+    smallest, as /embed_all), and a second start loads them from the warm artifact, compiling nothing."""
+    from jaxserve import compiles, startup
+
+    path, _ = st_model
+    cache = tmp_path / "cache"
+    outs = []
+    for _ in range(2):
+        enc = Encoder.from_pretrained(str(path), dtype="float32")
+        before = compiles.xla_compiles_total()
+        started = startup.Startup()
+        table = startup.warm(enc, TABLE, tokens=True, cache=cache, startup=started)
+        built = compiles.xla_compiles_total() - before
+        assert [(b.shape, b.slots) for b in enc.engine.tables["tokens"].buckets] == \
+            [(b.shape, b.slots) for b in table.buckets]
+        outs.append((started.source["source"], built, enc.embed_multivector(QUERIES, kind="query")))
+    assert outs[0][0] == "file" and outs[0][1] > 0
+    assert outs[1][0] == "artifact" and outs[1][1] == 0
+    for a, b in zip(outs[0][2], outs[1][2]):
+        np.testing.assert_allclose(a, b, atol=1e-6)
