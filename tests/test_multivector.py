@@ -368,3 +368,14 @@ def test_warm_artifact_keeps_every_token_bucket(tmp_path, st_model):
     assert outs[1][0] == "artifact" and outs[1][1] == 0
     for a, b in zip(outs[0][2], outs[1][2]):
         np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def test_jaxserve_embed_refuses_a_multivector_model(st_model, tmp_path, capsys):
+    """Not silently pooled vectors: `jaxserve embed` says it does not write multi-vector embeddings."""
+    from jaxserve.cli import main
+
+    path, _ = st_model
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(DOCUMENTS) + "\n")
+    assert main(["embed", "--input", str(corpus), "--model", str(path), "--output", str(tmp_path / "v.npy")]) == 2
+    assert "multi-vector" in capsys.readouterr().err
