@@ -13,6 +13,8 @@ import string
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as hs
 
 import hf_tiny
 from jaxserve import Encoder, multivector
@@ -157,7 +159,7 @@ def test_multivector_encoder_parity(st_model, kind):
 @pytest.mark.parametrize("options", [
     dict(attend=True), dict(strategy="min"), dict(expansion=False), dict(normalize=False, skiplist=()),
     dict(family="modernbert"), dict(family="modernbert", attend=True),
-])
+], ids=["attend", "min", "no-expansion", "no-normalize-no-skiplist", "modernbert", "modernbert-attend"])
 def test_multivector_encoder_variants(tmp_path, options):
     """Expansion tokens attended to, a floor-only expansion, none, neither normalisation nor skiplist, and
     ModernBERT (sliding-window layers of 20 positions either side: shorter than the 48-token documents)."""
@@ -181,7 +183,8 @@ def test_expansion_past_a_sliding_window_is_refused(tmp_path):
     assert_same_tokens(enc.embed_multivector(QUERIES, kind="query"), reference(path, QUERIES, "query"))
 
 
-@pytest.mark.parametrize("options", [dict(), dict(attend=True), dict(skiplist=["!"]), dict(expansion=False)])
+@pytest.mark.parametrize("options", [dict(), dict(attend=True), dict(skiplist=["!"]), dict(expansion=False)],
+                         ids=["default", "attend", "skiplist", "no-expansion"])
 def test_pylate_checkpoint_parity(tmp_path, options):
     """PyLate's layout: the marker token inserted after [CLS], its lengths, its default punctuation skiplist."""
     path = pylate_checkpoint(tmp_path, **options)
@@ -379,3 +382,22 @@ def test_jaxserve_embed_refuses_a_multivector_model(st_model, tmp_path, capsys):
     corpus.write_text("\n".join(DOCUMENTS) + "\n")
     assert main(["embed", "--input", str(corpus), "--model", str(path), "--output", str(tmp_path / "v.npy")]) == 2
     assert "multi-vector" in capsys.readouterr().err
+
+
+@settings(max_examples=50, deadline=None)
+@given(hs.lists(hs.integers(-3, 3), min_size=1, max_size=12), hs.booleans())
+def test_negative_segments_are_queries_but_no_keys(segs, causal):
+    """The attention rule: for ids >= 0 exactly the old one (same id, key not padding); a token of segment -k
+    sees the keys of document k, and no query sees it."""
+    import jax.numpy as jnp
+
+    from jaxserve.models.attention import Spec, same_document
+
+    seg = np.asarray([segs], np.int32)
+    pos = np.arange(len(segs), dtype=np.int32)[None]
+    got = np.asarray(same_document(jnp.asarray(seg), jnp.asarray(pos), jnp.asarray(seg), jnp.asarray(pos),
+                                   Spec(causal=causal)))[0]
+    for i, q in enumerate(segs):
+        for j, k in enumerate(segs):
+            want = k > 0 and abs(q) == k and (not causal or j <= i)
+            assert got[i, j] == want, (segs, i, j)
