@@ -135,6 +135,9 @@ def cmd_embed(args) -> int:
     from jaxserve import Encoder
 
     enc = Encoder.from_pretrained(args.model, dtype=args.dtype, attention=args.attention)  # loads weights; compiles nothing
+    if enc.head.kind == "multivector":
+        raise JaxserveError("jaxserve embed does not write multi-vector (ColBERT) embeddings; use "
+                            "Encoder.embed_multivector or POST /v1/embeddings with is_query (docs/models.md)")
     if sparse_output or enc.head.kind == "sparse":  # SPLADE: JSON Lines of {"index", "value"} lists
         if not (sparse_output and enc.head.kind == "sparse"):
             raise JaxserveError("--output must end in .jsonl for a sparse (SPLADE) model (per row its "

@@ -31,7 +31,7 @@ LEGACY_POOLING_FLAGS = {
 class HeadConfig:
     """What the model's output is: pooled embeddings, or a sequence-classification head's logits."""
 
-    kind: str = "embedding"  # embedding | classifier | sparse (SPLADE)
+    kind: str = "embedding"  # embedding | classifier | sparse (SPLADE) | multivector (ColBERT)
     labels: tuple[str, ...] = ()  # classifier: label of each logit (id2label order)
     sparse: dict | None = None  # sparse: its SpladePooling config
 
@@ -123,6 +123,10 @@ class EmbeddingConfig:
         """
         pooling, normalize, dense = "mean", False, []
         modules = _read_json(path / "modules.json") if (path / "modules.json").exists() else []
+        from jaxserve.multivector import is_multivector
+
+        if is_multivector(path):  # its modules are jaxserve.multivector's
+            modules = []
         for module in modules:
             kind = module.get("type", "").rsplit(".", 1)[-1]
             folder = path / module.get("path", "")
@@ -238,8 +242,12 @@ def read_model_config(path: Path) -> tuple[Family, ArchConfig]:
 
 
 def read_head_config(path: Path) -> HeadConfig:
-    """The model's head: a SPLADE pooling module in `modules.json` (sentence-transformers' SparseEncoder), else
-    what config.json's architecture says."""
+    """The model's head: a multi-vector (ColBERT) save, a SPLADE pooling module in `modules.json`
+    (sentence-transformers' SparseEncoder), else what config.json's architecture says."""
+    from jaxserve.multivector import is_multivector
+
+    if is_multivector(path):
+        return HeadConfig("multivector")
     modules = _read_json(path / "modules.json") if (path / "modules.json").exists() else []
     for module in modules:
         if module.get("type", "").rsplit(".", 1)[-1] == "SpladePooling":

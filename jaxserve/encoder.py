@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from functools import partial
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve import buckets, checkpoint, derivation, device, sparse
+from jaxserve import buckets, checkpoint, derivation, device, multivector, sparse
 from jaxserve.buckets import BucketTable, ModelDims
 from jaxserve.derivation import TableOptions
 from jaxserve.config import EmbeddingConfig, HeadConfig, read_head_config, read_model_config
@@ -91,6 +92,7 @@ class Encoder:
     dtype: str
     head: HeadConfig = HeadConfig()  # embedding, a classifier's labels, or sparse
     splade: sparse.SparseConfig | None = None  # a SPLADE checkpoint's pooling (jaxserve.sparse)
+    colbert: multivector.MultiVectorConfig | None = None  # a multi-vector checkpoint's (jaxserve.multivector)
     last_dispatches: list = dataclasses.field(default_factory=list, repr=False)  # the batches the last `run` ran
     attention: str = "auto"  # the --attention choice (each bucket's implementation: engine.attention_of)
 
@@ -124,10 +126,22 @@ class Encoder:
         splade = sparse.SparseConfig.from_module(head.sparse, cfg.vocab_size) if head.kind == "sparse" else None
         if splade is not None:
             params["mlm"] = sparse.load_head(path, family.name, cfg, jdtype)
+        colbert = (multivector.from_checkpoint(path, tokenizer, cfg.hidden_size, emb.max_seq_length,
+                                               cfg.max_positions)
+                   if head.kind == "multivector" else None)
+        if colbert is not None:  # its sequences are at most its query or document length: the buckets' limit
+            multivector.check_windows(colbert, getattr(cfg, "specs", ()))
+            emb = dataclasses.replace(emb, max_seq_length=max(colbert.lengths))
+            if colbert.dense:
+                params["dense"] = checkpoint.load_dense(path, colbert.dense)
         params = jax.device_put(params)
         platform = jax.devices()[0].platform
 
         def forward(slots: int, seqlen: int, output: str, implementation: str):
+            if output == "tokens" and colbert is not None:
+                impl = multivector.attention_impl(implementation, colbert, seqlen)
+                return partial(multivector.forward, family.encoder(cfg, jdtype, attention=attention_kernels.Kernel(
+                    impl, slots)), colbert, cfg.vocab_size, slots)
             module = family.encoder(cfg, jdtype, attention=attention_kernels.Kernel(implementation, slots))
             if output == "tokens":
                 return partial(tokens_forward, module, slots)
@@ -145,7 +159,7 @@ class Encoder:
         head_dim = dims.head_dim or dims.hidden // dims.heads
         engine = Engine(forward, params, local[:count],
                         plan=partial(attention_kernels.plan, attention, platform, head_dim=head_dim, dtype=dtype))
-        enc = cls(path, family, cfg, emb, tokenizer, engine, dtype, head, splade, attention=attention)
+        enc = cls(path, family, cfg, emb, tokenizer, engine, dtype, head, splade, colbert, attention=attention)
         if buckets is not None:
             enc.warmup(buckets if isinstance(buckets, BucketTable) else BucketTable.load(buckets))
         return enc
@@ -161,6 +175,11 @@ class Encoder:
         if self.splade is not None:
             return self.splade.out_dim
         return self.head.num_labels if self.head.kind == "classifier" else self.dim
+
+    @property
+    def token_dim(self) -> int:
+        """Width of one token's output: the hidden size (/embed_all), or a multi-vector model's projection."""
+        return self.colbert.dim if self.colbert is not None else self.model_config.hidden_size
 
     @property
     def module(self):
@@ -257,9 +276,11 @@ class Encoder:
         return self.engine.table
 
     def warmup_tokens(self, progress: bool = False) -> BucketTable:
-        """Compile and time token outputs (/embed_all) at each seqlen's smallest batch of the warm table."""
+        """Compile and time token outputs at each seqlen's smallest batch of the warm table (/embed_all), or at
+        every bucket of it (a multi-vector model: per-token outputs are all it serves)."""
         smallest = tuple(self.table.at(s)[0] for s in self.table.seqlens)
-        return self.engine.use(dataclasses.replace(self.table, buckets=smallest), progress=progress, output="tokens",
+        chosen = self.table.buckets if self.colbert is not None else smallest
+        return self.engine.use(dataclasses.replace(self.table, buckets=chosen), progress=progress, output="tokens",
                                check=self._fits_check())
 
     @property
@@ -320,6 +341,27 @@ class Encoder:
             raise InputError("sparse embeddings are per sequence: `long: chunk` does not apply")
         pieces, rows = self.prepare(texts, long, self.embedding_config.prompt(prompt_name, prompt))
         return sparse.decode(self.run(pieces, rows), self.splade)
+
+    def multivector_pieces(self, texts: list[str], kind: str, long: str = "truncate",
+                           prompt: str | None = None) -> Pieces:
+        """Texts as a multi-vector model's `kind` (query or document) sequences (no device work)."""
+        self._require("multivector")
+        return multivector.pieces(self.colbert, self._kind_tokenizers, list(texts), kind, prompt, long,
+                                  self.model_config.vocab_size)
+
+    @functools.cached_property
+    def _kind_tokenizers(self) -> dict:
+        return multivector.tokenizers(self.colbert, self.tokenizer)
+
+    def embed_multivector(self, texts: list[str], kind: str = "document", long: str = "truncate",
+                          prompt: str | None = None) -> list[np.ndarray]:
+        """Texts -> per text its [tokens, dim] float32 token vectors, as MultiVectorEncoder's `encode_query`
+        (kind="query") / `encode_document` (kind="document") and PyLate's `encode(is_query=...)` give them."""
+        pieces = self.multivector_pieces(texts, kind, long, prompt)
+        job = Job(pack(pieces.lengths, self.token_table), pieces.ids, pieces.offsets, None, self.token_dim,
+                  output="tokens")
+        self.last_dispatches = run_jobs(self.engine, self.token_table, [job])
+        return multivector.outputs(self.colbert, kind, pieces.seqs, [job.token_vectors(p) for p in range(pieces.count)])
 
     def classify(self, inputs: list, truncate: bool = True) -> np.ndarray:
         """Texts, or (text, text) pairs, mixed -> [N, num_labels] logits (a classifier checkpoint)."""

@@ -155,7 +155,7 @@ async def run_request(state: AppState, make_pieces, want_explain: bool = False, 
         pieces = tokenized(make_pieces)
         t1 = time.perf_counter()
         rows = pack(pieces.lengths, table)
-        width = enc.model_config.hidden_size if output == "tokens" else enc.out_dim
+        width = enc.token_dim if output == "tokens" else enc.out_dim
         job = Job(rows, pieces.ids, pieces.offsets, pieces.types, width, output)
         t2 = time.perf_counter()
         explained = explain_rows(state, rows, table, pieces) if want_explain else None
@@ -193,7 +193,7 @@ def require_kind(state: AppState, kind: str, route: str) -> None:
     head = state.encoder.head
     if head.kind != kind:
         what = {"embedding": "an embedding model", "classifier": "a sequence-classification or cross-encoder model",
-                "sparse": "a sparse (SPLADE) embedding model"}
+                "sparse": "a sparse (SPLADE) embedding model", "multivector": "a multi-vector (ColBERT) model"}
         raise ApiError(400, f"{route} needs {what[kind]}; this server serves {what[head.kind]} ({state.model_name})")
 
 

@@ -7,7 +7,7 @@ import time
 import orjson
 from aiohttp import web
 
-from jaxserve import api
+from jaxserve import api, multivector_routes
 from jaxserve.batcher import BULK, CLASSES
 from jaxserve.classes import ask_of, class_of
 from jaxserve.handling import (
@@ -31,6 +31,8 @@ async def embeddings(request: web.Request) -> web.Response:
     state = request.app[STATE]
     start = time.perf_counter()
     state.require_ready()
+    if state.encoder.head.kind == "multivector":  # PyLate's server: per input its token vectors
+        return await multivector_routes.embeddings(state, await json_body(request))
     require_kind(state, "embedding", "/v1/embeddings")
     body = await json_body(request)
     req = api.parse_openai_embeddings(body, state.limits, state.encoder.dim, state.config.long)

@@ -29,6 +29,8 @@ EMBEDDINGS_BODY = {
         "dimensions": {"type": "integer", "minimum": 1},
         "user": {"type": "string"},
         "long": LONG,
+        "is_query": {"type": "boolean", "description": "multi-vector (ColBERT) models, as PyLate's server: "
+                     "encode as queries (default) or documents"},
         **PROMPT,
     },
 }
@@ -88,7 +90,8 @@ def _get(summary: str, content_type: str = "application/json") -> dict:
 
 
 def spec(version: str) -> dict:
-    vector = {"oneOf": [{"type": "array", "items": {"type": "number"}}, {"type": "string"}]}
+    # a vector, its base64, or (a multi-vector model) per token a vector
+    vector = {"oneOf": [{"type": "array", "items": {"type": "number"}}, {"type": "string"}, MATRIX]}
     embeddings_ok = {"type": "object", "required": ["object", "data", "model", "usage"], "properties": {
         "object": {"const": "list"},
         "data": {"type": "array", "items": {"type": "object", "required": ["index", "embedding"], "properties": {
@@ -137,7 +140,7 @@ def spec(version: str) -> dict:
                 "inputs": {"oneOf": [{"type": "string"}, {"type": "array", "items": pair_or_text, "minItems": 1}]},
                 "raw_scores": {"type": "boolean"}, "truncate": {"type": "boolean"}, "truncation_direction": DIRECTION,
                 "top_k": {"type": "integer", "minimum": 1}}}, {"type": "array"}),
-            "/rerank": _tei("TEI /rerank (cross-encoder models)", {"type": "object", "required": ["query", "texts"],
+            "/rerank": _tei("TEI /rerank (cross-encoder models; multi-vector models score by MaxSim)", {"type": "object", "required": ["query", "texts"],
                             "properties": {"query": {"type": "string", "minLength": 1},
                                            "texts": {"type": "array", "items": {"type": "string"}, "minItems": 1},
                                            "raw_scores": {"type": "boolean"}, "return_text": {"type": "boolean"},

@@ -30,6 +30,8 @@ def tei_model_type(enc) -> dict:
         return {"embedding": {"pooling": enc.embedding_config.pooling}}
     if enc.head.kind == "sparse":  # TEI names SPLADE as an embedding model's pooling
         return {"embedding": {"pooling": "splade"}}
+    if enc.head.kind == "multivector":  # no TEI kind: an embedding model whose "pooling" keeps every token
+        return {"embedding": {"pooling": "multivector"}}
     labels = enc.head.labels
     kind = "reranker" if len(labels) == 1 else "classifier"
     return {kind: {"id2label": {str(i): label for i, label in enumerate(labels)},
@@ -71,6 +73,18 @@ async def info(request: web.Request) -> web.Response:
             body.update(dimensions=c.vocab_size, pooling="splade",
                         sparse={"pooling_strategy": enc.splade.strategy, "activation_function": enc.splade.activation,
                                 "cap": enc.splade.cap})
+        if enc.colbert is not None:  # dimensions: of each token vector
+            mv = enc.colbert
+            body.update(dimensions=mv.dim, pooling="multivector", normalize=mv.normalize, multivector={
+                "query_length": mv.lengths[0], "document_length": mv.lengths[1],
+                "query_expansion": None if mv.expansion is None else {
+                    "strategy": mv.expansion_strategy, "length": mv.expansion, "attend": mv.attend},
+                "query_prefix": mv.prompts[0] or enc.tokenizer.tokenizer.id_to_token(mv.prefix_ids[0] or 0)
+                if (mv.prompts[0] or mv.prefix_ids[0] is not None) else None,
+                "document_prefix": mv.prompts[1] or enc.tokenizer.tokenizer.id_to_token(mv.prefix_ids[1] or 0)
+                if (mv.prompts[1] or mv.prefix_ids[1] is not None) else None,
+                "skiplist_ids": list(mv.skiplist), "similarity": mv.similarity,
+                "routes": ["/v1/embeddings", "/rerank"]})
     if state.table is not None:
         import jax
 

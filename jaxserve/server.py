@@ -48,7 +48,7 @@ def warm(state: AppState) -> BucketTable:
     matches, else compiled and timed, then saved. An encoder the caller warmed (tests, scripts) is used as is."""
     enc, cfg = state.encoder, state.config
     check_prompt(cfg, enc)
-    tokens = cfg.embed_all and enc.head.kind == "embedding"
+    tokens = (cfg.embed_all and enc.head.kind == "embedding") or enc.head.kind == "multivector"
     if enc.engine.table is not None and cfg.buckets == "auto":
         state.startup.source = {"source": "given"}
         if tokens and "tokens" not in enc.engine.tables:

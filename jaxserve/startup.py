@@ -78,7 +78,7 @@ def warm(encoder, spec: BucketTable | TableOptions, tokens: bool = False, cache:
     artifact if there is one, else built afresh and saved. JAX's persistent compilation cache is not used:
     the artifact does its job whole, and its cache hits would not serialize (see the save below)."""
     startup = startup or Startup()
-    outputs = ("pooled", "tokens") if tokens and encoder.head.kind == "embedding" else ("pooled",)
+    outputs = ("pooled", "tokens") if tokens and encoder.head.kind in ("embedding", "multivector") else ("pooled",)
     fields = None
     if cache is not None:
         root = cache_root(cache)

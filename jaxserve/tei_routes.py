@@ -15,7 +15,7 @@ import numpy as np
 import orjson
 from aiohttp import web
 
-from jaxserve import api, sparse
+from jaxserve import api, multivector_routes, sparse
 from jaxserve.api import ApiError
 from jaxserve.classes import ask_of
 from jaxserve.errors import InputError
@@ -30,7 +30,7 @@ PATHS = ("/", "/invocations", "/embed", "/embed_all", "/embed_sparse", "/similar
 def kind(state: AppState) -> str:
     """TEI's model kind: embedding, sparse (SPLADE), classifier, or reranker (a classifier with one label)."""
     head = state.encoder.head
-    if head.kind in ("embedding", "sparse"):
+    if head.kind in ("embedding", "sparse", "multivector"):
         return head.kind
     return "reranker" if head.num_labels == 1 else "classifier"
 
@@ -96,7 +96,9 @@ async def _predict(state: AppState, body) -> web.Response:
 
 
 async def _rerank(state: AppState, body) -> web.Response:
-    """(query, text) pairs through the cross-encoder, sorted by score."""
+    """(query, text) pairs through the cross-encoder, sorted by score (a multi-vector model: by MaxSim)."""
+    if state.encoder.head.kind == "multivector":
+        return await multivector_routes.rerank(state, body)
     require_kind(state, "classifier", "/rerank")
     query, texts, raw, return_text, truncate, direction = api.parse_rerank(body, state.limits,
                                                                            state.config.long != "error")
@@ -158,7 +160,7 @@ async def root(request: web.Request) -> web.Response:
     model = kind(state)
     if model == "classifier":
         return await _predict(state, body)
-    if model == "reranker":
+    if model in ("reranker", "multivector"):
         return await _rerank(state, body)
     if model == "sparse":
         return await _embed_sparse(state, body)

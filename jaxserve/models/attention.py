@@ -3,7 +3,7 @@
 Every family calls `attend(q, k, v, masks, spec, scale)`. Nobody passes a mask
 in: it follows from the row's segment ids (0 = padding, 1..K = documents) and
 positions (restarting at 0 for each document). A query sees the keys of its
-own document only, and per layer kind (`Spec`) only earlier keys (causal)
+own document only (a negative id -k: a query of document k that is no key, see `same_document`), and per layer kind (`Spec`) only earlier keys (causal)
 and/or keys within a window, counted in the document's own positions, so
 packed rows stay exact for every family.
 
@@ -251,7 +251,7 @@ def visible(seg_q, pos_q, seg_k, pos_k, spec: Spec, packed: bool = True) -> jax.
     document; their outputs are never pooled).
     """
     if not packed and spec == FULL:
-        return (seg_k != 0)[:, None, :]  # [B, 1, Sk]
+        return (seg_k > 0)[:, None, :]  # [B, 1, Sk]
     ok = same_document(seg_q, pos_q, seg_k, pos_k, spec)
     if seg_q.shape[1] == seg_k.shape[1]:  # padding queries see themselves: no row is all-masked
         ok |= jnp.eye(seg_q.shape[1], dtype=bool)[None] & (seg_q == 0)[:, :, None]
@@ -259,8 +259,11 @@ def visible(seg_q, pos_q, seg_k, pos_k, spec: Spec, packed: bool = True) -> jax.
 
 
 def same_document(seg_q, pos_q, seg_k, pos_k, spec: Spec) -> jax.Array:
-    """Boolean [B, Sq, Sk]: the key is a real token of the query's document that the spec lets it see."""
-    ok = (seg_q[:, :, None] == seg_k[:, None, :]) & (seg_k != 0)[:, None, :]  # [B, Sq, Sk]
+    """Boolean [B, Sq, Sk]: the key is a real token of the query's document that the spec lets it see.
+
+    A token of segment -k (a multi-vector query's expansion token, `jaxserve.multivector`) is a query of
+    document k but no key of any."""
+    ok = (jnp.abs(seg_q)[:, :, None] == seg_k[:, None, :]) & (seg_k > 0)[:, None, :]  # [B, Sq, Sk]
     delta = pos_q[:, :, None] - pos_k[:, None, :]  # query position - key position, within a document
     if spec.causal:
         ok &= delta >= 0
