@@ -88,6 +88,7 @@ class Sizes:
     attention_flags: tuple[str, ...] = ()
     shrink: bool = False  # configs cut to 2 small layers
     stage_s: float = 450.0  # a stage stops starting levels past this (device commands end at 10 min)
+    reserve_s: float = 90.0  # kept back from --budget-s for the work a stage ends with (stopping, peers)
     start_timeout_s: float = 420.0
 
 
@@ -95,11 +96,15 @@ GPU = Sizes()
 DRY = Sizes(serve_flags=("--seqlens", "32,128", "--max-batch", "8", "--batch-ladder", "off", "--no-embed-all"), docs_per_request=8,
             corpus=64, concurrency=(1, 2), level_s=1.0, load_fractions=(0.25, 0.5), peer_docs=24,
             latency=("--docs", "8", "--repeats", "1", "--no-http"),
-            peer_batches=(8, 16), attention_flags=("--dry-run",), shrink=True, stage_s=240.0, start_timeout_s=240.0)
+            peer_batches=(8, 16), attention_flags=("--dry-run",), shrink=True, stage_s=240.0, start_timeout_s=240.0, reserve_s=0.0)
 
 
 def log(*a) -> None:
     print(*a, flush=True)
+
+
+def fmt(ms: float | None) -> str:
+    return "-" if ms is None else f"{ms:.1f}"
 
 
 # ---- preflight -------------------------------------------------------------------------------
@@ -396,6 +401,16 @@ def start_server(args, sizes: Sizes, path: Path, cache: Path, port: int):
     return proc, ready, info
 
 
+def out_of_time(args, sizes: Sizes, began: float) -> str:
+    """Why no more work may start in this stage (its own cap, or the whole command's), or ''."""
+    now = time.monotonic()
+    if now - began > sizes.stage_s:
+        return f"the stage's {sizes.stage_s:.0f} s ran out"
+    if now > args.deadline - sizes.reserve_s:
+        return f"the run's --budget-s {args.budget_s:g} ran out"
+    return ""
+
+
 def stop(proc) -> None:
     proc.terminate()
     try:
@@ -454,15 +469,15 @@ def stage_model(args, sizes: Sizes, name: str, path: Path, pre: dict, sampler: S
             run_level(pool, procs, url, "closed", procs, min(2.0, sizes.level_s), docs, [sizes.docs_per_request])
             rec["saturation"], best = [], None
             for c in sizes.concurrency:
-                if time.monotonic() - began > sizes.stage_s:
-                    rec["cut"] = f"saturation stopped at concurrency {c}: the stage's {sizes.stage_s:.0f} s ran out"
+                if out_of_time(args, sizes, began):
+                    rec["cut"] = f"saturation stopped at concurrency {c}: {out_of_time(args, sizes, began)}"
                     break
                 t0 = time.monotonic()
                 res = run_level(pool, procs, url, "closed", max(c, procs), sizes.level_s, docs, [sizes.docs_per_request])
                 row = {"concurrency": max(c, procs), **summarize(res, sizes.level_s, tokens_per_doc, fpt, peak),
                        "gpu": sampler.window(t0, time.monotonic())}
                 rec["saturation"].append(row)
-                log(f"{name}: closed loop x{row['concurrency']}: {row['docs_per_s']:.0f} docs/s, p50 {row['p50_ms']} ms")
+                log(f"{name}: closed loop x{row['concurrency']}: {row['docs_per_s']:.0f} docs/s, p50 {fmt(row['p50_ms'])} ms")
                 if best and row["docs_per_s"] < 1.05 * best["docs_per_s"]:
                     break
                 best = row if not best or row["docs_per_s"] > best["docs_per_s"] else best
@@ -472,8 +487,8 @@ def stage_model(args, sizes: Sizes, name: str, path: Path, pre: dict, sampler: S
             mix = [min(n, sizes.docs_per_request) for n in mix]
             rec["load"], rec["slo_ms"] = [], args.slo_ms
             for frac in sizes.load_fractions:
-                if time.monotonic() - began > sizes.stage_s:
-                    rec["cut"] = f"load stopped at {frac:g} x saturation: the stage's {sizes.stage_s:.0f} s ran out"
+                if out_of_time(args, sizes, began):
+                    rec["cut"] = f"load stopped at {frac:g} x saturation: {out_of_time(args, sizes, began)}"
                     break
                 rate = frac * sat["docs_per_s"] / statistics.mean(mix)
                 t0 = time.monotonic()
@@ -481,7 +496,7 @@ def stage_model(args, sizes: Sizes, name: str, path: Path, pre: dict, sampler: S
                 row = {"fraction": frac, "offered_rps": rate, **summarize(res, sizes.level_s, tokens_per_doc, fpt, peak),
                        "gpu": sampler.window(t0, time.monotonic())}
                 rec["load"].append(row)
-                log(f"{name}: {rate:.0f} req/s ({frac:g} x sat): p50 {row['p50_ms']} p99 {row['p99_ms']} ms, "
+                log(f"{name}: {rate:.0f} req/s ({frac:g} x sat): p50 {fmt(row['p50_ms'])} p99 {fmt(row['p99_ms'])} ms, "
                     f"{row['docs_per_s']:.0f} docs/s")
                 broken = [why for why, bad in [(f"p99 over {args.slo_ms:g} ms", (row["p99_ms"] or 1e18) > args.slo_ms),
                                                ("errors", row["errors"]), ("429/503", row["rejected"])] if bad]
@@ -491,13 +506,13 @@ def stage_model(args, sizes: Sizes, name: str, path: Path, pre: dict, sampler: S
                     break
     finally:
         stop(proc)
-    if not pre.get("missing_peers") and time.monotonic() - began < sizes.stage_s:
+    if not pre.get("missing_peers") and not out_of_time(args, sizes, began):
         rec["peers"] = peers(args, sizes, path, docs[: sizes.peer_docs], name)
     elif pre.get("missing_peers"):
         rec["peers"] = {"skipped": "missing " + ", ".join(pre["missing_peers"])}
     else:
-        rec["peers"] = {"skipped": f"the stage's {sizes.stage_s:.0f} s ran out"}
-    if name == "minilm":
+        rec["peers"] = {"skipped": out_of_time(args, sizes, began)}
+    if name == "minilm" and not out_of_time(args, sizes, began):
         rec["latency"] = latency(args, sizes, path, table_file)
     rec["stage_s"] = time.monotonic() - began
     return rec
@@ -509,8 +524,10 @@ def latency(args, sizes: Sizes, path: Path, table_file: Path) -> dict:
     out = args.work / "latency.json"
     cmd = [sys.executable, str(ROOT / "scripts" / "bench_latency.py"), "--buckets", str(table_file), "--out", str(out),
            *sizes.latency]
-    proc = subprocess.run(cmd, env={**os.environ, "JAXSERVE_MODEL": str(path)}, capture_output=True, text=True,
-                          timeout=420)
+    # bench_latency holds two encoders in its process and starts a server beside it: neither may take
+    # JAX's default 75% of the GPU (MiniLM's buckets need a few GB).
+    env = {**os.environ, "JAXSERVE_MODEL": str(path), "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.4"}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=420)
     log(proc.stdout[-3000:])
     if proc.returncode:
         return {"error": f"bench_latency.py exited {proc.returncode}: {proc.stderr[-2000:]}"}
@@ -575,10 +592,18 @@ def jaxserve_peer_child(path: str, docs: list[str], flags: list[str], cache: str
 # ---- attention -------------------------------------------------------------------------------
 
 def stage_attention(args, sizes: Sizes, pre: dict, sampler: Sampler) -> dict:
+    """bench_attention's kernel grid; it rewrites its JSON after every case, so a cut run keeps what it did."""
     out = args.work / "attention.json"
+    out.unlink(missing_ok=True)
     cmd = [sys.executable, str(ROOT / "scripts" / "bench_attention.py"), "--what", "kernels", "--out", str(out),
-           *sizes.attention_flags]
-    proc = subprocess.run(cmd, timeout=sizes.stage_s + 60, capture_output=True, text=True)
+           *sizes.attention_flags, *args.attention_args]
+    limit = max(30.0, min(sizes.stage_s, args.deadline - time.monotonic() - 30))
+    try:
+        proc = subprocess.run(cmd, timeout=limit, capture_output=True, text=True)
+    except subprocess.TimeoutExpired as exc:
+        log((exc.stdout or b"")[-6000:].decode(errors="replace") if isinstance(exc.stdout, bytes) else exc.stdout)
+        rec = json.loads(out.read_text()) if out.exists() else {"cases": []}
+        return rec | {"cut": f"stopped after {limit:.0f} s"}
     log(proc.stdout[-6000:])
     if proc.returncode:
         raise RuntimeError(f"bench_attention.py exited {proc.returncode}: {proc.stderr[-2000:]}")
@@ -608,6 +633,10 @@ def main() -> int:
     ap.add_argument("--work", type=Path, default=Path("/tmp/jaxserve-bench"), help="models, caches, server logs")
     ap.add_argument("--minilm", help="MiniLM's directory (carried); default: the installed bundled package")
     ap.add_argument("--slo-ms", type=float, default=500.0, help="the p99 that counts as broken")
+    ap.add_argument("--budget-s", type=float,
+                    help="the whole command's time: no stage or level starts past it (default 540: device commands "
+                         "end at 600 s; none in a dry run)")
+    ap.add_argument("--attention-args", default="", help="extra bench_attention.py flags, e.g. '--head-dims 64,128'")
     ap.add_argument("--peak-tflops", type=float, help="the chip's dense bf16 peak for MFU (default: by device kind)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -615,6 +644,9 @@ def main() -> int:
         print(json.dumps(CHILDREN[args.child](**json.loads(sys.stdin.read())), default=float))
         return 0
     sizes = DRY if args.dry_run else GPU
+    args.budget_s = args.budget_s or (1e6 if args.dry_run else 540.0)
+    args.deadline = time.monotonic() + args.budget_s
+    args.attention_args = args.attention_args.split()
     stages = args.stages.split(",")
     args.models = [s for s in stages if s in MODELS]
     unknown = [s for s in stages if s not in MODELS and s not in ("preflight", "attention")]
@@ -640,6 +672,9 @@ def main() -> int:
             if stage == "preflight":
                 continue
             log(f"## {stage}   ({time.strftime('%H:%M:%S')})")
+            if time.monotonic() > args.deadline - 2 * sizes.reserve_s:
+                log(f"## {stage} skipped: the run's --budget-s {args.budget_s:g} ran out")
+                continue
             try:
                 if stage == "attention":
                     rec = stage_attention(args, sizes, pre, sampler)

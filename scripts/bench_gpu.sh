@@ -3,10 +3,11 @@
 #
 # Here, once (needs the registry; .carry is git-ignored):
 #   bash scripts/bench_gpu.sh --pack .carry      # wheels the GPU image lacks (orjson) + MiniLM in float16
-# There (device `run`, carry [".carry"]), one command per call, each under 10 minutes:
-#   bash scripts/bench_gpu.sh --carry .carry --stages preflight,minilm,attention
-#   bash scripts/bench_gpu.sh --carry .carry --stages bge-base,qwen3-0.6b
-#   bash scripts/bench_gpu.sh --carry .carry --stages embeddinggemma
+# There (device `run`, carry [".carry"]), one command per call, each within --budget-s (540 s):
+#   bash scripts/bench_gpu.sh --carry .carry --out $OUT --stages minilm
+#   bash scripts/bench_gpu.sh --carry .carry --out $OUT --stages attention
+#   bash scripts/bench_gpu.sh --carry .carry --out $OUT --stages qwen3-0.6b
+#   bash scripts/bench_gpu.sh --carry .carry --out $OUT --stages bge-base,embeddinggemma
 # Here, with no GPU (CI runs it: tests/test_bench_gpu.py):
 #   bash scripts/bench_gpu.sh --dry-run --out /tmp/gpu-dry
 #

@@ -111,3 +111,25 @@ def test_flops_per_token_counts_projections_and_attention():
     assert bench_gpu.flops_per_token(cfg, [n]) == want
     gated = dict(cfg, model_type="qwen3", num_key_value_heads=1, head_dim=4)
     assert bench_gpu.flops_per_token(gated, [n]) == 2 * 2 * (8 * 4 * 4 + 2 * 4 * 8 + 3 * 8 * 32) + 4 * 2 * 2 * 4 * n
+
+
+def test_no_stage_starts_past_the_budget(tmp_path):
+    """--budget-s bounds the whole command (a device command is killed at 600 s): a stage due after it is
+    skipped, named in the log, and the run still ends well."""
+    proc = subprocess.run(["bash", "scripts/bench_gpu.sh", "--dry-run", "--budget-s", "0.5", "--out", str(tmp_path / "o"),
+                           "--work", str(tmp_path / "w"), "--stages", "preflight,minilm"], cwd=ROOT,
+                          env=_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "## minilm skipped: the run's --budget-s 0.5 ran out" in proc.stdout
+    assert not (tmp_path / "o" / "minilm.json").exists()
+
+
+def test_out_of_time_names_the_limit_that_ran_out():
+    import time
+    from argparse import Namespace
+
+    now = time.monotonic()
+    args = Namespace(deadline=now + 1000, budget_s=1000)
+    assert bench_gpu.out_of_time(args, bench_gpu.GPU, now) == ""
+    assert "stage's 450 s" in bench_gpu.out_of_time(args, bench_gpu.GPU, now - 451)
+    assert "--budget-s 1000" in bench_gpu.out_of_time(Namespace(deadline=now + 60, budget_s=1000), bench_gpu.GPU, now)
