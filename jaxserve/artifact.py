@@ -39,6 +39,7 @@ from pathlib import Path
 
 import jax
 
+from jaxserve import host
 from jaxserve.buckets import BucketTable
 from jaxserve.derivation import TableOptions
 from jaxserve.engine import Attention
@@ -192,7 +193,7 @@ def load(directory: Path, encoder, fields: dict, on_progress=lambda done, total:
     attention = payload.get("attention", {})
     try:
         # loading releases the GIL for most of its time: one per core at once
-        with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        with concurrent.futures.ThreadPoolExecutor(host.usable_cores()) as pool:
             for (output, (batch, seqlen, slots), _), exe in zip(jobs, pool.map(deserialize, jobs)):
                 record = attention.get(output, {}).get((batch, seqlen, slots))
                 engine.add_executable(batch, seqlen, slots, output, exe,

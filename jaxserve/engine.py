@@ -12,7 +12,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
-import os
 import statistics
 import threading
 import time
@@ -24,7 +23,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxserve import compiles  # noqa: F401  (installs the compile counter)
-from jaxserve import derivation, timing
+from jaxserve import derivation, host, timing
 from jaxserve.buckets import Bucket, BucketTable
 from jaxserve.jobs import INPUT_NAMES
 from jaxserve.models import attention
@@ -282,8 +281,8 @@ class Engine:
 
     @staticmethod
     def _pool() -> concurrent.futures.ThreadPoolExecutor:
-        """XLA compiles release the GIL: one per core at once."""
-        return concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1)
+        """XLA compiles release the GIL: one per usable core at once."""
+        return concurrent.futures.ThreadPoolExecutor(host.usable_cores())
 
     @property
     def platform(self) -> str:
