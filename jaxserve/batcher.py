@@ -110,11 +110,37 @@ class Classes:
     `likely_s`: after an interactive row arrived, this long counts as "interactive work likely": bulk
     batches then leave only for an idle device slot, never prepared ahead of it.
     `bulk_share`: the part of the queue (in tokens) bulk rows may fill; the rest is kept for interactive ones.
+    `bulk_dispatch_s`: while interactive work is likely, a batch of bulk rows is at most the largest of its
+    seqlen's batches predicted to run this long (a query arriving then waits for about one such dispatch, not
+    for the largest batch memory allows) ...
+    `bulk_efficiency`: ... unless that batch's tokens/s is below this share of the seqlen's best, when it is the
+    smallest batch that reaches it (bulk throughput is not traded away for the cap).
     """
 
     max_bulk_wait_s: float = 30.0
     likely_s: float = 1.0
     bulk_share: float = 1.0
+    bulk_dispatch_s: float = math.inf
+    bulk_efficiency: float = 0.9
+
+
+@functools.lru_cache(maxsize=32)
+def bulk_caps(table: BucketTable, dispatch_limit_s: float, efficiency: float) -> dict[int, int]:
+    """Per seqlen, the most rows a bulk-led batch takes while interactive work is likely (`Classes`); an untimed
+    seqlen keeps its largest batch."""
+    caps = {}
+    for s in table.seqlens:
+        ladder = table.at(s)
+        if any(b.run_s is None for b in ladder):
+            caps[s] = ladder[-1].batch
+            continue
+        rate = {b.batch: b.tokens / dispatch_s(b, table.host_dispatch_s) for b in ladder}
+        within = [b.batch for b in ladder if dispatch_s(b, table.host_dispatch_s) <= dispatch_limit_s]
+        cap = max(within, default=ladder[0].batch)
+        if rate[cap] < efficiency * max(rate.values()):  # too short to run efficiently: the first batch that does
+            cap = max(cap, min(b for b, r in rate.items() if r >= efficiency * max(rate.values())))
+        caps[s] = cap
+    return caps
 
 
 class Batcher:
@@ -129,6 +155,7 @@ class Batcher:
         self._queues: list[dict[int, list[Run]]] = [{s: [] for s in table.seqlens} for _ in CLASSES]
         self._rows = [dict.fromkeys(table.seqlens, 0) for _ in CLASSES]  # rows waiting per class, seqlen
         self._largest = {s: table.at(s)[-1].batch for s in table.seqlens}
+        self._bulk_cap = bulk_caps(table, classes.bulk_dispatch_s, classes.bulk_efficiency)
         self.covers = covers(table)
         self.queued = 0  # tokens waiting
         self.queued_by = [0, 0]  # tokens waiting per class (a promoted bulk row still counts as bulk)
@@ -224,7 +251,8 @@ class Batcher:
 
     def next_dispatch(self, now: float, device_idle: bool) -> Dispatch | None:
         """Interactive rows first, at once (earliest deadline first), their spare rows filled with bulk rows; bulk
-        rows alone by window, full or idle, but only into an idle device slot while interactive work is likely."""
+        rows alone by window, full or idle, but while interactive work is likely only into an idle device slot and at
+        most `Classes.bulk_dispatch_s` long."""
         self._age(now)
         first = lambda hs: min(hs, key=lambda h: (h[0], -h[1]))  # earliest; ties: larger seqlen
         inter = [(q[0].key, s) for s, q in self._queues[INTERACTIVE].items() if q]
@@ -235,10 +263,12 @@ class Batcher:
         heads = [(q[0].enqueued, s) for s, q in self._queues[BULK].items() if q]
         if not heads:
             return None
-        expired = [h for h in heads if now - h[0] >= self.max_wait_s]
-        full = [h for h in heads if self._rows[BULK][h[1]] >= self._largest[h[1]]]
-        if not device_idle and self.interactive_likely(now):
+        likely = self.interactive_likely(now)
+        if not device_idle and likely:
             return None  # keep the queued slot free for an interactive arrival
+        most = self._bulk_cap if likely else self._largest
+        expired = [h for h in heads if now - h[0] >= self.max_wait_s]
+        full = [h for h in heads if self._rows[BULK][h[1]] >= most[h[1]]]
         if expired:
             (_, seqlen), reason = first(expired), "window"
         elif full:
@@ -247,13 +277,17 @@ class Batcher:
             (_, seqlen), reason = first(heads), "idle"
         else:
             return None
-        return self._form(seqlen, BULK, reason, now)
+        return self._form(seqlen, BULK, reason, now, most[seqlen])
 
-    def _form(self, seqlen: int, cls: int, reason: str, now: float) -> Dispatch:
-        """A batch at `seqlen` led by class `cls`'s rows; spare rows from later classes and smaller seqlens."""
+    def _form(self, seqlen: int, cls: int, reason: str, now: float, most: int | None = None) -> Dispatch:
+        """A batch at `seqlen` led by class `cls`'s rows, of at most `most` rows (default: the largest batch);
+        spare rows from later classes and smaller seqlens."""
         rows = sum(self._rows[c][seqlen] for c in range(cls, len(CLASSES)))
         lead = self._rows[cls][seqlen]
-        bucket = self.covers[seqlen][min(lead if cls == INTERACTIVE else rows, self._largest[seqlen])]
+        most = self._largest[seqlen] if most is None else most
+        bucket = self.covers[seqlen][min(lead if cls == INTERACTIVE else rows, most)]
+        if bucket.batch > most:  # the cheapest cover of `most` rows may start with a larger batch
+            bucket = max((b for b in self.table.at(seqlen) if b.batch <= most), key=lambda b: b.batch)
         parts: list[Run] = []
         spare = bucket.batch
         for c in range(cls, len(CLASSES)):

@@ -108,6 +108,7 @@ def cmd_serve(args) -> int:
         default_prompt_name=args.default_prompt_name, default_prompt=args.default_prompt,
         token_ids=args.token_ids, embed_all=args.embed_all, table=table_options(args),
         default_priority=args.default_priority, interactive_max_sequences=args.interactive_max_sequences,
+        bulk_dispatch_ms=args.bulk_dispatch_ms,
         tokenizer_threads=args.tokenizer_threads, respond_threads=args.respond_threads,
     )
     serve(config, args.host, args.port)
@@ -282,6 +283,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "auto = interactive up to --interactive-max-sequences sequences, else bulk")
     serve.add_argument("--interactive-max-sequences", type=int, default=8,
                        help="auto class threshold: requests of at most this many sequences are interactive")
+    serve.add_argument("--bulk-dispatch-ms", type=float, default=server.BULK_DISPATCH_MS,
+                       help="while interactive requests are likely, bulk batches are sized to run at most this long "
+                            "(by the table's timings; never below 90%% of the seqlen's best throughput)")
     serve.add_argument("--tokenizer-threads", type=int, help="threads decoding, tokenizing and packing requests "
                        "(default: half the usable cores, at least 2)")
     serve.add_argument("--respond-threads", type=int, help="threads combining and encoding responses "

@@ -22,8 +22,8 @@ from jaxserve.buckets import BucketTable
 from jaxserve.encoder import Encoder
 from jaxserve.errors import InputError
 from jaxserve.handling import json_response
-from jaxserve.service import EmbeddingService
-from jaxserve.state import (DRAIN_TIMEOUT_S, MAX_BODY_BYTES, MAX_CLIENT_BATCH, MAX_CONCURRENT_REQUESTS,  # noqa: F401
+from jaxserve.service import EmbeddingService, server_classes
+from jaxserve.state import (BULK_DISPATCH_MS, DRAIN_TIMEOUT_S, MAX_BODY_BYTES, MAX_CLIENT_BATCH, MAX_CONCURRENT_REQUESTS,  # noqa: F401
                             MAX_INFLIGHT_BODY_BYTES, MAX_INPUT_CHARS, MAX_WAIT_MS, REQUEST_TIMEOUT_S,
                             RETRY_AFTER_S, STATE, AppState, ServerConfig)
 
@@ -77,7 +77,8 @@ async def lifecycle(app: web.Application):
             return
         state.service = EmbeddingService(state.encoder.engine, state.table, cfg.max_wait_ms / 1000, cfg.max_queue_tokens,
                                          state.metrics, max_inflight=cfg.max_inflight,
-                                         streams=cfg.streams or device.streams())
+                                         streams=cfg.streams or device.streams(),
+                                         classes=server_classes(cfg.bulk_dispatch_ms / 1000))
         await state.service.start()
         state.ready = True
         state.startup.doing = "ready"

@@ -46,7 +46,16 @@ from jaxserve.jobs import Job, assemble, scatter
 log = logging.getLogger("jaxserve.service")
 
 MAX_INFLIGHT = 2  # batches on the device at once: one running, the next already queued behind it
-SERVER_CLASSES = Classes(bulk_share=0.75)  # a quarter of the queue kept for interactive requests
+BULK_DISPATCH_MS = 100.0  # while queries are likely, bulk batches this long at most: a query waits for about one
+
+
+def server_classes(bulk_dispatch_s: float = BULK_DISPATCH_MS / 1000) -> Classes:
+    """The server's classes: a quarter of the queue kept for interactive requests, short bulk batches while
+    they are likely."""
+    return Classes(bulk_share=0.75, bulk_dispatch_s=bulk_dispatch_s)
+
+
+SERVER_CLASSES = server_classes()
 MAX_CONSECUTIVE_FAILURES = 3  # device steps failing in a row before the service calls itself unhealthy
 
 

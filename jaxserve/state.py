@@ -13,7 +13,7 @@ from jaxserve.buckets import BucketTable
 from jaxserve.derivation import TableOptions
 from jaxserve.encoder import Encoder
 from jaxserve.metrics import ServerMetrics
-from jaxserve.service import MAX_INFLIGHT, EmbeddingService
+from jaxserve.service import BULK_DISPATCH_MS, MAX_INFLIGHT, EmbeddingService
 from jaxserve.startup import Startup
 
 # Limits, each with its reason.
@@ -63,6 +63,7 @@ class ServerConfig:
     token_ids: str = "openai"  # token-id inputs on /v1/embeddings: OpenAI's tokenizer's (tiktoken), or the model's
     default_priority: str = "auto"  # class of requests that ask for none: auto (by size), interactive or bulk
     interactive_max_sequences: int = 8  # auto: requests of at most this many sequences are interactive
+    bulk_dispatch_ms: float = BULK_DISPATCH_MS  # while queries are likely, a bulk batch's predicted run at most this
     tokenizer_threads: int | None = None  # decode/tokenize/pack pool (None: half the usable cores, at least 2)
     respond_threads: int | None = None  # combine/normalise/encode pool (None: a quarter of the usable cores, at least 2)
     embed_all: bool = True  # compile token outputs for TEI's /embed_all (one more shape per seqlen)

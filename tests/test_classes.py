@@ -9,8 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxserve.api import ApiError
-from jaxserve.batcher import BULK, INTERACTIVE, Batcher, Classes, QueueFull
-from jaxserve.buckets import fixed
+import dataclasses
+
+from jaxserve.batcher import BULK, INTERACTIVE, Batcher, Classes, QueueFull, bulk_caps
+from jaxserve.buckets import dispatch_s, fixed
 from jaxserve.classes import Ask, ask_of, class_of
 
 TABLE = fixed([(1, 16), (4, 16), (1, 64), (4, 64)], layout="packed")
@@ -75,6 +77,63 @@ def test_no_interactive_is_fifo_as_before():
     b = Batcher(TABLE, max_wait_s=1.0, max_queued=100_000)
     submit(b, 0, [16, 16, 16, 16], now=0.0, cls=BULK)
     assert b.next_dispatch(0.0, device_idle=False).reason == "full"  # no interactive work: prepared ahead
+
+
+def timed(run_s: dict[tuple[int, int], float], host_s: float = 0.001):
+    """A table with these (batch, seqlen) -> run times (recorded figures: nothing here is timed)."""
+    t = fixed(list(run_s), layout="packed", host_dispatch_s=host_s)
+    return dataclasses.replace(t, buckets=tuple(dataclasses.replace(b, run_s=run_s[b.shape]) for b in t.buckets))
+
+
+# seqlen 64: linear past batch 8 (16 ms per 8 rows); seqlen 16: batch 1 is slow per token, batch 64 long
+TIMED = timed({(1, 16): 0.004, (8, 16): 0.005, (64, 16): 0.04, (1, 64): 0.003, (8, 64): 0.016,
+               (32, 64): 0.064, (128, 64): 0.256})
+
+
+def test_bulk_caps_by_time_and_efficiency():
+    assert bulk_caps(TIMED, 0.1, 0.9) == {16: 64, 64: 32}  # the largest batch predicted within 100 ms
+    assert bulk_caps(TIMED, 0.02, 0.9) == {16: 8, 64: 8}
+    # within 4 ms only batch 1 fits (at 16: 4k tokens/s, a sixth of the best): instead the first efficient batch
+    assert bulk_caps(TIMED, 0.004, 0.9) == {16: 8, 64: 8}
+    assert bulk_caps(TIMED, 0.004, 0.0) == {16: 1, 64: 1}
+    assert bulk_caps(TIMED, math.inf, 0.9) == {16: 64, 64: 128}  # no limit: the largest batch
+    assert bulk_caps(TABLE, 0.001, 0.9) == {16: 4, 64: 4}  # untimed: the largest batch
+
+
+def test_short_bulk_batches_while_a_query_is_likely():
+    b = Batcher(TIMED, max_wait_s=0.005, max_queued=10_000_000, classes=Classes(bulk_dispatch_s=0.1))
+    submit(b, 0, [64] * 500, now=0.0, cls=BULK)
+    assert b.next_dispatch(0.0, device_idle=True).bucket.shape == (128, 64)  # no query yet: the largest batch
+    submit(b, 1, [16], now=0.01, cls=INTERACTIVE)
+    assert b.next_dispatch(0.01, device_idle=True).jobs[0] == 1
+    d = b.next_dispatch(0.02, device_idle=True)  # a query is likely for 1 s: bulk batches of <= 100 ms
+    assert d.bucket.shape == (32, 64) and dispatch_s(d.bucket, TIMED.host_dispatch_s) <= 0.1
+    assert b.next_dispatch(1.5, device_idle=True).bucket.shape == (128, 64)  # none for 1 s: large again
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([INTERACTIVE, BULK]), st.integers(1, 60), st.floats(0.0, 0.8)),
+                min_size=1, max_size=30),
+       st.sampled_from([0.004, 0.02, 0.1, math.inf]))
+def test_bulk_batches_within_the_cap_property(jobs, limit):
+    """While an interactive row arrived within `likely_s`, no bulk-led batch is larger than its seqlen's cap;
+    every row is still dispatched exactly once."""
+    classes = Classes(bulk_dispatch_s=limit)
+    caps = bulk_caps(TIMED, limit, classes.bulk_efficiency)
+    b = Batcher(TIMED, max_wait_s=0.005, max_queued=10_000_000, classes=classes)
+    now, last_query, want, got = 0.0, -math.inf, 0, 0
+    for jid, (cls, n, gap) in enumerate(jobs):
+        now += gap
+        submit(b, jid, [64] * n, now, cls)
+        want += n
+        last_query = now if cls == INTERACTIVE else last_query
+        while (d := b.next_dispatch(now, device_idle=True)) is not None:
+            got += d.rows
+            if d.reason != "interactive" and now - last_query < classes.likely_s:
+                assert d.bucket.batch <= caps[d.bucket.seqlen]
+    while (d := b.next_dispatch(now := now + 0.5, device_idle=True)) is not None:
+        got += d.rows
+    assert got == want
 
 
 @settings(max_examples=150, deadline=None)
