@@ -73,13 +73,16 @@ def implementation(target: str, seqlen: int) -> str:
 class Compiled:
     """Compiles each (batch, seqlen, slots) once with abstract weights; reports XLA's bytes."""
 
-    def __init__(self, family, cfg, dtype, pooling: str, target: str, layout: str):
+    def __init__(self, family, cfg, dtype, pooling: str, target: str, layout: str, cache: Path | None = None):
         import jax
 
         self.family, self.cfg, self.dtype, self.pooling, self.target = family, cfg, dtype, pooling, target
         self.params = family.param_shapes(cfg, dtype)
         self.weights_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self.params))
+        self.cache = cache
         self.seen: dict[tuple[int, int, int], dict] = {}
+        if cache and cache.exists():
+            self.seen = {tuple(int(x) for x in k.split(",")): v for k, v in json.loads(cache.read_text()).items()}
         # The compiler's own fixed temporaries (XLA CPU's float32 weight copies), taken off for a GPU.
         from jaxserve.buckets import slots_for
 
@@ -101,6 +104,8 @@ class Compiled:
                 arguments=m.argument_size_in_bytes, outputs=m.output_size_in_bytes, temp=m.temp_size_in_bytes,
                 alias=m.alias_size_in_bytes, compile_s=time.perf_counter() - start,
             )
+            if self.cache:  # after every compile: a run cut off resumes where it stopped
+                self.cache.write_text(json.dumps({",".join(map(str, k)): v for k, v in self.seen.items()}))
         return self.seen[key]
 
     def measure(self, batch: int, seqlen: int, slots: int) -> int:
@@ -128,6 +133,9 @@ def main():
     ap.add_argument("--max-batch", type=int, help="default: none")
     ap.add_argument("--batch-multiple", type=int, default=8)
     ap.add_argument("--write-dir", type=Path, help="write {name}-{label}-memory.json here")
+    ap.add_argument("--cache", type=Path, help="keep each compiled shape's analysis in this JSON file and reuse "
+                    "it: a long run (Qwen3-8B: hours on 2 cores) resumes after an interruption. Only for the same "
+                    "config, dtype, pooling, target and jax version")
     args = ap.parse_args()
 
     # Before JAX starts: every buffer in XLA's analysis (see the docstring).
@@ -144,7 +152,7 @@ def main():
     family = family_of(raw)
     cfg = family.configure(raw)
     dtype = jnp.dtype(args.dtype)
-    compiled = Compiled(family, cfg, dtype, args.pooling, args.target, args.layout)
+    compiled = Compiled(family, cfg, dtype, args.pooling, args.target, args.layout, args.cache)
     max_len = args.max_seqlen or min(cfg.max_positions, MAX_SEQLEN)
     seqlens = [int(s) for s in args.seqlens.split(",")] if args.seqlens else buckets.ladder(args.ladder, max_len)
     compiler = jax.devices()[0].platform
