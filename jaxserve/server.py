@@ -98,7 +98,8 @@ async def on_shutdown(app: web.Application) -> None:
     """SIGTERM: the listening socket is closed already; finish what was accepted, refuse the rest."""
     state = app[STATE]
     if state.service is not None:
-        finished = await state.service.drain(DRAIN_TIMEOUT_S)
+        log.info("draining: %d requests being handled", state.active)
+        finished = await state.drain(DRAIN_TIMEOUT_S)
         log.info("drained: %s", "all accepted requests finished" if finished else "timed out")
 
 

@@ -154,7 +154,10 @@ class EmbeddingService:
             t.start()
 
     async def drain(self, timeout: float) -> bool:
-        """Take no new work; wait for every accepted request (batches in flight included). True if all finished."""
+        """Say so on /health; wait for every accepted job (batches in flight included). True if all finished.
+
+        Jobs still arrive while draining: the HTTP layer refuses new requests, but one it accepted before may be
+        tokenizing still, and is owed its answer."""
         self._draining = True
         try:
             await asyncio.wait_for(self._idle.wait(), timeout)
@@ -220,8 +223,8 @@ class EmbeddingService:
         If the caller is cancelled (client gone, timeout), the job's waiting rows are dropped."""
         now = time.monotonic()
         timing = RequestTiming(submitted=now, cls=cls, deadline_s=deadline_s)
-        if self._draining or self._stopping:
-            raise Draining("the server is draining and takes no new requests")
+        if self._stopping:
+            raise Draining("the server stopped and takes no new requests")
         if job.remaining == 0:
             timing.done = now
             return job.out, timing

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import dataclasses
+import time
 
 from aiohttp import web
 
@@ -108,6 +110,18 @@ class AppState:
     @property
     def model_name(self) -> str:
         return self.config.model_name or checkpoint.named(self.config.model) or "sentence-transformers/all-MiniLM-L6-v2"
+
+    async def drain(self, timeout: float) -> bool:
+        """Refuse new requests; finish every request being handled, tokenizing ones included (each awaits its
+        job). True if all finished within `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        if not await self.service.drain(timeout):  # /health and require_ready refuse from here on
+            return False
+        while self.active:
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(0.01)
+        return True
 
     def require_ready(self) -> None:
         if self.service is not None and self.service.draining:
