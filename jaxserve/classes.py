@@ -2,8 +2,10 @@
 
 `priority` in the body (vLLM's field: an integer, lower is served first; or
 the name "interactive" / "bulk"), else the `X-Jaxserve-Priority` header, else
-the server's default (`--default-priority`), else automatic: a request of at
-most `--interactive-max-sequences` sequences is interactive, a larger one bulk.
+the class of the request's API key (`--api-key KEY=CLASS`), else its route's
+(`--route-priority ROUTE=CLASS`), else the server's default
+(`--default-priority`), else automatic: a request of at most
+`--interactive-max-sequences` sequences is interactive, a larger one bulk.
 `deadline_ms` in the body or the `X-Jaxserve-Deadline-Ms` header: its latency
 budget, served earliest deadline first within its class and counted in
 /metrics' deadlines met. See docs/api.md, "Request classes".
@@ -24,10 +26,12 @@ DEADLINE_HEADER = "X-Jaxserve-Deadline-Ms"
 
 @dataclasses.dataclass(frozen=True)
 class Ask:
-    """What the request asked for: a class (None: the default) and a budget (None: none)."""
+    """What the request asked for: a class (None: the server's default) and a budget (None: none), and where the
+    class came from (body, header, api_key or route)."""
 
     cls: int | None = None
     deadline_ms: float | None = None
+    source: str | None = None
 
 
 NO_ASK = Ask()
@@ -59,19 +63,24 @@ def _deadline(value, where: str) -> float:
     return ms
 
 
-def ask_of(body, headers) -> Ask:
-    """The class and budget a request asked for; 400 on a malformed one."""
+def ask_of(body, headers, key: str | None = None, route: str | None = None) -> Ask:
+    """The class and budget a request asked for (`key`, `route`: the class of its API key and of its route, if the
+    server gives them one); 400 on a malformed one."""
     body = body if isinstance(body, dict) else {}
-    cls = deadline = None
+    cls = deadline = source = None
     if body.get("priority") is not None:
-        cls = _class(body["priority"], "priority")
+        cls, source = _class(body["priority"], "priority"), "body"
     elif headers.get(PRIORITY_HEADER):
-        cls = _class(headers[PRIORITY_HEADER], PRIORITY_HEADER)
+        cls, source = _class(headers[PRIORITY_HEADER], PRIORITY_HEADER), "header"
+    elif key is not None:
+        cls, source = CLASSES.index(key), "api_key"
+    elif route is not None:
+        cls, source = CLASSES.index(route), "route"
     if body.get("deadline_ms") is not None:
         deadline = _deadline(body["deadline_ms"], "deadline_ms")
     elif headers.get(DEADLINE_HEADER):
         deadline = _deadline(headers[DEADLINE_HEADER], DEADLINE_HEADER)
-    return Ask(cls, deadline)
+    return Ask(cls, deadline, source)
 
 
 def class_of(ask: Ask, sequences: int, default: str = "auto", threshold: int = INTERACTIVE_MAX_SEQUENCES) -> int:
@@ -81,3 +90,27 @@ def class_of(ask: Ask, sequences: int, default: str = "auto", threshold: int = I
     if default != "auto":
         return CLASSES.index(default)
     return INTERACTIVE if sequences <= threshold else BULK
+
+
+def class_from(ask: Ask, default: str = "auto") -> str:
+    """Where `class_of` took the class from: body, header, api_key, route, default (--default-priority) or auto."""
+    return ask.source or ("default" if default != "auto" else "auto")
+
+
+def parse_key(text: str) -> tuple[str, str | None]:
+    """`KEY` or `KEY=CLASS` (--api-key, --api-keys-file) -> (key, class or None). Only a class name after the
+    last `=` is split off, so keys that themselves end in `=` (base64) stay whole."""
+    key, sep, cls = text.strip().rpartition("=")
+    if sep and key and cls.strip().lower() in CLASSES:
+        return key, cls.strip().lower()
+    return text.strip(), None
+
+
+def parse_route(text: str) -> tuple[str, str]:
+    """`ROUTE=CLASS` (--route-priority) -> (route path, class); ValueError on anything else."""
+    route, _, cls = text.partition("=")
+    cls = cls.strip().lower()
+    if not route.startswith("/") or cls not in CLASSES:
+        raise ValueError(f"expected ROUTE=CLASS with ROUTE a path such as /embed and CLASS one of {list(CLASSES)}, "
+                         f"not {text!r}")
+    return route.strip(), cls

@@ -93,6 +93,26 @@ def cmd_warmup(args) -> int:
     return 0
 
 
+def _route_priority(text: str) -> tuple[str, str]:
+    from jaxserve.classes import parse_route
+
+    try:
+        return parse_route(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def api_keys(args) -> tuple[tuple[str, str | None], ...]:
+    """--api-key flags, then the lines of --api-keys-file, each KEY or KEY=CLASS."""
+    from jaxserve.classes import parse_key
+
+    lines = list(args.api_key)
+    if args.api_keys_file:
+        with open(args.api_keys_file) as f:
+            lines += [line for line in f.read().splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    return tuple(parse_key(line) for line in lines)
+
+
 def cmd_serve(args) -> int:
     """Serve the model over HTTP (OpenAI and TEI routes)."""
     from jaxserve.server import ServerConfig, serve
@@ -102,7 +122,9 @@ def cmd_serve(args) -> int:
         buckets=args.buckets,
         ladder=args.ladder, layout=args.layout, max_wait_ms=args.max_wait_ms, max_queue_tokens=args.max_queue_tokens,
         max_client_batch=args.max_client_batch, max_input_chars=args.max_input_chars,
-        max_body_bytes=args.max_body_bytes, long=args.long, api_key=args.api_key or os.environ.get("JAXSERVE_API_KEY"),
+        max_body_bytes=args.max_body_bytes, long=args.long,
+        api_key=os.environ.get("JAXSERVE_API_KEY") or None, api_keys=api_keys(args),
+        route_priority=tuple(args.route_priority),
         cache_dir=args.cache_dir, use_cache=not args.no_cache, max_concurrent=args.max_concurrent_requests,
         request_timeout_s=args.request_timeout_s, devices=args.devices, max_inflight_bytes=args.max_inflight_bytes,
         default_prompt_name=args.default_prompt_name, default_prompt=args.default_prompt,
@@ -290,7 +312,13 @@ def build_parser() -> argparse.ArgumentParser:
                        "(default: half the usable cores, at least 2)")
     serve.add_argument("--respond-threads", type=int, help="threads combining and encoding responses "
                        "(default: a quarter of the usable cores, at least 2)")
-    serve.add_argument("--api-key", help="require `Authorization: Bearer KEY` (or set JAXSERVE_API_KEY)")
+    serve.add_argument("--api-key", action="append", default=[], metavar="KEY[=CLASS]",
+                       help="require `Authorization: Bearer KEY` (or set JAXSERVE_API_KEY); repeat for more keys; "
+                            "=interactive or =bulk: the class of that key's requests unless they ask for one")
+    serve.add_argument("--api-keys-file", metavar="FILE", help="more keys, one KEY[=CLASS] per line (# comments)")
+    serve.add_argument("--route-priority", action="append", default=[], type=_route_priority, metavar="ROUTE=CLASS",
+                       help="the class of a route's requests unless they or their key ask for one, e.g. "
+                            "/embed=bulk; repeatable")
     serve.add_argument("--devices", default="1", type=lambda v: v if v == "all" else int(v),
                        help="local devices sharing each batch (data parallel): a number, or all")
     serve.add_argument("--served-model-name", help="model name reported in responses")

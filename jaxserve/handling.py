@@ -20,7 +20,7 @@ from aiohttp import web
 from jaxserve import api
 from jaxserve.api import ApiError, EmbedRequest
 from jaxserve.batcher import CLASSES, QueueFull, TooLarge
-from jaxserve.classes import NO_ASK, Ask, class_of
+from jaxserve.classes import NO_ASK, Ask, ask_of, class_from, class_of
 from jaxserve.encoder import normalize_rows
 from jaxserve.errors import InputError, TokenizerError
 from jaxserve.explain import explain
@@ -28,6 +28,7 @@ from jaxserve.jobs import Job
 from jaxserve.planner import pack
 from jaxserve.service import DeviceError, Draining
 from jaxserve.state import (
+    API_KEY_CLASS,
     OFFLOAD_BODY_BYTES,
     OFFLOAD_FLOATS,
     RETRY_AFTER_S,
@@ -136,6 +137,13 @@ class Ran:
         return int(self.pieces.lengths.sum())
 
 
+def ask_for(request: web.Request, body, route: str | None = None) -> Ask:
+    """The class and budget a request asked for, with its API key's and its route's (`route`, default its own
+    path) classes as fallbacks."""
+    routes = dict(request.app[STATE].config.route_priority)
+    return ask_of(body, request.headers, request.get(API_KEY_CLASS), routes.get(route or request.path))
+
+
 def explain_rows(state: AppState, rows, table, pieces) -> dict:
     """The latency math of one request's rows on `table`, given what waits and runs ahead of it now."""
     service = state.service
@@ -185,6 +193,7 @@ async def run_request(state: AppState, make_pieces, want_explain: bool = False, 
     state.metrics.inputs.inc(int(pieces.doc[-1]) + 1 if len(pieces.doc) else 0)
     if explained is not None:
         explained["request_class"] = CLASSES[timing.cls]
+        explained["class_from"] = class_from(ask, state.config.default_priority)
         explained["waited_behind"] = timing.behind
     return Ran(pieces, job, phases, timing.batches, explained)
 

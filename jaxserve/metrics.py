@@ -14,6 +14,8 @@ from jaxserve.batcher import CLASSES, Dispatch
 from jaxserve.service import Metrics
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+# A query waits about one bulk dispatch: finer steps (x1.25, 1 ms to ~70 s) so its median can be read off them.
+DISPATCH_BUCKETS = tuple(round(0.001 * 1.25**k, 6) for k in range(51))
 RATIO_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 
 
@@ -44,6 +46,12 @@ class ServerMetrics(Metrics):
                                        "a request, by request class", ["class"], buckets=LATENCY_BUCKETS, registry=r)
         self.deadlines = Counter("jaxserve_deadlines", "Requests that gave a deadline, by class and outcome (met, "
                                  "missed): the share met is met / (met + missed)", ["class", "outcome"], registry=r)
+        self.class_sequences_total = Counter("jaxserve_class_sequences", "Sequences dispatched, by request class: "
+                                             "rate() of bulk is the indexing goodput", ["class"], registry=r)
+        self.dispatch_seconds = Histogram("jaxserve_dispatch_seconds", "Device time of one batch, by the class "
+                                          "that led it", ["class"], buckets=DISPATCH_BUCKETS, registry=r)
+        for cls in CLASSES:
+            self.class_sequences_total.labels(cls)
         self.depth = Gauge("jaxserve_queue_depth", "Tokens waiting for the device (each row at its seqlen)", registry=r)
         self.batch_fill = Histogram("jaxserve_batch_fill_ratio", "Rows used / rows of the bucket", ["bucket"],
                                     buckets=RATIO_BUCKETS, registry=r)
@@ -90,6 +98,12 @@ class ServerMetrics(Metrics):
     def startup(self, phases: dict[str, float]) -> None:
         for name, seconds in phases.items():
             self.startup_seconds.labels(name).set(seconds)
+
+    def class_sequences(self, cls: int, n: int) -> None:
+        self.child(self.class_sequences_total, CLASSES[cls]).inc(n)
+
+    def dispatch_time(self, cls: int, seconds: float) -> None:
+        self.child(self.dispatch_seconds, CLASSES[cls]).observe(seconds)
 
     def queue_depth(self, tokens: int) -> None:
         self.depth.set(tokens)

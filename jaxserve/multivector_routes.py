@@ -20,6 +20,7 @@ import orjson
 
 from jaxserve import api, multivector
 from jaxserve.api import ApiError
+from jaxserve.classes import NO_ASK, Ask
 from jaxserve.handling import bytes_response, json_response, respond, run_request
 from jaxserve.state import AppState
 
@@ -28,13 +29,12 @@ def _long(state: AppState) -> str:
     return "error" if state.config.long == "error" else "truncate"
 
 
-async def encode(state: AppState, texts: list[str], kind: str, long: str, body=None) -> tuple[list[np.ndarray], int]:
+async def encode(state: AppState, texts: list[str], kind: str, long: str,
+                 ask: Ask = NO_ASK) -> tuple[list[np.ndarray], int]:
     """Texts through the batcher as `kind` sequences -> (per text its token vectors, tokens run)."""
-    from jaxserve.classes import ask_of
-
     enc = state.encoder
     ran = await run_request(state, lambda: enc.multivector_pieces(texts, kind, long), output="tokens",
-                            ask=ask_of(body if isinstance(body, dict) else {}, {}))
+                            ask=ask)
     vectors = [ran.job.token_vectors(p) for p in range(ran.pieces.count)]
     return multivector.outputs(enc.colbert, kind, ran.pieces.seqs, vectors), ran.tokens
 
@@ -52,9 +52,9 @@ def parse_embeddings(body, limits) -> tuple[list[str], str]:
     return texts, "query" if api._bool(body, "is_query", True) else "document"
 
 
-async def embeddings(state: AppState, body) -> "web.Response":
+async def embeddings(state: AppState, body, ask: Ask = NO_ASK) -> "web.Response":
     texts, kind = parse_embeddings(body, state.limits)
-    vectors, tokens = await encode(state, texts, kind, _long(state), body)
+    vectors, tokens = await encode(state, texts, kind, _long(state), ask)
     floats = sum(v.size for v in vectors)
     encoded, _ = await respond(state, lambda: orjson.dumps({
         "object": "list",
@@ -64,14 +64,14 @@ async def embeddings(state: AppState, body) -> "web.Response":
     return bytes_response(encoded)
 
 
-async def rerank(state: AppState, body) -> "web.Response":
+async def rerank(state: AppState, body, ask: Ask = NO_ASK) -> "web.Response":
     """TEI /rerank by MaxSim: [{index, score, text?}], best first (`raw_scores` changes nothing: MaxSim is raw)."""
     query, texts, _, return_text, truncate, direction = api.parse_rerank(body, state.limits, state.config.long != "error")
     if direction != "right":
         raise ApiError(400, "a multi-vector model truncates the right end only (as PyLate and MultiVectorEncoder)")
     long = "truncate" if truncate else "error"
-    (q, _), (docs, _) = await asyncio.gather(encode(state, [query], "query", long, body),
-                                            encode(state, texts, "document", long, body))
+    (q, _), (docs, _) = await asyncio.gather(encode(state, [query], "query", long, ask),
+                                            encode(state, texts, "document", long, ask))
     scores = multivector.maxsim(q[0], docs, mean=state.encoder.colbert.similarity == "meanmaxsim")
     ranked = sorted(enumerate(scores.tolist()), key=lambda t: -t[1])
     return json_response([{"index": i, "score": s, **({"text": texts[i]} if return_text else {})} for i, s in ranked])

@@ -9,8 +9,9 @@ from aiohttp import web
 
 from jaxserve import api, multivector_routes
 from jaxserve.batcher import BULK, CLASSES
-from jaxserve.classes import ask_of, class_of
+from jaxserve.classes import class_from, class_of
 from jaxserve.handling import (
+    ask_for,
     bytes_response,
     embedding_pieces,
     explain_rows,
@@ -32,13 +33,14 @@ async def embeddings(request: web.Request) -> web.Response:
     start = time.perf_counter()
     state.require_ready()
     if state.encoder.head.kind == "multivector":  # PyLate's server: per input its token vectors
-        return await multivector_routes.embeddings(state, await json_body(request))
+        body = await json_body(request)
+        return await multivector_routes.embeddings(state, body, ask_for(request, body))
     require_kind(state, "embedding", "/v1/embeddings")
     body = await json_body(request)
     req = api.parse_openai_embeddings(body, state.limits, state.encoder.dim, state.config.long)
     wants_explain = _wants_explain(request)
     ran = await run_request(state, lambda: embedding_pieces(state, req, openai_ids=True), want_explain=wants_explain,
-                            ask=ask_of(body, request.headers))
+                            ask=ask_for(request, body))
     body, encode_s = await respond(
         state, lambda: api.openai_body(vectors_of(ran, req), state.model_name, ran.tokens, req.encoding_format),
         ran.out.size if req.encoding_format == "float" else 0)
@@ -63,7 +65,7 @@ async def plan(request: web.Request) -> web.Response:
     require_kind(state, "embedding", "/v1/plan")
     body = await json_body(request)
     req = api.parse_openai_embeddings(body, state.limits, state.encoder.dim, state.config.long)
-    ask = ask_of(body, request.headers)
+    ask = ask_for(request, body, "/v1/embeddings")  # the class it would get there
 
     def plan_only():
         pieces = tokenized(lambda: embedding_pieces(state, req, openai_ids=True))
@@ -72,7 +74,7 @@ async def plan(request: web.Request) -> web.Response:
         cls = class_of(ask, int(rows.docs.sum()), state.config.default_priority, state.config.interactive_max_sequences)
         waiting = state.service.batcher.waiting()
         body.update(documents=req.count, sequences=pieces.count, usage={"prompt_tokens": rows.real_tokens},
-                    request_class=CLASSES[cls],
+                    request_class=CLASSES[cls], class_from=class_from(ask, state.config.default_priority),
                     would_wait_behind={c: n for c, n in waiting.items() if c == CLASSES[0] or cls == BULK})
         return orjson.dumps(body)
 
@@ -88,7 +90,7 @@ async def classify(request: web.Request) -> web.Response:
     texts = api.parse_classify(body, state.limits)
     truncate = state.config.long != "error"
     ran = await run_request(state, lambda: state.encoder.prepare_pairs(texts, truncate),
-                            ask=ask_of(body, request.headers))
+                            ask=ask_for(request, body))
     labels = state.encoder.head.labels
     probs = api.scores(ran.out, raw=False)
     return json_response({

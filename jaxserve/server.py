@@ -23,7 +23,7 @@ from jaxserve.encoder import Encoder
 from jaxserve.errors import InputError
 from jaxserve.handling import json_response
 from jaxserve.service import EmbeddingService, server_classes
-from jaxserve.state import (BULK_DISPATCH_MS, DRAIN_TIMEOUT_S, MAX_BODY_BYTES, MAX_CLIENT_BATCH, MAX_CONCURRENT_REQUESTS,  # noqa: F401
+from jaxserve.state import (API_KEY_CLASS, BULK_DISPATCH_MS, DRAIN_TIMEOUT_S, MAX_BODY_BYTES, MAX_CLIENT_BATCH, MAX_CONCURRENT_REQUESTS,  # noqa: F401
                             MAX_INFLIGHT_BODY_BYTES, MAX_INPUT_CHARS, MAX_WAIT_MS, REQUEST_TIMEOUT_S,
                             RETRY_AFTER_S, STATE, AppState, ServerConfig)
 
@@ -116,7 +116,7 @@ async def errors_middleware(request: web.Request, handler):
     # A body without Content-Length may be as large as any body.
     size = (request.content_length if request.content_length is not None else cfg.max_body_bytes) if model_route else 0
     try:
-        _authorize(request, cfg.api_key)
+        request[API_KEY_CLASS] = _authorize(request, cfg.keys)
         if model_route and state.active >= cfg.max_concurrent:
             raise ApiError(429, f"{state.active} requests are being handled; the limit is "
                                 f"{cfg.max_concurrent}", "rate_limit_error", {"Retry-After": str(RETRY_AFTER_S)})
@@ -152,16 +152,23 @@ async def errors_middleware(request: web.Request, handler):
     return response
 
 
-def _authorize(request: web.Request, api_key: str | None) -> None:
-    if api_key is None or request.path in ("/health", "/ping") or (request.path == "/" and request.method == "GET"):
-        return
+def _authorize(request: web.Request, keys: tuple[tuple[bytes, str | None], ...]) -> str | None:
+    """401 unless the request carries one of `keys` (none: no authentication); -> that key's class, if any.
+    Every key is compared, in constant time each, so the time taken does not say which one nearly matched."""
+    if not keys or request.path in ("/health", "/ping") or (request.path == "/" and request.method == "GET"):
+        return None
     given = request.headers.get("Authorization", "")
     scheme, _, token = given.partition(" ")
     # aiohttp decodes header bytes that are not UTF-8 as lone surrogates: encode them back, do not fail on them
     token = token.strip().encode("utf-8", "surrogateescape")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token, api_key.encode("utf-8", "surrogateescape")):
+    matched, cls = False, None
+    for key, key_cls in keys:
+        if hmac.compare_digest(token, key):
+            matched, cls = True, key_cls
+    if scheme.lower() != "bearer" or not matched:
         raise ApiError(401, "missing or wrong API key (send `Authorization: Bearer KEY`)", "authentication_error",
                        {"WWW-Authenticate": "Bearer"})
+    return cls
 
 
 def _error(err: ApiError, tei: bool) -> web.Response:

@@ -101,6 +101,12 @@ class Metrics:
 
     def queue_depth(self, sequences: int) -> None: ...
 
+    def class_sequences(self, cls: int, n: int) -> None:
+        """`n` sequences of class `cls` dispatched: a class's goodput (bulk docs/s) is the rate of these."""
+
+    def dispatch_time(self, cls: int, seconds: float) -> None:
+        """One batch's device time, by the class that led it (its first class): what a query may wait behind."""
+
     def finished(self, timing: RequestTiming) -> None:
         """A request answered: its class's queue wait, latency and whether it met its deadline."""
 
@@ -288,6 +294,18 @@ class EmbeddingService:
                 jids = list(self._entries)
             for jid in jids:
                 self._loop.call_soon_threadsafe(self._answer, jid, Draining(self.broken))
+            self._pass_stop_on(loop_fn)
+
+    def _pass_stop_on(self, loop_fn) -> None:
+        """A dead stage still ends its stream, so the stages after it stop too and `stop` need not wait them out."""
+        if loop_fn == self._prepare_loop:
+            for _ in range(self.streams):
+                self._ready.put(None)
+        elif loop_fn == self._device_loop:
+            self._launched.put(None)
+        else:  # the respond thread: device threads may wait for a slot it would have freed
+            for _ in range(self.streams):
+                self._on_device.release()
 
     def _dispatch(self, now: float) -> tuple[str, Dispatch] | None:
         """The next dispatch of any output, the batcher with the oldest waiting row asked first."""
@@ -308,14 +326,17 @@ class EmbeddingService:
                     if picked is not None:
                         lane, d = picked
                         self._pipeline += 1
-                        jobs, sequences = {}, 0
+                        jobs, sequences = {}, [0] * len(CLASSES)
                         for jid, rows in d.parts:
                             if (entry := self._entries.get(jid)) is not None:
                                 jobs[jid] = entry.job
-                                sequences += int(entry.job.rows.docs[rows].sum())
+                                sequences[entry.timing.cls] += int(entry.job.rows.docs[rows].sum())
                                 if entry.timing.first_dispatch is None:
                                     entry.timing.first_dispatch = now
-                        self.metrics.sequences("dispatched", sequences)
+                        self.metrics.sequences("dispatched", sum(sequences))
+                        for cls, n in enumerate(sequences):
+                            if n:
+                                self.metrics.class_sequences(cls, n)
                         return lane, d, jobs
                     deadlines = [t for b in self.batchers.values() if (t := b.next_deadline()) is not None]
                     timeout = max(0.0, min(deadlines) - now) if deadlines else None
@@ -386,6 +407,7 @@ class EmbeddingService:
             self.device_batches += 1
             self.timings.observe(d.bucket, device_s)
             self.metrics.phase("device", device_s)
+            self.metrics.dispatch_time(d.classes[0], device_s)
             finished = scatter(d.parts, out, jobs)
             self.metrics.phase("scatter", time.perf_counter() - done)
             for jid, rows in d.parts:

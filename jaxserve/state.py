@@ -11,6 +11,7 @@ from aiohttp import web
 
 from jaxserve import checkpoint, host
 from jaxserve.api import ApiError, Limits
+from jaxserve.batcher import CLASSES
 from jaxserve.buckets import BucketTable
 from jaxserve.derivation import TableOptions
 from jaxserve.encoder import Encoder
@@ -53,7 +54,9 @@ class ServerConfig:
     long: str = "truncate"  # default for inputs over the model's limit
     default_prompt_name: str | None = None  # for requests naming no prompt (default: the checkpoint's)
     default_prompt: str | None = None  # ... or this text
-    api_key: str | None = None
+    api_key: str | None = None  # one key (JAXSERVE_API_KEY), no class of its own
+    api_keys: tuple[tuple[str, str | None], ...] = ()  # (key, its requests' class or None): --api-key KEY[=CLASS]
+    route_priority: tuple[tuple[str, str], ...] = ()  # (route path, class of its requests): --route-priority
     max_concurrent: int = MAX_CONCURRENT_REQUESTS
     max_inflight_bytes: int = MAX_INFLIGHT_BODY_BYTES
     request_timeout_s: float = REQUEST_TIMEOUT_S
@@ -72,6 +75,12 @@ class ServerConfig:
     table: TableOptions | None = None  # all of the derivation's options (default: `ladder` and `layout`, else the device's)
 
     @property
+    def keys(self) -> tuple[tuple[bytes, str | None], ...]:
+        """Every accepted API key (bytes, as compared) with its class; empty: no authentication."""
+        given = self.api_keys + (((self.api_key, None),) if self.api_key else ())
+        return tuple((k.encode("utf-8", "surrogateescape"), c) for k, c in given)
+
+    @property
     def table_options(self) -> TableOptions:
         return self.table or TableOptions(ladder=self.ladder, layout=self.layout)
 
@@ -80,6 +89,10 @@ class ServerConfig:
             raise ValueError(f"token_ids must be one of {', '.join(TOKEN_ID_MODES)}, not {self.token_ids!r}")
         if self.default_prompt_name is not None and self.default_prompt is not None:
             raise ValueError("give default_prompt_name or default_prompt, not both")
+        for what, cls in [("api key class", c) for _, c in self.api_keys if c is not None] + \
+                [(f"route {r}", c) for r, c in self.route_priority]:
+            if cls not in CLASSES:
+                raise ValueError(f"{what}: class must be one of {', '.join(CLASSES)}, not {cls!r}")
         if self.max_queue_tokens is not None and self.max_queue_tokens < 1:
             raise ValueError(f"max_queue_tokens must be positive, not {self.max_queue_tokens}")
 
@@ -135,3 +148,5 @@ class AppState:
 
 
 STATE = web.AppKey("state", AppState)
+# request[API_KEY_CLASS]: the class of the API key it was authorised with, or None (aiohttp < 3.14: a plain name)
+API_KEY_CLASS = web.RequestKey("api_key_class", str) if hasattr(web, "RequestKey") else "jaxserve.api_key_class"

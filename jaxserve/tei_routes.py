@@ -17,9 +17,9 @@ from aiohttp import web
 
 from jaxserve import api, multivector_routes, sparse
 from jaxserve.api import ApiError
-from jaxserve.classes import ask_of
+from jaxserve.classes import NO_ASK, Ask
 from jaxserve.errors import InputError
-from jaxserve.handling import (bytes_response, embedding_pieces, json_body, json_response, on_tokenizer,
+from jaxserve.handling import (ask_for, bytes_response, embedding_pieces, json_body, json_response, on_tokenizer,
                                request_prompt, require_kind, respond, run_request, tokenized, vectors_of)
 from jaxserve.state import STATE, AppState
 
@@ -35,20 +35,20 @@ def kind(state: AppState) -> str:
     return "reranker" if head.num_labels == 1 else "classifier"
 
 
-async def _embed(state: AppState, body) -> web.Response:
+async def _embed(state: AppState, body, ask: Ask = NO_ASK) -> web.Response:
     require_kind(state, "embedding", "/embed")
     req = api.parse_tei_embed(body, state.limits, state.encoder.dim, state.config.long)
-    ran = await run_request(state, lambda: embedding_pieces(state, req), ask=ask_of(body, {}))
+    ran = await run_request(state, lambda: embedding_pieces(state, req), ask=ask)
     encoded, _ = await respond(state, lambda: orjson.dumps(vectors_of(ran, req), option=orjson.OPT_SERIALIZE_NUMPY),
                                ran.out.size)
     return bytes_response(encoded)
 
 
-async def _embed_sparse(state: AppState, body) -> web.Response:
+async def _embed_sparse(state: AppState, body, ask: Ask = NO_ASK) -> web.Response:
     """Per input its non-zero SPLADE weights [{"index", "value"}], index order (TEI's EmbedSparseResponse)."""
     require_kind(state, "sparse", "/embed_sparse")
     req = api.parse_tei_embed_sparse(body, state.limits, state.config.long)
-    ran = await run_request(state, lambda: embedding_pieces(state, req), ask=ask_of(body, {}))
+    ran = await run_request(state, lambda: embedding_pieces(state, req), ask=ask)
     try:
         weights = sparse.decode(ran.out, state.encoder.splade)
     except InputError as err:
@@ -57,36 +57,36 @@ async def _embed_sparse(state: AppState, body) -> web.Response:
     return bytes_response(encoded)
 
 
-async def _embed_all(state: AppState, body) -> web.Response:
+async def _embed_all(state: AppState, body, ask: Ask = NO_ASK) -> web.Response:
     require_kind(state, "embedding", "/embed_all")
     if "tokens" not in state.encoder.engine.tables:
         raise ApiError(400, "/embed_all is off on this server (started with --no-embed-all)")
     req = api.parse_tei_embed(body, state.limits, state.encoder.dim, state.config.long)
     if req.long == "chunk":
         raise ApiError(400, "/embed_all returns each input's own tokens: `long: chunk` does not apply")
-    ran = await run_request(state, lambda: embedding_pieces(state, req), output="tokens", ask=ask_of(body, {}))
+    ran = await run_request(state, lambda: embedding_pieces(state, req), output="tokens", ask=ask)
     encoded, _ = await respond(
         state, lambda: orjson.dumps([ran.job.token_vectors(p) for p in range(ran.pieces.count)],
                                     option=orjson.OPT_SERIALIZE_NUMPY), ran.out.size)
     return bytes_response(encoded)
 
 
-async def _similarity(state: AppState, body) -> web.Response:
+async def _similarity(state: AppState, body, ask: Ask = NO_ASK) -> web.Response:
     """Cosine similarity of `source_sentence` to each of `sentences` (TEI: un-normalised embeddings, then cosine)."""
     require_kind(state, "embedding", "/similarity")
     req, _ = api.parse_similarity(body, state.limits, state.config.long)
-    ran = await run_request(state, lambda: embedding_pieces(state, req), ask=ask_of(body, {}))
+    ran = await run_request(state, lambda: embedding_pieces(state, req), ask=ask)
     vectors = vectors_of(ran, req)
     unit = vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
     return json_response((unit[1:] @ unit[0]).astype(np.float32))
 
 
-async def _predict(state: AppState, body) -> web.Response:
+async def _predict(state: AppState, body, ask: Ask = NO_ASK) -> web.Response:
     """Labels with scores, best first (softmax, or sigmoid for one logit; `raw_scores`: logits)."""
     require_kind(state, "classifier", "/predict")
     req = api.parse_predict(body, state.limits, state.config.long != "error")
     ran = await run_request(state, lambda: state.encoder.prepare_pairs(req.inputs, req.truncate, req.direction),
-                            ask=ask_of(body, {}))
+                            ask=ask)
     labels = state.encoder.head.labels
     results = []
     for row in api.scores(ran.out, req.raw_scores):
@@ -95,10 +95,10 @@ async def _predict(state: AppState, body) -> web.Response:
     return json_response(results[0] if req.single else results)
 
 
-async def _rerank(state: AppState, body) -> web.Response:
+async def _rerank(state: AppState, body, ask: Ask = NO_ASK) -> web.Response:
     """(query, text) pairs through the cross-encoder, sorted by score (a multi-vector model: by MaxSim)."""
     if state.encoder.head.kind == "multivector":
-        return await multivector_routes.rerank(state, body)
+        return await multivector_routes.rerank(state, body, ask)
     require_kind(state, "classifier", "/rerank")
     query, texts, raw, return_text, truncate, direction = api.parse_rerank(body, state.limits,
                                                                            state.config.long != "error")
@@ -106,7 +106,7 @@ async def _rerank(state: AppState, body) -> web.Response:
         raise ApiError(400, f"/rerank needs a cross-encoder with one output; this model has "
                             f"{state.encoder.head.num_labels} labels (use /predict)")
     ran = await run_request(state, lambda: state.encoder.prepare_pairs([(query, t) for t in texts], truncate, direction),
-                            ask=ask_of(body, {}))
+                            ask=ask)
     ranked = sorted(enumerate(api.scores(ran.out, raw)[:, 0].tolist()), key=lambda t: -t[1])
     return json_response([{"index": i, "score": s, **({"text": texts[i]} if return_text else {})} for i, s in ranked])
 
@@ -147,7 +147,10 @@ def route(handler):
     async def handle(request: web.Request) -> web.Response:
         state = request.app[STATE]
         state.require_ready()
-        return await handler(state, await json_body(request))
+        body = await json_body(request)
+        if handler in (_tokenize, _decode):  # no model run: no class
+            return await handler(state, body)
+        return await handler(state, body, ask_for(request, body))
 
     return handle
 
@@ -157,16 +160,16 @@ async def root(request: web.Request) -> web.Response:
     state = request.app[STATE]
     state.require_ready()
     body = await json_body(request)
-    model = kind(state)
+    model, ask = kind(state), ask_for(request, body)
     if model == "classifier":
-        return await _predict(state, body)
+        return await _predict(state, body, ask)
     if model in ("reranker", "multivector"):
-        return await _rerank(state, body)
+        return await _rerank(state, body, ask)
     if model == "sparse":
-        return await _embed_sparse(state, body)
+        return await _embed_sparse(state, body, ask)
     if isinstance(body, dict) and isinstance(body.get("inputs"), dict):
-        return await _similarity(state, body)
-    return await _embed(state, body)
+        return await _similarity(state, body, ask)
+    return await _embed(state, body, ask)
 
 
 def add_routes(app: web.Application) -> None:

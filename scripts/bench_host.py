@@ -132,8 +132,10 @@ def gpu_table(enc, step_s):
     return buckets.throughput_knee(timed)
 
 
-def serve(port: int, rate_flops: float, overhead_s: float, table_file: str | None, real: bool = False) -> None:
-    """The server process: the real app over a SimEngine (or, `real`, over the real engine and device)."""
+def serve(port: int, rate_flops: float, overhead_s: float, table_file: str | None, real: bool = False,
+          default_priority: str = "auto", dims: tuple[int, int, int] | None = None) -> None:
+    """The server process: the real app over a SimEngine (or, `real`, over the real engine and device).
+    `dims` (hidden, intermediate, layers): step times of another model's size (default: the bundled model's)."""
     from aiohttp import web
 
     from jaxserve.encoder import Encoder
@@ -141,11 +143,12 @@ def serve(port: int, rate_flops: float, overhead_s: float, table_file: str | Non
 
     enc = Encoder.from_pretrained(None)
     if real:  # the device's own derived table, warmed by the server; busy time from its metrics
-        web.run_app(create_app(ServerConfig(embed_all=False, buckets=table_file or "auto"), enc), host="127.0.0.1",
-                    port=port, print=None, handler_cancellation=True)
+        web.run_app(create_app(ServerConfig(embed_all=False, buckets=table_file or "auto",
+                                            default_priority=default_priority), enc),
+                    host="127.0.0.1", port=port, print=None, handler_cancellation=True)
         return
     c = enc.model_config
-    dims = (c.hidden_size, c.intermediate_size, c.num_layers)
+    dims = dims or (c.hidden_size, c.intermediate_size, c.num_layers)
     step_s = lambda b: overhead_s + forward_flops(*b.shape, *dims) / rate_flops
     if table_file:  # the same shapes for another commit's server
         from jaxserve.buckets import BucketTable
@@ -161,6 +164,7 @@ def serve(port: int, rate_flops: float, overhead_s: float, table_file: str | Non
     fields = {f.name for f in dataclasses.fields(ServerConfig)}
     extra = {"streams": 1} if "streams" in fields else {}  # a GPU runs one batch at a time
     extra.update({"embed_all": False} if "embed_all" in fields else {})  # no token outputs to simulate
+    extra.update({"default_priority": default_priority} if "default_priority" in fields else {})
     app = create_app(ServerConfig(use_cache=False, **extra), enc)
 
     async def sim_stats(request):
@@ -362,9 +366,13 @@ def main() -> None:
     ap.add_argument("--engine", default="sim", choices=["sim", "real"],
                     help="sim: a simulated device at --tflops; real: this machine's device (on a GPU host)")
     ap.add_argument("--serve", type=int, help=argparse.SUPPRESS)  # internal: run the server on this port
+    ap.add_argument("--default-priority", default="auto", help=argparse.SUPPRESS)  # internal: the server's flag
+    ap.add_argument("--sim-dims", help=argparse.SUPPRESS)  # internal: hidden,intermediate,layers of the step times
     args = ap.parse_args()
     if args.serve:
-        serve(args.serve, args.tflops * 1e12, args.step_overhead_us * 1e-6, args.table, args.engine == "real")
+        dims = tuple(int(x) for x in args.sim_dims.split(",")) if args.sim_dims else None
+        serve(args.serve, args.tflops * 1e12, args.step_overhead_us * 1e-6, args.table, args.engine == "real",
+              args.default_priority, dims)
         return
     DOCS = args.docs
     import subprocess

@@ -1,12 +1,21 @@
 """Interactive queries under saturating bulk indexing: query p50/p99 idle and under N bulk clients, with and
-without request classes, and bulk docs/s, against a real `jaxserve serve` on loopback.
+without request classes, and bulk docs/s, against a real server on loopback.
 
-"without classes" is the same server with `--default-priority bulk` (every request one FIFO class, as before
-issue 26); "with classes" is the automatic default (a 1-text query is interactive, a 1000-doc request bulk).
-Modes alternate within one invocation (the host is shared and drifts). Run it under
-`flock /tmp/jaxserve-bench.lock`.
+"fifo" is the same server with `--default-priority bulk` (every request in one first-come-first-served class,
+as before request classes); "classes" is the automatic default (a 1-text query is interactive, a 1000-document
+request bulk). Modes alternate within one invocation (the host is shared and drifts).
 
-    python scripts/bench_mixed.py --bulk-clients 2 --bulk-docs 1000 --seconds 30 --rounds 1
+  --engine real   `jaxserve serve` on this machine's device (the bundled MiniLM).
+  --engine sim    bench_host.py's simulated device: the real server, tokenizer and batcher, each step taking
+                  its FLOPs at --tflops; --scale 8b takes Qwen3-Embedding-8B's FLOPs per token (the bundled
+                  model's tokenizer, seqlens and outputs).
+
+Bulk docs/s is the rate of sequences dispatched for bulk requests (`jaxserve_class_sequences_total`), so a
+1000-document request half done at the end of the window still counts; the median bulk dispatch is read off
+`jaxserve_dispatch_seconds{class="bulk"}` over the loaded window. The target (issue 26): query p99 at most
+max(250 ms, 2 x the median bulk dispatch). Run it under `flock /tmp/jaxserve-bench.lock`:
+
+    python scripts/bench_mixed.py --engine real --bulk-clients 2 --bulk-docs 1000 --seconds 30 --rounds 2
 """
 
 from __future__ import annotations
@@ -15,37 +24,84 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import aiohttp
 import numpy as np
 
-from jaxserve.launch import wait_ready
+from jaxserve.launch import free_port, wait_ready
 
+ROOT = Path(__file__).resolve().parents[1]
 QUERY = {"input": "how do I reset my password"}
+SCALES = {"minilm": None, "8b": "4096,12288,36"}  # hidden, intermediate, layers (buckets/configs/qwen3-embedding-8b)
+TARGET_FLOOR_MS = 250.0
 
 
 def doc(i: int) -> str:
     return f"document {i}: " + " ".join(f"word{(i * 7 + k) % 997}" for k in range(40))
 
 
+def samples(metrics: str, name: str) -> dict[str, float]:
+    """Every sample of one metric family: {the label text: value}."""
+    out = {}
+    for line in metrics.splitlines():
+        if line.startswith(name) and (m := re.match(re.escape(name) + r"(\{.*\})? (\S+)$", line)):
+            out[m.group(1) or ""] = float(m.group(2))
+    return out
+
+
+def bulk_sequences(metrics: str) -> float:
+    return samples(metrics, "jaxserve_class_sequences_total").get('{class="bulk"}', 0.0)
+
+
+def dispatch_buckets(metrics: str) -> list[tuple[float, float]]:
+    """The bulk dispatch histogram's cumulative (upper bound, count) pairs."""
+    got = samples(metrics, "jaxserve_dispatch_seconds_bucket")
+    pairs = []
+    for labels, count in got.items():
+        if 'class="bulk"' in labels:
+            le = re.search(r'le="([^"]+)"', labels).group(1)
+            pairs.append((float(le), count))
+    return sorted(pairs)
+
+
+def median_between(before: list[tuple[float, float]], after: list[tuple[float, float]]) -> float | None:
+    """The median of what the histogram counted between two scrapes, interpolated inside its bucket (as
+    PromQL's histogram_quantile does)."""
+    was = dict(before)
+    cum = [(le, c - was.get(le, 0.0)) for le, c in after]
+    total = cum[-1][1] if cum else 0
+    if total == 0:
+        return None
+    lo, below = 0.0, 0.0
+    for le, c in cum:
+        if c >= total / 2:
+            if le == float("inf"):
+                return lo
+            return lo + (le - lo) * (total / 2 - below) / max(c - below, 1e-9)
+        lo, below = le, c
+    return lo
+
+
 async def measure(url: str, bulk_clients: int, bulk_docs: int, seconds: float, every_s: float) -> dict:
-    lat, bulk_done, bulk_lat, errors = [], [0], [], [0]
+    lat, bulk_errors = [], [0]
     stop = asyncio.Event()
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as s:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as s:
+        async def scrape() -> str:
+            async with s.get(url + "/metrics") as r:
+                return await r.text()
+
         async def bulk(c):
             body = {"input": [doc(c * 100_000 + i) for i in range(bulk_docs)]}
             while not stop.is_set():
-                t = time.perf_counter()
                 async with s.post(url + "/v1/embeddings", json=body) as r:
                     await r.read()
-                    if r.status == 200:
-                        bulk_done[0] += bulk_docs
-                        bulk_lat.append(time.perf_counter() - t)
-                    else:
-                        errors[0] += 1
+                    if r.status != 200:
+                        bulk_errors[0] += 1
                         await asyncio.sleep(0.1)
 
         async def queries():
@@ -53,64 +109,97 @@ async def measure(url: str, bulk_clients: int, bulk_docs: int, seconds: float, e
                 t = time.perf_counter()
                 async with s.post(url + "/v1/embeddings", json=QUERY) as r:
                     await r.read()
+                    assert r.status == 200, r.status
                 lat.append(time.perf_counter() - t)
                 await asyncio.sleep(max(0.0, every_s - (time.perf_counter() - t)))
 
         tasks = [asyncio.create_task(bulk(c)) for c in range(bulk_clients)]
         if bulk_clients:
             await asyncio.sleep(min(5.0, seconds / 4))  # the bulk queue fills first
-        start_docs, t0 = bulk_done[0], time.perf_counter()
+        before, t0 = await scrape(), time.perf_counter()
         q = asyncio.create_task(queries())
         await asyncio.sleep(seconds)
-        elapsed = time.perf_counter() - t0
-        docs = bulk_done[0] - start_docs
+        after, elapsed = await scrape(), time.perf_counter() - t0
         stop.set()
         await q
         for t in tasks:
             t.cancel()
-        async with s.get(url + "/metrics") as r:
-            metrics = await r.text()
-    wait = [line for line in metrics.splitlines() if line.startswith("jaxserve_batch_wait_seconds_count")]
     a = np.array(lat) * 1000
+    median = median_between(dispatch_buckets(before), dispatch_buckets(after))
     return {"queries": len(a), "query_p50_ms": float(np.percentile(a, 50)) if len(a) else None,
             "query_p99_ms": float(np.percentile(a, 99)) if len(a) else None,
-            "bulk_docs_per_s": docs / elapsed, "bulk_errors": errors[0], "batches": wait}
+            "bulk_docs_per_s": (bulk_sequences(after) - bulk_sequences(before)) / elapsed,
+            "median_bulk_dispatch_ms": None if median is None else median * 1000, "bulk_errors": bulk_errors[0]}
 
 
-async def one_mode(args, priority: str, port: int) -> dict:
-    cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--port", str(port), "--default-priority", priority]
-    proc = subprocess.Popen(cmd + args.serve_args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+def server_command(args, priority: str, port: int) -> list[str]:
+    if args.engine == "real":
+        return [sys.executable, "-m", "jaxserve.cli", "serve", "--port", str(port), "--default-priority", priority,
+                "--no-embed-all"] + args.serve_args
+    dims = SCALES[args.scale]
+    return ([sys.executable, str(ROOT / "scripts" / "bench_host.py"), "--serve", str(port), "--tflops",
+             str(args.tflops), "--default-priority", priority] + (["--sim-dims", dims] if dims else []))
+
+
+async def one_mode(args, priority: str) -> dict:
+    port = free_port()
+    proc = subprocess.Popen(server_command(args, priority, port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
         async with aiohttp.ClientSession() as session:
-            await wait_ready(session, url, timeout_s=300, poll_s=0.25, proc=proc)
+            await wait_ready(session, url, timeout_s=600, poll_s=0.25, proc=proc)
         idle = await measure(url, 0, args.bulk_docs, args.idle_seconds, args.every_s)
         loaded = await measure(url, args.bulk_clients, args.bulk_docs, args.seconds, args.every_s)
     finally:
         proc.terminate()
-        proc.wait(30)
+        proc.wait(60)
     return {"idle": idle, "loaded": loaded}
 
 
+def summary(results: list[dict]) -> list[str]:
+    """One line per mode, medians over rounds, and the target check and ratios of classes against FIFO."""
+    def med(mode, phase, key):
+        vals = [r[phase][key] for r in results if r["mode"] == mode and r[phase][key] is not None]
+        return float(np.median(vals)) if vals else float("nan")
+
+    lines = ["| mode | idle p50 / p99 ms | loaded p50 / p99 ms | queries answered | bulk docs/s | median bulk dispatch ms |",
+             "|---|---|---|---|---|---|"]
+    for mode in ("fifo", "classes"):
+        lines.append(f"| {mode} | {med(mode, 'idle', 'query_p50_ms'):.1f} / {med(mode, 'idle', 'query_p99_ms'):.1f} | "
+                     f"{med(mode, 'loaded', 'query_p50_ms'):,.1f} / {med(mode, 'loaded', 'query_p99_ms'):,.1f} | "
+                     f"{med(mode, 'loaded', 'queries'):.0f} | {med(mode, 'loaded', 'bulk_docs_per_s'):,.1f} | "
+                     f"{med(mode, 'loaded', 'median_bulk_dispatch_ms'):.1f} |")
+    target = max(TARGET_FLOOR_MS, 2 * med("classes", "loaded", "median_bulk_dispatch_ms"))
+    p99 = med("classes", "loaded", "query_p99_ms")
+    ratio = med("classes", "loaded", "bulk_docs_per_s") / med("fifo", "loaded", "bulk_docs_per_s")
+    lines.append(f"classes: query p99 {p99:.1f} ms against a target of {target:.1f} ms "
+                 f"({'met' if p99 <= target else 'NOT met'}); bulk docs/s {ratio:.2f}x FIFO "
+                 f"({'within' if ratio >= 0.9 else 'NOT within'} 10%)")
+    return lines
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--engine", choices=("real", "sim"), default="real")
+    ap.add_argument("--scale", choices=tuple(SCALES), default="minilm", help="sim: whose FLOPs per step")
+    ap.add_argument("--tflops", type=float, default=400.0, help="sim: the simulated device's achieved rate")
     ap.add_argument("--bulk-clients", type=int, default=2)
     ap.add_argument("--bulk-docs", type=int, default=1000)
     ap.add_argument("--seconds", type=float, default=30.0)
     ap.add_argument("--idle-seconds", type=float, default=5.0)
     ap.add_argument("--every-s", type=float, default=0.1, help="one query this often")
     ap.add_argument("--rounds", type=int, default=1)
-    ap.add_argument("--port", type=int, default=18426)
     ap.add_argument("--out", help="write the results as JSON here")
-    ap.add_argument("serve_args", nargs="*", help="more `jaxserve serve` flags (after --)")
+    ap.add_argument("serve_args", nargs="*", help="real: more `jaxserve serve` flags (after --)")
     args = ap.parse_args()
     results = []
     for r in range(args.rounds):
         for mode, priority in (("fifo", "bulk"), ("classes", "auto")):
-            res = asyncio.run(one_mode(args, priority, args.port))
-            res.update(mode=mode, round=r)
+            res = asyncio.run(one_mode(args, priority))
+            res.update(mode=mode, round=r, engine=args.engine, scale=args.scale)
             results.append(res)
-            print(json.dumps({k: v for k, v in res.items()}, default=str), flush=True)
+            print(json.dumps(res), flush=True)
+    print("\n".join(summary(results)))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)

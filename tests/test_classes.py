@@ -1,6 +1,7 @@
 """Request classes in the batcher (interactive before bulk, EDF within a class, aging, admission) and their
 parsing from a request, driven with explicit clocks: no JAX, no asyncio, no HTTP."""
 
+import dataclasses
 import math
 
 import numpy as np
@@ -9,11 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxserve.api import ApiError
-import dataclasses
-
-from jaxserve.batcher import BULK, INTERACTIVE, Batcher, Classes, QueueFull, bulk_caps
+from jaxserve.batcher import BULK, CLASSES, INTERACTIVE, Batcher, Classes, QueueFull, bulk_caps
 from jaxserve.buckets import dispatch_s, fixed
-from jaxserve.classes import Ask, ask_of, class_of
+from jaxserve.classes import Ask, ask_of, class_from, class_of, parse_key, parse_route
 
 TABLE = fixed([(1, 16), (4, 16), (1, 64), (4, 64)], layout="packed")
 
@@ -204,9 +203,9 @@ def test_no_starvation_under_steady_interactive(n_bulk, n_inter, age):
 
 
 def test_ask_parsing_and_defaults():
-    assert ask_of({"priority": -5}, {}) == Ask(INTERACTIVE, None)
-    assert ask_of({"priority": 3, "deadline_ms": 200}, {}) == Ask(BULK, 200.0)
-    assert ask_of({}, {"X-Jaxserve-Priority": "bulk", "X-Jaxserve-Deadline-Ms": "50"}) == Ask(BULK, 50.0)
+    assert ask_of({"priority": -5}, {}) == Ask(INTERACTIVE, None, "body")
+    assert ask_of({"priority": 3, "deadline_ms": 200}, {}) == Ask(BULK, 200.0, "body")
+    assert ask_of({}, {"X-Jaxserve-Priority": "bulk", "X-Jaxserve-Deadline-Ms": "50"}) == Ask(BULK, 50.0, "header")
     assert ask_of({"input": "x"}, {}) == Ask()
     for bad in ({"priority": "soon"}, {"priority": True}, {"deadline_ms": -1}, {"deadline_ms": "x"}):
         with pytest.raises(ApiError) as err:
@@ -215,3 +214,27 @@ def test_ask_parsing_and_defaults():
     assert class_of(Ask(), 1) == INTERACTIVE and class_of(Ask(), 9) == BULK  # automatic, threshold 8
     assert class_of(Ask(), 1, default="bulk") == BULK
     assert class_of(Ask(INTERACTIVE), 1000) == INTERACTIVE
+
+
+@given(body=st.sampled_from([None, "interactive", "bulk"]), header=st.sampled_from([None, "interactive", "bulk"]),
+       key=st.sampled_from([None, "interactive", "bulk"]), route=st.sampled_from([None, "interactive", "bulk"]),
+       default=st.sampled_from(["auto", "interactive", "bulk"]), sequences=st.integers(1, 100))
+def test_the_first_class_given_wins_body_header_key_route_default_auto(body, header, key, route, default, sequences):
+    ask = ask_of({} if body is None else {"priority": body}, {} if header is None else {"X-Jaxserve-Priority": header},
+                 key, route)
+    given = [(c, src) for c, src in ((body, "body"), (header, "header"), (key, "api_key"), (route, "route"),
+                                     (None if default == "auto" else default, "default")) if c is not None]
+    want, source = given[0] if given else ("interactive" if sequences <= 8 else "bulk", "auto")
+    assert CLASSES[class_of(ask, sequences, default)] == want
+    assert class_from(ask, default) == source
+
+
+def test_key_and_route_specs():
+    assert parse_key("sk-abc") == ("sk-abc", None)
+    assert parse_key("sk-abc=bulk") == ("sk-abc", "bulk") and parse_key(" ix=Interactive ") == ("ix", "interactive")
+    assert parse_key("c2VjcmV0==") == ("c2VjcmV0==", None)  # base64 padding is part of the key
+    assert parse_key("a=b=bulk") == ("a=b", "bulk")
+    assert parse_route("/embed=bulk") == ("/embed", "bulk")
+    for bad in ("/embed", "embed=bulk", "/embed=urgent"):
+        with pytest.raises(ValueError):
+            parse_route(bad)

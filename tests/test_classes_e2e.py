@@ -47,19 +47,30 @@ async def _race(make_server, tiny_enc, query_body):
     bulk_token = tiny_enc.tokenizer.encode_bodies(["model"])[0][0]
     q = [i for i, ids in enumerate(enc.engine.seen) if (ids == needle).any()]
     b = [i for i, ids in enumerate(enc.engine.seen) if (ids == bulk_token).any()]
-    return q[0], b, at_submit[0], await query.json()
+    metrics = await (await client.get("/metrics")).text()
+    return q[0], b, at_submit[0], await query.json(), (len(q), len(enc.engine.seen), metrics)
+
+
+def _sample(metrics: str, name: str) -> float:
+    """One sample's value; 0 where the labelled child was never created."""
+    return float(next((line.split()[-1] for line in metrics.splitlines() if line.startswith(name + " ")), 0))
 
 
 async def test_query_overtakes_queued_bulk(make_server, tiny_enc):
-    q, b, queued_at, body = await _race(make_server, tiny_enc, {"input": "query"})  # 1 sequence: interactive
+    q, b, queued_at, body, (query_batches, batches, metrics) = await _race(make_server, tiny_enc, {"input": "query"})
     assert len(b) >= 4 and q < b[-1]  # ahead of the bulk rows queued before it
     assert q <= queued_at + 2  # behind at most the batches being prepared when it was queued, never the queue
     explain = body["explain"]
     assert explain["request_class"] == "interactive" and explain["waited_behind"] == {"interactive": 0}
+    # goodput by class: every sequence dispatched once, every batch timed under the class that led it
+    assert _sample(metrics, 'jaxserve_class_sequences_total{class="bulk"}') == len(BULK_DOCS)
+    assert _sample(metrics, 'jaxserve_class_sequences_total{class="interactive"}') == 1
+    assert _sample(metrics, 'jaxserve_dispatch_seconds_count{class="interactive"}') == query_batches
+    assert _sample(metrics, 'jaxserve_dispatch_seconds_count{class="bulk"}') == batches - query_batches
 
 
 async def test_a_bulk_query_waits_its_turn(make_server, tiny_enc):
-    q, b, _, body = await _race(make_server, tiny_enc, {"input": "query", "priority": "bulk"})
+    q, b, _, body, _ = await _race(make_server, tiny_enc, {"input": "query", "priority": "bulk"})
     assert q >= b[-1]  # FIFO within bulk: with or after the last bulk batch
     assert body["explain"]["request_class"] == "bulk" and body["explain"]["waited_behind"]["bulk"] > 0
 
@@ -72,3 +83,34 @@ async def test_bad_priority_is_a_400(make_server, tiny_enc):
     metrics = await (await client.get("/metrics")).text()
     assert 'jaxserve_deadlines_total{class="interactive",outcome=' in metrics
     assert 'jaxserve_class_request_seconds_count{class="interactive"}' in metrics
+
+
+async def test_api_key_and_route_classes_under_what_the_request_asks(make_server, tiny_enc):
+    client = await make_server(tiny_enc, max_wait_ms=0, api_keys=(("indexer", "bulk"), ("app", None)),
+                               route_priority=(("/embed", "bulk"),))
+    async def asked(key, body, path="/v1/plan"):
+        resp = await client.post(path, json=body, headers={"Authorization": f"Bearer {key}"})
+        assert resp.status == 200, await resp.text()
+        return await resp.json()
+
+    plan = await asked("indexer", {"input": "q"})
+    assert (plan["request_class"], plan["class_from"]) == ("bulk", "api_key")
+    plan = await asked("app", {"input": "q"})
+    assert (plan["request_class"], plan["class_from"]) == ("interactive", "auto")
+    plan = await asked("indexer", {"input": "q", "priority": "interactive"})
+    assert (plan["request_class"], plan["class_from"]) == ("interactive", "body")
+    explain = (await asked("indexer", {"input": "q"}, "/v1/embeddings?explain=1"))["explain"]
+    assert (explain["request_class"], explain["class_from"]) == ("bulk", "api_key")
+
+    async def served(cls):
+        resp = await client.get("/metrics", headers={"Authorization": "Bearer app"})
+        assert resp.status == 200
+        return _sample(await resp.text(), f'jaxserve_class_request_seconds_count{{class="{cls}"}}')
+
+    before = await served("bulk")
+    assert len(await asked("app", {"inputs": "q"}, "/embed")) == 1  # TEI's route: its --route-priority class
+    assert await served("bulk") == before + 1
+    before = await served("interactive")
+    await asked("app", {"inputs": "q", "priority": "interactive"}, "/embed")
+    assert await served("interactive") == before + 1
+    assert (await client.post("/v1/plan", json={"input": "q"}, headers={"Authorization": "Bearer nope"})).status == 401
