@@ -62,6 +62,7 @@ class Dispatch:
     reason: str  # window, full or idle
     oldest: float  # when its oldest row was queued
     classes: tuple[int, ...] = (0,)  # the request classes of its rows
+    lead: int = 0  # the class whose queue it was formed for (INTERACTIVE for aged bulk rows): its rank on the device
 
     @property
     def rows(self) -> int:
@@ -107,8 +108,9 @@ class Classes:
     """How the batcher treats request classes (see docs/design.md, "Request classes").
 
     `max_bulk_wait_s`: a bulk row that has waited this long is served as interactive (aging: nothing starves).
-    `likely_s`: after an interactive row arrived, this long counts as "interactive work likely": bulk
-    batches then leave only for an idle device slot, never prepared ahead of it.
+    `likely_s`: after an interactive row arrived, this long counts as "interactive work likely" (bulk batches
+    are then cut to `bulk_dispatch_s`; the service hands a prepared interactive batch to the device before any
+    prepared bulk one).
     `bulk_share`: the part of the queue (in tokens) bulk rows may fill; the rest is kept for interactive ones.
     `bulk_dispatch_s`: while interactive work is likely, a batch of bulk rows is at most the largest of its
     seqlen's batches predicted to run this long (a query arriving then waits for about one such dispatch, not
@@ -251,8 +253,7 @@ class Batcher:
 
     def next_dispatch(self, now: float, device_idle: bool) -> Dispatch | None:
         """Interactive rows first, at once (earliest deadline first), their spare rows filled with bulk rows; bulk
-        rows alone by window, full or idle, but while interactive work is likely only into an idle device slot and at
-        most `Classes.bulk_dispatch_s` long."""
+        rows alone by window, full or idle, and while interactive work is likely at most `Classes.bulk_dispatch_s` long."""
         self._age(now)
         first = lambda hs: min(hs, key=lambda h: (h[0], -h[1]))  # earliest; ties: larger seqlen
         inter = [(q[0].key, s) for s, q in self._queues[INTERACTIVE].items() if q]
@@ -263,10 +264,7 @@ class Batcher:
         heads = [(q[0].enqueued, s) for s, q in self._queues[BULK].items() if q]
         if not heads:
             return None
-        likely = self.interactive_likely(now)
-        if not device_idle and likely:
-            return None  # keep the queued slot free for an interactive arrival
-        most = self._bulk_cap if likely else self._largest
+        most = self._bulk_cap if self.interactive_likely(now) else self._largest
         expired = [h for h in heads if now - h[0] >= self.max_wait_s]
         full = [h for h in heads if self._rows[BULK][h[1]] >= most[h[1]]]
         if expired:
@@ -304,7 +302,7 @@ class Batcher:
                     self.queued_by[r.cls] -= len(r.rows) * s
         oldest = min(r.enqueued for r in parts)
         return Dispatch(bucket, tuple((r.job, r.rows) for r in parts), reason, oldest,
-                        tuple(sorted({r.cls for r in parts})))
+                        tuple(sorted({r.cls for r in parts})), cls)
 
     def _take(self, cls: int, seqlen: int, most: int, slots: int) -> list[Run]:
         """Up to `most` rows from the head of one class's seqlen queue, whole runs first, the last one split."""

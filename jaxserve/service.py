@@ -105,7 +105,7 @@ class Metrics:
         """`n` sequences of class `cls` dispatched: a class's goodput (bulk docs/s) is the rate of these."""
 
     def dispatch_time(self, cls: int, seconds: float) -> None:
-        """One batch's device time, by the class that led it (its first class): what a query may wait behind."""
+        """One batch's device time, by the class that led it (`Dispatch.lead`): what a query may wait behind."""
 
     def finished(self, timing: RequestTiming) -> None:
         """A request answered: its class's queue wait, latency and whether it met its deadline."""
@@ -137,7 +137,9 @@ class EmbeddingService:
         self._entries: dict[int, _Entry] = {}  # jobs submitted and not yet answered (guarded by _lock)
         self._ids = itertools.count()
         self._pipeline = 0  # batches being prepared, prepared, or on the device (guarded by _lock)
-        self._ready: queue.Queue = queue.Queue(maxsize=1)
+        # prepared batches, interactive-led first (bounded by _pipeline): a device slot that frees takes the best one
+        self._ready: queue.PriorityQueue = queue.PriorityQueue()
+        self._handed = itertools.count()  # FIFO within a class
         self._launched: queue.Queue = queue.Queue()  # bounded by _on_device
         self._on_device = threading.Semaphore(max_inflight)
         self._threads: list[threading.Thread] = []
@@ -299,8 +301,7 @@ class EmbeddingService:
     def _pass_stop_on(self, loop_fn) -> None:
         """A dead stage still ends its stream, so the stages after it stop too and `stop` need not wait them out."""
         if loop_fn == self._prepare_loop:
-            for _ in range(self.streams):
-                self._ready.put(None)
+            self._end_ready()
         elif loop_fn == self._device_loop:
             self._launched.put(None)
         else:  # the respond thread: device threads may wait for a slot it would have freed
@@ -361,14 +362,21 @@ class EmbeddingService:
             self.metrics.phase("assemble", assembled - start)
             self.metrics.phase("copy", copied - assembled)
             self.metrics.dispatched(d, real_tokens, time.monotonic() - d.oldest)
-            self._ready.put((d, jobs, prepared))
+            self._ready.put((d.lead, next(self._handed), (d, jobs, prepared)))
+        self._end_ready()
+
+    def _end_ready(self) -> None:
+        """One stop per device thread, after every prepared batch (those still run)."""
         for _ in range(self.streams):
-            self._ready.put(None)
+            self._ready.put((len(CLASSES), next(self._handed), None))
 
     def _device_loop(self) -> None:
-        while (item := self._ready.get()) is not None:
+        while True:
+            self._on_device.acquire()  # a slot first, then the best prepared batch at that moment
+            if (item := self._ready.get()[2]) is None:
+                self._on_device.release()
+                break
             d, jobs, prepared = item
-            self._on_device.acquire()
             launched = time.perf_counter()
             try:
                 result, error = self.engine.launch(prepared), None
@@ -407,7 +415,7 @@ class EmbeddingService:
             self.device_batches += 1
             self.timings.observe(d.bucket, device_s)
             self.metrics.phase("device", device_s)
-            self.metrics.dispatch_time(d.classes[0], device_s)
+            self.metrics.dispatch_time(d.lead, device_s)
             finished = scatter(d.parts, out, jobs)
             self.metrics.phase("scatter", time.perf_counter() - done)
             for jid, rows in d.parts:
