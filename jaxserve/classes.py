@@ -92,6 +92,13 @@ def class_of(ask: Ask, sequences: int, default: str = "auto", threshold: int = I
     return INTERACTIVE if sequences <= threshold else BULK
 
 
+def likely_interactive(ask: Ask, inputs: int, default: str = "auto",
+                       threshold: int = INTERACTIVE_MAX_SEQUENCES) -> bool:
+    """Before tokenizing: will the request (of `inputs` texts) run as interactive? Exact unless the automatic
+    default decides and chunking turns a few long inputs into more than `threshold` sequences."""
+    return class_of(ask, inputs, default, threshold) == INTERACTIVE
+
+
 def class_from(ask: Ask, default: str = "auto") -> str:
     """Where `class_of` took the class from: body, header, api_key, route, default (--default-priority) or auto."""
     return ask.source or ("default" if default != "auto" else "auto")

@@ -20,7 +20,7 @@ from aiohttp import web
 from jaxserve import api
 from jaxserve.api import ApiError, EmbedRequest
 from jaxserve.batcher import CLASSES, QueueFull, TooLarge
-from jaxserve.classes import NO_ASK, Ask, ask_of, class_from, class_of
+from jaxserve.classes import NO_ASK, Ask, ask_of, class_from, class_of, likely_interactive
 from jaxserve.encoder import normalize_rows
 from jaxserve.errors import InputError, TokenizerError
 from jaxserve.explain import explain
@@ -107,11 +107,13 @@ def tokenized(fn):
         raise TokenizerError(f"the tokenizer could not read an input (it panicked: {exc})") from None
 
 
-async def on_tokenizer(state: AppState, fn):
-    """fn() on a tokenizer thread; an InputError it raises (too long, an unknown prompt, the tokenizer refusing a
-    text: see `tokenized`) is the request's 400. Anything else is a bug, and stays a 500."""
+async def on_tokenizer(state: AppState, fn, interactive: bool = False):
+    """fn() on a tokenizer thread (`interactive`: the interactive requests' own); an InputError it raises (too
+    long, an unknown prompt, the tokenizer refusing a text: see `tokenized`) is the request's 400. Anything else
+    is a bug, and stays a 500."""
+    pool = state.interactive_pool if interactive else state.tokenizer_pool
     try:
-        return await asyncio.get_running_loop().run_in_executor(state.tokenizer_pool, fn)
+        return await asyncio.get_running_loop().run_in_executor(pool, fn)
     except TokenizerError as err:
         raise ApiError(400, str(err), "tokenizer_error") from None
     except InputError as err:
@@ -152,8 +154,9 @@ def explain_rows(state: AppState, rows, table, pieces) -> dict:
 
 
 async def run_request(state: AppState, make_pieces, want_explain: bool = False, output: str = "pooled",
-                      ask: Ask = NO_ASK) -> Ran:
-    """Tokenize (`make_pieces()`) and pack into a job on a thread, then through the batcher and the device."""
+                      ask: Ask = NO_ASK, inputs: int | None = None) -> Ran:
+    """Tokenize (`make_pieces()`, `inputs` texts; None: many) and pack into a job on a thread, then through the
+    batcher and the device."""
     enc = state.encoder
     service = state.service
     table = enc.engine.tables[output]
@@ -169,7 +172,9 @@ async def run_request(state: AppState, make_pieces, want_explain: bool = False, 
         explained = explain_rows(state, rows, table, pieces) if want_explain else None
         return pieces, job, explained, {"tokenize_s": t1 - t0, "plan_s": t2 - t1}
 
-    pieces, job, explained, phases = await on_tokenizer(state, prepare)
+    cfg = state.config
+    small = inputs is not None and likely_interactive(ask, inputs, cfg.default_priority, cfg.interactive_max_sequences)
+    pieces, job, explained, phases = await on_tokenizer(state, prepare, interactive=small)
     timeout = state.config.request_timeout_s
     try:
         cls = class_of(ask, int(job.rows.docs.sum()), state.config.default_priority,

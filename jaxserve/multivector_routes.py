@@ -34,7 +34,7 @@ async def encode(state: AppState, texts: list[str], kind: str, long: str,
     """Texts through the batcher as `kind` sequences -> (per text its token vectors, tokens run)."""
     enc = state.encoder
     ran = await run_request(state, lambda: enc.multivector_pieces(texts, kind, long), output="tokens",
-                            ask=ask)
+                            ask=ask, inputs=len(texts))
     vectors = [ran.job.token_vectors(p) for p in range(ran.pieces.count)]
     return multivector.outputs(enc.colbert, kind, ran.pieces.seqs, vectors), ran.tokens
 

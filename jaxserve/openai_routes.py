@@ -40,7 +40,7 @@ async def embeddings(request: web.Request) -> web.Response:
     req = api.parse_openai_embeddings(body, state.limits, state.encoder.dim, state.config.long)
     wants_explain = _wants_explain(request)
     ran = await run_request(state, lambda: embedding_pieces(state, req, openai_ids=True), want_explain=wants_explain,
-                            ask=ask_for(request, body))
+                            ask=ask_for(request, body), inputs=req.count)
     body, encode_s = await respond(
         state, lambda: api.openai_body(vectors_of(ran, req), state.model_name, ran.tokens, req.encoding_format),
         ran.out.size if req.encoding_format == "float" else 0)
@@ -90,7 +90,7 @@ async def classify(request: web.Request) -> web.Response:
     texts = api.parse_classify(body, state.limits)
     truncate = state.config.long != "error"
     ran = await run_request(state, lambda: state.encoder.prepare_pairs(texts, truncate),
-                            ask=ask_for(request, body))
+                            ask=ask_for(request, body), inputs=len(texts))
     labels = state.encoder.head.labels
     probs = api.scores(ran.out, raw=False)
     return json_response({

@@ -91,6 +91,7 @@ async def lifecycle(app: web.Application):
     if state.service is not None:
         await state.service.stop()
     state.tokenizer_pool.shutdown(wait=False)
+    state.interactive_pool.shutdown(wait=False)
     state.respond_pool.shutdown(wait=False)
 
 

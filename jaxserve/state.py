@@ -113,6 +113,9 @@ class AppState:
         self.pool_threads = host.pool_sizes(config.tokenizer_threads, config.respond_threads)
         self.tokenizer_pool = concurrent.futures.ThreadPoolExecutor(self.pool_threads[0],
                                                                     thread_name_prefix="jaxserve-tokenize")
+        # ... one more thread for requests that will likely be interactive, never behind a bulk request's
+        # thousand documents ...
+        self.interactive_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxserve-tokenize-q")
         # ... and combining, normalising and encoding responses (its own threads: never behind tokenizing).
         self.respond_pool = concurrent.futures.ThreadPoolExecutor(self.pool_threads[1],
                                                                   thread_name_prefix="jaxserve-respond")

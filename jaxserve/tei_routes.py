@@ -38,7 +38,7 @@ def kind(state: AppState) -> str:
 async def _embed(state: AppState, body, ask: Ask = NO_ASK) -> web.Response:
     require_kind(state, "embedding", "/embed")
     req = api.parse_tei_embed(body, state.limits, state.encoder.dim, state.config.long)
-    ran = await run_request(state, lambda: embedding_pieces(state, req), ask=ask)
+    ran = await run_request(state, lambda: embedding_pieces(state, req), ask=ask, inputs=req.count)
     encoded, _ = await respond(state, lambda: orjson.dumps(vectors_of(ran, req), option=orjson.OPT_SERIALIZE_NUMPY),
                                ran.out.size)
     return bytes_response(encoded)
@@ -48,7 +48,7 @@ async def _embed_sparse(state: AppState, body, ask: Ask = NO_ASK) -> web.Respons
     """Per input its non-zero SPLADE weights [{"index", "value"}], index order (TEI's EmbedSparseResponse)."""
     require_kind(state, "sparse", "/embed_sparse")
     req = api.parse_tei_embed_sparse(body, state.limits, state.config.long)
-    ran = await run_request(state, lambda: embedding_pieces(state, req), ask=ask)
+    ran = await run_request(state, lambda: embedding_pieces(state, req), ask=ask, inputs=req.count)
     try:
         weights = sparse.decode(ran.out, state.encoder.splade)
     except InputError as err:
@@ -64,7 +64,8 @@ async def _embed_all(state: AppState, body, ask: Ask = NO_ASK) -> web.Response:
     req = api.parse_tei_embed(body, state.limits, state.encoder.dim, state.config.long)
     if req.long == "chunk":
         raise ApiError(400, "/embed_all returns each input's own tokens: `long: chunk` does not apply")
-    ran = await run_request(state, lambda: embedding_pieces(state, req), output="tokens", ask=ask)
+    ran = await run_request(state, lambda: embedding_pieces(state, req), output="tokens", ask=ask,
+                            inputs=req.count)
     encoded, _ = await respond(
         state, lambda: orjson.dumps([ran.job.token_vectors(p) for p in range(ran.pieces.count)],
                                     option=orjson.OPT_SERIALIZE_NUMPY), ran.out.size)
@@ -75,7 +76,7 @@ async def _similarity(state: AppState, body, ask: Ask = NO_ASK) -> web.Response:
     """Cosine similarity of `source_sentence` to each of `sentences` (TEI: un-normalised embeddings, then cosine)."""
     require_kind(state, "embedding", "/similarity")
     req, _ = api.parse_similarity(body, state.limits, state.config.long)
-    ran = await run_request(state, lambda: embedding_pieces(state, req), ask=ask)
+    ran = await run_request(state, lambda: embedding_pieces(state, req), ask=ask, inputs=req.count)
     vectors = vectors_of(ran, req)
     unit = vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
     return json_response((unit[1:] @ unit[0]).astype(np.float32))
@@ -86,7 +87,7 @@ async def _predict(state: AppState, body, ask: Ask = NO_ASK) -> web.Response:
     require_kind(state, "classifier", "/predict")
     req = api.parse_predict(body, state.limits, state.config.long != "error")
     ran = await run_request(state, lambda: state.encoder.prepare_pairs(req.inputs, req.truncate, req.direction),
-                            ask=ask)
+                            ask=ask, inputs=len(req.inputs))
     labels = state.encoder.head.labels
     results = []
     for row in api.scores(ran.out, req.raw_scores):
@@ -106,7 +107,7 @@ async def _rerank(state: AppState, body, ask: Ask = NO_ASK) -> web.Response:
         raise ApiError(400, f"/rerank needs a cross-encoder with one output; this model has "
                             f"{state.encoder.head.num_labels} labels (use /predict)")
     ran = await run_request(state, lambda: state.encoder.prepare_pairs([(query, t) for t in texts], truncate, direction),
-                            ask=ask)
+                            ask=ask, inputs=len(texts))
     ranked = sorted(enumerate(api.scores(ran.out, raw)[:, 0].tolist()), key=lambda t: -t[1])
     return json_response([{"index": i, "score": s, **({"text": texts[i]} if return_text else {})} for i, s in ranked])
 

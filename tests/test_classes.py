@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from jaxserve.api import ApiError
 from jaxserve.batcher import BULK, CLASSES, INTERACTIVE, Batcher, Classes, QueueFull, bulk_caps
 from jaxserve.buckets import dispatch_s, fixed
-from jaxserve.classes import Ask, ask_of, class_from, class_of, parse_key, parse_route
+from jaxserve.classes import Ask, ask_of, class_from, class_of, likely_interactive, parse_key, parse_route
 
 TABLE = fixed([(1, 16), (4, 16), (1, 64), (4, 64)], layout="packed")
 
@@ -237,3 +237,9 @@ def test_key_and_route_specs():
     for bad in ("/embed", "embed=bulk", "/embed=urgent"):
         with pytest.raises(ValueError):
             parse_route(bad)
+
+
+def test_likely_interactive_before_tokenizing():
+    assert likely_interactive(Ask(), 8) and not likely_interactive(Ask(), 9)  # automatic: by inputs
+    assert not likely_interactive(Ask(BULK), 1) and likely_interactive(Ask(INTERACTIVE), 1000)
+    assert not likely_interactive(Ask(), 1, default="bulk")

@@ -114,3 +114,20 @@ async def test_api_key_and_route_classes_under_what_the_request_asks(make_server
     await asked("app", {"inputs": "q", "priority": "interactive"}, "/embed")
     assert await served("interactive") == before + 1
     assert (await client.post("/v1/plan", json={"input": "q"}, headers={"Authorization": "Bearer nope"})).status == 401
+
+
+async def test_a_query_is_tokenized_while_bulk_tokenizing_holds_every_tokenizer_thread(make_server, tiny_enc):
+    import threading
+
+    client = await make_server(tiny_enc, max_wait_ms=0)
+    state = client.app[STATE]
+    release = threading.Event()
+    held = [state.tokenizer_pool.submit(release.wait, 60) for _ in range(state.pool_threads[0])]
+    try:
+        bulk = asyncio.create_task(client.post("/v1/embeddings", json={"input": BULK_DOCS}))
+        query = await client.post("/embed", json={"inputs": "query"})  # TEI's route: 1 input, interactive
+        assert query.status == 200 and len(await query.json()) == 1
+        assert not bulk.done() and not any(f.done() for f in held)  # answered with every tokenizer thread held
+    finally:
+        release.set()
+    assert (await bulk).status == 200 and all(f.result() for f in held)
