@@ -236,6 +236,10 @@ class Batcher:
             times.append(min(bulk) + self.classes.max_bulk_wait_s)
         return min(times)
 
+    def has_interactive(self) -> bool:
+        """Interactive rows waiting (a dispatch now would lead with them)."""
+        return any(self._rows[INTERACTIVE].values())
+
     def interactive_likely(self, now: float) -> bool:
         return any(self._rows[INTERACTIVE].values()) or now - self.last_interactive < self.classes.likely_s
 

@@ -308,9 +308,11 @@ class EmbeddingService:
             for _ in range(self.streams):
                 self._on_device.release()
 
-    def _dispatch(self, now: float) -> tuple[str, Dispatch] | None:
-        """The next dispatch of any output, the batcher with the oldest waiting row asked first."""
-        waiting = sorted((t, lane) for lane, b in self.batchers.items() if (t := b.oldest()) is not None)
+    def _dispatch(self, now: float, interactive_only: bool = False) -> tuple[str, Dispatch] | None:
+        """The next dispatch of any output, the batcher with the oldest waiting row asked first (`interactive_only`:
+        of the batchers with interactive rows waiting, which lead with them)."""
+        waiting = sorted((t, lane) for lane, b in self.batchers.items()
+                         if (t := b.oldest()) is not None and (b.has_interactive() or not interactive_only))
         for _, lane in waiting:
             d = self.batchers[lane].next_dispatch(now, device_idle=self._pipeline < self.max_inflight)
             if d is not None:
@@ -322,8 +324,11 @@ class EmbeddingService:
         with self._lock:
             while not self._stopping:
                 now = time.monotonic()
-                if self._pipeline <= self.max_inflight:  # room on the device, or for one batch ready behind it
-                    picked = self._dispatch(now)
+                # room on the device, or for one batch ready behind it; and one more for interactive rows, so a
+                # query is prepared at once and takes the next device slot ahead of the bulk batch prepared
+                room = self._pipeline <= self.max_inflight
+                if room or self._pipeline <= self.max_inflight + 1:
+                    picked = self._dispatch(now, interactive_only=not room)
                     if picked is not None:
                         lane, d = picked
                         self._pipeline += 1
@@ -340,7 +345,8 @@ class EmbeddingService:
                                 self.metrics.class_sequences(cls, n)
                         return lane, d, jobs
                     deadlines = [t for b in self.batchers.values() if (t := b.next_deadline()) is not None]
-                    timeout = max(0.0, min(deadlines) - now) if deadlines else None
+                    # without room only an arrival (submit) or a finished batch (respond) changes anything
+                    timeout = max(0.0, min(deadlines) - now) if deadlines and room else None
                 else:
                     timeout = None
                 self._lock.wait(timeout)

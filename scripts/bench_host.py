@@ -115,9 +115,10 @@ class SimEngine:
         return self.fetch(self.launch(prepared))
 
 
-def gpu_table(enc, step_s):
+def gpu_table(enc, step_s, knee: bool = True):
     """The table `jaxserve serve` derives on an H200: default ladder, packed, batch ladder, batches bounded by
-    memory (the analytic estimate here: no GPU compiler) and cut at their throughput knee (the simulated times)."""
+    memory (the analytic estimate here: no GPU compiler) and cut at their throughput knee (the simulated times;
+    `knee=False`: not cut, as where throughput still grows with the batch, which a step linear in FLOPs never shows)."""
     import dataclasses
 
     from jaxserve import buckets
@@ -129,11 +130,11 @@ def gpu_table(enc, step_s):
         batch_ladder=True, device="simulated H200", device_memory=int(141e9),
     )
     timed = dataclasses.replace(table, buckets=tuple(dataclasses.replace(b, run_s=step_s(b)) for b in table.buckets))
-    return buckets.throughput_knee(timed)
+    return buckets.throughput_knee(timed) if knee else timed
 
 
 def serve(port: int, rate_flops: float, overhead_s: float, table_file: str | None, real: bool = False,
-          default_priority: str = "auto", dims: tuple[int, int, int] | None = None) -> None:
+          default_priority: str = "auto", dims: tuple[int, int, int] | None = None, knee: bool = True) -> None:
     """The server process: the real app over a SimEngine (or, `real`, over the real engine and device).
     `dims` (hidden, intermediate, layers): step times of another model's size (default: the bundled model's)."""
     from aiohttp import web
@@ -155,7 +156,7 @@ def serve(port: int, rate_flops: float, overhead_s: float, table_file: str | Non
 
         table = BucketTable.load(table_file)
     else:
-        table = gpu_table(enc, step_s)
+        table = gpu_table(enc, step_s, knee)
     sim = SimEngine(enc.engine, table, rate_flops, overhead_s, dims)
     sim._real_dim = enc.out_dim
     enc = _with_engine(enc, sim)
@@ -368,11 +369,12 @@ def main() -> None:
     ap.add_argument("--serve", type=int, help=argparse.SUPPRESS)  # internal: run the server on this port
     ap.add_argument("--default-priority", default="auto", help=argparse.SUPPRESS)  # internal: the server's flag
     ap.add_argument("--sim-dims", help=argparse.SUPPRESS)  # internal: hidden,intermediate,layers of the step times
+    ap.add_argument("--no-knee", action="store_true", help=argparse.SUPPRESS)  # internal: the memory-bound table
     args = ap.parse_args()
     if args.serve:
         dims = tuple(int(x) for x in args.sim_dims.split(",")) if args.sim_dims else None
         serve(args.serve, args.tflops * 1e12, args.step_overhead_us * 1e-6, args.table, args.engine == "real",
-              args.default_priority, dims)
+              args.default_priority, dims, not args.no_knee)
         return
     DOCS = args.docs
     import subprocess

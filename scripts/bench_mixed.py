@@ -146,7 +146,8 @@ def server_command(args, priority: str, port: int) -> list[str]:
                 "--no-embed-all"] + args.serve_args
     dims = SCALES[args.scale]
     return ([sys.executable, str(ROOT / "scripts" / "bench_host.py"), "--serve", str(port), "--tflops",
-             str(args.tflops), "--default-priority", priority] + (["--sim-dims", dims] if dims else []))
+             str(args.tflops), "--default-priority", priority] + (["--sim-dims", dims] if dims else [])
+            + (["--no-knee"] if args.sim_table == "memory" else []))
 
 
 async def one_mode(args, priority: str) -> dict:
@@ -196,6 +197,9 @@ def main() -> None:
     ap.add_argument("--engine", choices=("real", "sim"), default="real")
     ap.add_argument("--scale", choices=tuple(SCALES), default="minilm", help="sim: whose FLOPs per step")
     ap.add_argument("--tflops", type=float, default=400.0, help="sim: the simulated device's achieved rate")
+    ap.add_argument("--sim-table", choices=("knee", "memory"), default="knee",
+                    help="sim: batches cut at the throughput knee (a step linear in FLOPs keeps them small), or "
+                         "only by memory (large batches, as a GPU's knee keeps where throughput still grows)")
     ap.add_argument("--bulk-clients", type=int, default=2)
     ap.add_argument("--bulk-docs", type=int, default=1000)
     ap.add_argument("--seconds", type=float, default=30.0)
@@ -209,7 +213,7 @@ def main() -> None:
     for r in range(args.rounds):
         for mode, priority in (("fifo", "bulk"), ("classes", "auto")):
             res = asyncio.run(one_mode(args, priority))
-            res.update(mode=mode, round=r, engine=args.engine, scale=args.scale)
+            res.update(mode=mode, round=r, engine=args.engine, scale=args.scale, sim_table=args.sim_table)
             results.append(res)
             print(json.dumps(res), flush=True)
     print("\n".join(summary(results)))

@@ -115,7 +115,10 @@ class SlowEngine:
         self.delay = delay
         self.fail_when = fail_when  # predicate on the batch's token ids [B, S]
         self.steps = 0
-        self.seen: list[np.ndarray] = []  # token ids of every batch that reached the device
+        self.seen: list[np.ndarray] = []  # token ids of every batch that reached the device (prepared)
+        self.launched: list[np.ndarray] = []  # ... in the order they were launched
+        self.gate = None  # a threading.Event: while it is clear, a step ends only when it is set
+        self.held = 0  # steps waiting at the gate
 
     def __getattr__(self, name):
         return getattr(self._engine, name)
@@ -125,6 +128,7 @@ class SlowEngine:
         return self._engine.put(bucket, inputs, output)
 
     def launch(self, prepared):
+        self.launched.append(np.asarray(prepared.inputs[0]))
         return (prepared, self._engine.launch(prepared))
 
     def fetch(self, launched):
@@ -133,6 +137,10 @@ class SlowEngine:
         prepared, result = launched
         self.steps += 1
         time.sleep(self.delay)
+        if self.gate is not None and not self.gate.is_set():
+            self.held += 1
+            self.gate.wait(30)
+            self.held -= 1
         if self.fail_when is not None and self.fail_when(np.asarray(prepared.inputs[0])):
             raise RuntimeError("injected device fault")
         return self._engine.fetch(result)

@@ -47,7 +47,9 @@ async def test_disconnected_client_has_none_of_its_rows_dispatched(make_server, 
     busy.append(asyncio.create_task(client.post("/v1/embeddings", json={"input": ["the model"] * 4})))
     await asyncio.sleep(0.1)  # prepared behind it
     async with aiohttp.ClientSession() as other:
-        doomed = asyncio.create_task(other.post(client.make_url("/v1/embeddings"), json={"input": ["a query"] * 4}))
+        # bulk: an interactive request would be prepared at once, into the slot kept for queries
+        doomed = asyncio.create_task(other.post(client.make_url("/v1/embeddings"),
+                                                json={"input": ["a query"] * 4, "priority": "bulk"}))
         await asyncio.sleep(0.1)
         assert service.batcher.queued == 32 and service.batcher.queued_rows == 1  # 4 short documents: one row of 32
         doomed.cancel()
@@ -69,7 +71,8 @@ async def test_timed_out_request_has_none_of_its_rows_dispatched(make_server, ti
     busy = [asyncio.create_task(client.post("/v1/embeddings", json=full)) for _ in range(2)]
     await asyncio.sleep(0.1)  # one on the device for 1 s, one prepared behind it: both time out, but run
     started = time.monotonic()
-    late = await client.post("/v1/embeddings", json={"input": ["a batch"]})
+    late = await client.post("/v1/embeddings", json={"input": ["a batch"], "priority": "bulk"})  # queued, not
+    # prepared into the slot kept for queries
     assert late.status == 503 and (await late.json())["error"]["type"] == "timeout"
     assert service.batcher.queued == 0 and time.monotonic() - started < 0.9  # before the device freed up
     assert [(await t).status for t in busy] == [503, 503]

@@ -1,16 +1,20 @@
 """A query overtakes a queued bulk request (real server on loopback, the real engine slowed per step).
 
-Order is read from the batches the engine was handed (SlowEngine.seen, in dispatch order), never from the clock.
+Order is read from the batches the engine was handed (SlowEngine.seen, in prepare order; .launched, in launch
+order), never from the clock; SlowEngine.gate holds the batch on the device while the query arrives.
 """
 
 import asyncio
 import dataclasses
+import threading
 
 import pytest
 import tiny
 from conftest import TINY_TABLE, SlowEngine
 
 from jaxserve import Encoder
+from jaxserve.batcher import CLASSES
+from jaxserve.classes import ask_of, class_of
 from jaxserve.server import STATE
 
 BULK_DOCS = ["the model jax " * 9] * 40  # 29 tokens: one per row of seqlen 32  # > 8 sequences: bulk by default
@@ -22,9 +26,10 @@ def tiny_enc(tmp_path_factory):
     return Encoder.from_pretrained(str(path), buckets=TINY_TABLE)
 
 
-async def _race(make_server, tiny_enc, query_body):
-    """Bulk first; once its first batch is on the device, one query. -> (query batch index, bulk batch indices,
-    batches handed to the engine when the query was queued, the query's response)."""
+async def _race(make_server, tiny_enc, query_body) -> dict:
+    """Bulk first; once its first batch is on the device, one query. Returns where the query's batch went, in the
+    order batches were prepared (`q`, bulk ones `b`) and launched (`launched_q`), against the counts of both when
+    its rows entered the queue; its response; and /metrics."""
     enc = dataclasses.replace(tiny_enc, engine=SlowEngine(tiny_enc.engine, delay=0.2))
     client = await make_server(enc, max_wait_ms=0, max_inflight=1)
     bulk = asyncio.create_task(client.post("/v1/embeddings", json={"input": BULK_DOCS}))
@@ -33,22 +38,39 @@ async def _race(make_server, tiny_enc, query_body):
     service = client.app[STATE].service
     while service.batcher.waiting()["bulk"] == 0:
         await asyncio.sleep(0.01)
+    # hold the batch on the device: nothing launches from here until the query is prepared
+    enc.engine.gate = threading.Event()
+    while not enc.engine.held:
+        await asyncio.sleep(0.01)
     submitted = service.batcher.submit
-    at_submit = []  # batches handed to the engine when the query's rows entered the queue
+    at_submit = []  # (batches prepared, batches launched) when the query's rows entered the queue
 
     def recording_submit(*args, **kwargs):
-        at_submit.append(len(enc.engine.seen))
+        at_submit.append((len(enc.engine.seen), len(enc.engine.launched)))
         return submitted(*args, **kwargs)
 
     service.batcher.submit = recording_submit
-    query = await client.post("/v1/embeddings?explain=1", json=query_body)
-    assert query.status == 200 and (await bulk).status == 200
     needle = tiny_enc.tokenizer.encode_bodies(["query"])[0][0]
+    pending = asyncio.create_task(client.post("/v1/embeddings?explain=1", json=query_body))
+    while not at_submit:
+        await asyncio.sleep(0.01)
+    if CLASSES[class_of(ask_of(query_body, {}), 1)] == "interactive":  # prepared at once: wait for it
+        for _ in range(2000):  # a bound, not a timing: it fails only if the query is never prepared
+            if any((ids == needle).any() for ids in enc.engine.seen):
+                break
+            await asyncio.sleep(0.01)
+        else:
+            raise AssertionError("the query was not prepared while the device was held")
+    enc.engine.gate.set()
+    query = await pending
+    assert query.status == 200 and (await bulk).status == 200
     bulk_token = tiny_enc.tokenizer.encode_bodies(["model"])[0][0]
     q = [i for i, ids in enumerate(enc.engine.seen) if (ids == needle).any()]
     b = [i for i, ids in enumerate(enc.engine.seen) if (ids == bulk_token).any()]
-    metrics = await (await client.get("/metrics")).text()
-    return q[0], b, at_submit[0], await query.json(), (len(q), len(enc.engine.seen), metrics)
+    launched_q = [i for i, ids in enumerate(enc.engine.launched) if (ids == needle).any()]
+    return {"q": q[0], "b": b, "prepared_at_submit": at_submit[0][0], "launched_at_submit": at_submit[0][1],
+            "launched_q": launched_q[0], "body": await query.json(), "query_batches": len(q),
+            "batches": len(enc.engine.seen), "metrics": await (await client.get("/metrics")).text()}
 
 
 def _sample(metrics: str, name: str) -> float:
@@ -57,21 +79,25 @@ def _sample(metrics: str, name: str) -> float:
 
 
 async def test_query_overtakes_queued_bulk(make_server, tiny_enc):
-    q, b, queued_at, body, (query_batches, batches, metrics) = await _race(make_server, tiny_enc, {"input": "query"})
-    assert len(b) >= 4 and q < b[-1]  # ahead of the bulk rows queued before it
-    assert q <= queued_at + 2  # behind at most the batches being prepared when it was queued, never the queue
-    explain = body["explain"]
+    r = await _race(make_server, tiny_enc, {"input": "query"})  # 1 sequence: interactive
+    assert len(r["b"]) >= 4 and r["q"] < r["b"][-1]  # ahead of the bulk rows queued before it
+    assert r["q"] == r["prepared_at_submit"]  # prepared at once, into the pipeline slot kept for queries
+    # ... and launched next, ahead of the bulk batch prepared before it
+    assert r["launched_q"] == r["launched_at_submit"] < r["prepared_at_submit"]
+    explain = r["body"]["explain"]
     assert explain["request_class"] == "interactive" and explain["waited_behind"] == {"interactive": 0}
     # goodput by class: every sequence dispatched once, every batch timed under the class that led it
+    metrics = r["metrics"]
     assert _sample(metrics, 'jaxserve_class_sequences_total{class="bulk"}') == len(BULK_DOCS)
     assert _sample(metrics, 'jaxserve_class_sequences_total{class="interactive"}') == 1
-    assert _sample(metrics, 'jaxserve_dispatch_seconds_count{class="interactive"}') == query_batches
-    assert _sample(metrics, 'jaxserve_dispatch_seconds_count{class="bulk"}') == batches - query_batches
+    assert _sample(metrics, 'jaxserve_dispatch_seconds_count{class="interactive"}') == r["query_batches"]
+    assert _sample(metrics, 'jaxserve_dispatch_seconds_count{class="bulk"}') == r["batches"] - r["query_batches"]
 
 
 async def test_a_bulk_query_waits_its_turn(make_server, tiny_enc):
-    q, b, _, body, _ = await _race(make_server, tiny_enc, {"input": "query", "priority": "bulk"})
-    assert q >= b[-1]  # FIFO within bulk: with or after the last bulk batch
+    r = await _race(make_server, tiny_enc, {"input": "query", "priority": "bulk"})
+    assert r["q"] >= r["b"][-1]  # FIFO within bulk: with or after the last bulk batch
+    body = r["body"]
     assert body["explain"]["request_class"] == "bulk" and body["explain"]["waited_behind"]["bulk"] > 0
 
 
@@ -117,8 +143,6 @@ async def test_api_key_and_route_classes_under_what_the_request_asks(make_server
 
 
 async def test_a_query_is_tokenized_while_bulk_tokenizing_holds_every_tokenizer_thread(make_server, tiny_enc):
-    import threading
-
     client = await make_server(tiny_enc, max_wait_ms=0)
     state = client.app[STATE]
     release = threading.Event()

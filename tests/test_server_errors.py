@@ -112,7 +112,7 @@ async def test_error_messages_do_not_echo_documents(make_server, tiny_enc):
 async def test_overload_gives_429_with_retry_after_then_recovers(make_server, tiny_enc):
     slow = dataclasses.replace(tiny_enc, engine=SlowEngine(tiny_enc.engine, delay=1.0))
     client = await make_server(slow, max_queue_tokens=64, max_client_batch=8, max_wait_ms=0, max_inflight=1)
-    batch = {"input": [f"the model {i}" for i in range(8)]}
+    batch = {"input": [f"the model {i}" for i in range(8)], "priority": "bulk"}  # queued, not prepared ahead
     accepted = []
     for _ in range(3):  # onto the device, prepared next (prefetch depth 1), waiting in the queue
         accepted.append(asyncio.create_task(client.post("/v1/embeddings", json=batch)))
