@@ -51,8 +51,9 @@ BULK_DISPATCH_MS = 100.0  # while queries are likely, bulk batches this long at 
 
 def server_classes(bulk_dispatch_s: float = BULK_DISPATCH_MS / 1000) -> Classes:
     """The server's classes: a quarter of the queue kept for interactive requests, short bulk batches while
-    they are likely."""
-    return Classes(bulk_share=0.75, bulk_dispatch_s=bulk_dispatch_s)
+    they are likely: for 10 s after one arrived (users pause for seconds; a query that found a full-size bulk
+    batch ahead would otherwise make the next one find another)."""
+    return Classes(bulk_share=0.75, bulk_dispatch_s=bulk_dispatch_s, likely_s=10.0)
 
 
 SERVER_CLASSES = server_classes()
