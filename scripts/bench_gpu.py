@@ -94,7 +94,7 @@ class Sizes:
 
 GPU = Sizes()
 DRY = Sizes(serve_flags=("--seqlens", "32,128", "--max-batch", "8", "--batch-ladder", "off", "--no-embed-all"), docs_per_request=8,
-            corpus=64, concurrency=(1, 2), level_s=1.0, load_fractions=(0.25, 0.5), peer_docs=24,
+            corpus=64, concurrency=(2,), level_s=0.5, load_fractions=(0.5,), peer_docs=24,
             latency=("--docs", "8", "--repeats", "1", "--no-http"),
             peer_batches=(8, 16), attention_flags=("--dry-run",), shrink=True, stage_s=240.0, start_timeout_s=240.0, reserve_s=0.0)
 

@@ -57,9 +57,9 @@ def test_soak_loses_nothing_and_leaks_nothing(tiny_files):
     import soak
 
     path, table = tiny_files
-    r = soak.run(str(path), str(table), seconds=15, clients=6, port=free_port())
+    r = soak.run(str(path), str(table), seconds=10, clients=6, port=free_port())
     print(r)
-    assert r["good"] > 100 and r["bad"] > 5 and r["abandoned"] > 5
+    assert r["good"] > 50 and r["bad"] > 3 and r["abandoned"] > 3  # each kind happened (80/10/10 of the requests)
     assert r["good_wrong"] == 0 and r["bad_wrong_status"] == 0 and r["errors"] == 0
     assert r["compiles_during"] == 0 and r["queue_depth_after"] == 0 and r["healthy_after"]
     # the ledger: what abandoned requests left waiting was dropped, not run as padding
