@@ -67,7 +67,9 @@ async def test_timed_out_request_has_none_of_its_rows_dispatched(make_server, ti
     watched = slow(tiny_enc, delay=1.0)
     client = await make_server(watched, request_timeout_s=0.3, max_inflight=1, max_wait_ms=0)
     service = client.app[STATE].service
-    full = {"input": ["the model " * 20] * 8}  # 8 documents of 32 tokens: a full (4, 64) batch each
+    # 8 long documents each, bulk: the pipeline holds one batch on the device and one prepared (interactive rows
+    # would get one more prepared batch)
+    full = {"input": ["the model " * 20] * 8, "priority": "bulk"}
     busy = [asyncio.create_task(client.post("/v1/embeddings", json=full)) for _ in range(2)]
     await asyncio.sleep(0.1)  # one on the device for 1 s, one prepared behind it: both time out, but run
     started = time.monotonic()
