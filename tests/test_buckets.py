@@ -153,3 +153,19 @@ def test_throughput_knee_keeps_batches_until_a_larger_one_stops_paying():
     untimed = BucketTable(buckets=(Bucket(1, 16), Bucket(4, 16)))
     with pytest.raises(ValueError, match="never timed"):
         throughput_knee(untimed)
+
+
+def test_shipped_tables_load_and_fit_jaxs_default_pool():
+    """Every table in buckets/ loads and stays within its budget; the H100/H200 ones are sized for JAX's default
+    pool (75% of the 80 / 141 GB card), not the whole card."""
+    from pathlib import Path
+
+    pools = {"h100": 60_000_000_000, "h200": 105_750_000_000}
+    files = sorted((Path(__file__).parents[1] / "buckets").glob("*.json"))
+    assert len(files) >= 10
+    for f in files:
+        t = BucketTable.load(f)
+        assert t.buckets and all(b.compiled_bytes is None or b.compiled_bytes <= t.budget_bytes for b in t.buckets), f
+        for card, pool in pools.items():
+            if f"-{card}-" in f.name:
+                assert t.device_memory == pool and t.budget_bytes <= 0.9 * pool, f
