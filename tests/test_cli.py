@@ -5,6 +5,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from jaxserve.buckets import BucketTable
 
 
@@ -74,3 +76,16 @@ def test_warmup_saves_the_artifact_that_every_later_start_serves_unchanged(tiny_
     assert "jaxserve_xla_compiles_total 0.0" in metrics and "jaxserve_xla_compiles_total 0.0" in after
     assert re.search(r'jaxserve_startup_seconds\{phase="deserialize"\} \d', metrics)
     assert 'phase="compile"' not in metrics
+
+
+def test_api_keys_from_flags_and_file_with_their_classes(tmp_path):
+    from jaxserve.cli import api_keys, build_parser
+
+    keys = tmp_path / "keys.txt"
+    keys.write_text("# indexing jobs\nidx-1=bulk\n\n  app-2  \nb64key==\n")
+    args = build_parser().parse_args(["serve", "--api-key", "q=interactive", "--api-keys-file", str(keys),
+                                      "--route-priority", "/embed=bulk"])
+    assert api_keys(args) == (("q", "interactive"), ("idx-1", "bulk"), ("app-2", None), ("b64key==", None))
+    assert args.route_priority == [("/embed", "bulk")]
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--route-priority", "/embed=urgent"])
