@@ -241,7 +241,7 @@ class Batcher:
         return any(self._rows[INTERACTIVE].values())
 
     def interactive_likely(self, now: float) -> bool:
-        return any(self._rows[INTERACTIVE].values()) or now - self.last_interactive < self.classes.likely_s
+        return self.has_interactive() or now - self.last_interactive < self.classes.likely_s
 
     def _age(self, now: float) -> None:
         """Bulk rows that waited `max_bulk_wait_s` join the interactive queue, due at once (no starvation)."""

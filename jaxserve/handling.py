@@ -142,7 +142,7 @@ class Ran:
 def ask_for(request: web.Request, body, route: str | None = None) -> Ask:
     """The class and budget a request asked for, with its API key's and its route's (`route`, default its own
     path) classes as fallbacks."""
-    routes = dict(request.app[STATE].config.route_priority)
+    routes = request.app[STATE].config.route_classes
     return ask_of(body, request.headers, request.get(API_KEY_CLASS), routes.get(route or request.path))
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import functools
 import time
 
 from aiohttp import web
@@ -74,11 +75,17 @@ class ServerConfig:
     embed_all: bool = True  # compile token outputs for TEI's /embed_all (one more shape per seqlen)
     table: TableOptions | None = None  # all of the derivation's options (default: `ladder` and `layout`, else the device's)
 
-    @property
+    @functools.cached_property
     def keys(self) -> tuple[tuple[bytes, str | None], ...]:
-        """Every accepted API key (bytes, as compared) with its class; empty: no authentication."""
+        """Every accepted API key (bytes, as compared) with its class; empty: no authentication. Once per config:
+        every request reads it."""
         given = self.api_keys + (((self.api_key, None),) if self.api_key else ())
         return tuple((k.encode("utf-8", "surrogateescape"), c) for k, c in given)
+
+    @functools.cached_property
+    def route_classes(self) -> dict[str, str]:
+        """`route_priority` by route path."""
+        return dict(self.route_priority)
 
     @property
     def table_options(self) -> TableOptions:

@@ -24,7 +24,6 @@ import argparse
 import asyncio
 import json
 import os
-import re
 import subprocess
 import sys
 import time
@@ -32,6 +31,7 @@ from pathlib import Path
 
 import aiohttp
 import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
 
 from jaxserve.launch import free_port, wait_ready
 
@@ -45,34 +45,26 @@ def doc(i: int) -> str:
     return f"document {i}: " + " ".join(f"word{(i * 7 + k) % 997}" for k in range(40))
 
 
-def samples(metrics: str, name: str) -> dict[str, float]:
-    """Every sample of one metric family: {the label text: value}."""
-    out = {}
-    for line in metrics.splitlines():
-        if line.startswith(name) and (m := re.match(re.escape(name) + r"(\{.*\})? (\S+)$", line)):
-            out[m.group(1) or ""] = float(m.group(2))
-    return out
+def samples(metrics: str, name: str) -> list[tuple[dict[str, str], float]]:
+    """Every sample of one metric: (its labels, its value), by prometheus_client's own parser."""
+    return [(s.labels, s.value) for family in text_string_to_metric_families(metrics) for s in family.samples
+            if s.name == name]
 
 
 def bulk_sequences(metrics: str) -> float:
-    return samples(metrics, "jaxserve_class_sequences_total").get('{class="bulk"}', 0.0)
+    return sum(v for labels, v in samples(metrics, "jaxserve_class_sequences_total") if labels["class"] == "bulk")
 
 
 def device_seconds(metrics: str) -> dict[str, float]:
     """Device seconds so far of batches led by each class."""
-    got = samples(metrics, "jaxserve_dispatch_seconds_sum")
-    return {cls: got.get(f'{{class="{cls}"}}', 0.0) for cls in ("interactive", "bulk")}
+    got = {labels["class"]: v for labels, v in samples(metrics, "jaxserve_dispatch_seconds_sum")}
+    return {cls: got.get(cls, 0.0) for cls in ("interactive", "bulk")}
 
 
 def dispatch_buckets(metrics: str) -> list[tuple[float, float]]:
     """The bulk dispatch histogram's cumulative (upper bound, count) pairs."""
-    got = samples(metrics, "jaxserve_dispatch_seconds_bucket")
-    pairs = []
-    for labels, count in got.items():
-        if 'class="bulk"' in labels:
-            le = re.search(r'le="([^"]+)"', labels).group(1)
-            pairs.append((float(le), count))
-    return sorted(pairs)
+    return sorted((float(labels["le"]), v) for labels, v in samples(metrics, "jaxserve_dispatch_seconds_bucket")
+                  if labels["class"] == "bulk")
 
 
 def median_between(before: list[tuple[float, float]], after: list[tuple[float, float]]) -> float | None:

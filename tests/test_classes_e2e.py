@@ -10,6 +10,7 @@ import threading
 
 import pytest
 import tiny
+from prometheus_client.parser import text_string_to_metric_families
 from conftest import TINY_TABLE, SlowEngine
 
 from jaxserve import Encoder
@@ -73,9 +74,10 @@ async def _race(make_server, tiny_enc, query_body) -> dict:
             "batches": len(enc.engine.seen), "metrics": await (await client.get("/metrics")).text()}
 
 
-def _sample(metrics: str, name: str) -> float:
-    """One sample's value; 0 where the labelled child was never created."""
-    return float(next((line.split()[-1] for line in metrics.splitlines() if line.startswith(name + " ")), 0))
+def _sample(metrics: str, name: str, cls: str) -> float:
+    """One class's sample (prometheus_client's parser); 0 where that class's child was never created."""
+    return next((s.value for family in text_string_to_metric_families(metrics) for s in family.samples
+                 if s.name == name and s.labels == {"class": cls}), 0.0)
 
 
 async def test_query_overtakes_queued_bulk(make_server, tiny_enc):
@@ -88,10 +90,10 @@ async def test_query_overtakes_queued_bulk(make_server, tiny_enc):
     assert explain["request_class"] == "interactive" and explain["waited_behind"] == {"interactive": 0}
     # goodput by class: every sequence dispatched once, every batch timed under the class that led it
     metrics = r["metrics"]
-    assert _sample(metrics, 'jaxserve_class_sequences_total{class="bulk"}') == len(BULK_DOCS)
-    assert _sample(metrics, 'jaxserve_class_sequences_total{class="interactive"}') == 1
-    assert _sample(metrics, 'jaxserve_dispatch_seconds_count{class="interactive"}') == r["query_batches"]
-    assert _sample(metrics, 'jaxserve_dispatch_seconds_count{class="bulk"}') == r["batches"] - r["query_batches"]
+    assert _sample(metrics, "jaxserve_class_sequences_total", "bulk") == len(BULK_DOCS)
+    assert _sample(metrics, "jaxserve_class_sequences_total", "interactive") == 1
+    assert _sample(metrics, "jaxserve_dispatch_seconds_count", "interactive") == r["query_batches"]
+    assert _sample(metrics, "jaxserve_dispatch_seconds_count", "bulk") == r["batches"] - r["query_batches"]
 
 
 async def test_a_bulk_query_waits_its_turn(make_server, tiny_enc):
@@ -131,7 +133,7 @@ async def test_api_key_and_route_classes_under_what_the_request_asks(make_server
     async def served(cls):
         resp = await client.get("/metrics", headers={"Authorization": "Bearer app"})
         assert resp.status == 200
-        return _sample(await resp.text(), f'jaxserve_class_request_seconds_count{{class="{cls}"}}')
+        return _sample(await resp.text(), "jaxserve_class_request_seconds_count", cls)
 
     before = await served("bulk")
     assert len(await asked("app", {"inputs": "q"}, "/embed")) == 1  # TEI's route: its --route-priority class
