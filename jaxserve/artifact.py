@@ -44,7 +44,7 @@ from jaxserve.buckets import BucketTable
 from jaxserve.derivation import TableOptions
 from jaxserve.engine import Attention
 
-FORMAT = 2  # 2: each executable's attention implementation beside it
+FORMAT = 3  # 2: each executable's attention implementation beside it; 3: pooled outputs in slot chunks
 MAGIC = b"JAXSERVE-WARM\n"
 SUFFIX = ".jaxwarm"
 WHOLE_FILE_BYTES = 64 * 2**20  # model files hashed whole up to this size (configs, tokenizers, small heads)

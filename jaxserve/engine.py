@@ -4,7 +4,9 @@ Nothing compiles once the table is warm: a batch at a shape outside the table
 raises instead of compiling. A dispatch is three steps, so that callers can
 overlap them: `put` (one host-to-device copy of the batch's [4, B, S] inputs),
 `launch` (enqueue on the device; returns at once, as JAX dispatch is
-asynchronous) and `fetch` (wait for the result and copy it to the host).
+asynchronous) and `fetch` (wait for the result and copy it to the host). A
+pooled result comes back in slot chunks (`jaxserve.output_chunks`): only those
+that hold the batch's sequences are copied.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxserve import compiles  # noqa: F401  (installs the compile counter)
-from jaxserve import derivation, host, timing
+from jaxserve import derivation, host, output_chunks, timing
 from jaxserve.buckets import Bucket, BucketTable
 from jaxserve.jobs import INPUT_NAMES
 from jaxserve.models import attention
@@ -56,17 +58,23 @@ def batch_struct(batch: int, seqlen: int) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct((len(INPUT_NAMES), batch, seqlen), jnp.int32)
 
 
-def unstacked(forward: Forward):
-    """The forward over one stacked [4, B, S] input array (one transfer per batch)."""
-    return lambda params, stacked: forward(params, dict(zip(INPUT_NAMES, stacked)))
+def unstacked(forward: Forward, output: str, slots: int):
+    """The forward over one stacked [4, B, S] input array (one transfer per batch) -> a tuple of outputs: a pooled
+    [B, K, D] cut into its slot chunks, a [B, S, D] of tokens whole."""
+    def run(params, stacked):
+        out = forward(params, dict(zip(INPUT_NAMES, stacked)))
+        return output_chunks.split(out, slots) if output == "pooled" else (out,)
+    return run
 
 
 class Prepared(NamedTuple):
-    """A batch on its way: the bucket, its executable and its inputs already on the device."""
+    """A batch on its way: the bucket, its executable, its inputs already on the device, and how many of the
+    executable's output chunks hold its sequences (the ones `launch` copies)."""
 
     bucket: Bucket
     exe: jax.stages.Compiled
     inputs: jax.Array
+    keep: int = 1
 
 
 def compiled_bytes(compiled: jax.stages.Compiled) -> int:
@@ -151,7 +159,7 @@ class Engine:
                      ", ".join(r.split(":")[0] for r in reasons), "; ".join(reasons))
         for i, impl in enumerate(plan.candidates):
             try:
-                forward = unstacked(self._make_forward(slots, seqlen, output, impl))
+                forward = unstacked(self._make_forward(slots, seqlen, output, impl), output, slots)
                 fn = jax.jit(forward, in_shardings=(self._replicated, self._inputs_by_row),
                              out_shardings=self._by_row) if self.devices > 1 else jax.jit(forward)
                 with attention.recording() as used:  # what each layer runs (a fused kernel takes only some)
@@ -299,7 +307,7 @@ class Engine:
         largest = max(buckets, key=lambda b: b.tokens)
         exe = self.compile(largest.batch, largest.seqlen, largest.slots, output)
         inputs = self._place(dummy_batch(largest))
-        runs = timing.spin_up(lambda: exe(self.params, inputs).block_until_ready(), seconds)
+        runs = timing.spin_up(lambda: jax.block_until_ready(exe(self.params, inputs)), seconds)
         self.spent["timing"] += time.perf_counter() - began
         return runs
 
@@ -308,7 +316,7 @@ class Engine:
         began = time.perf_counter()
         exe = self.compile(bucket.batch, bucket.seqlen, bucket.slots, output)
         inputs = self._place(dummy_batch(bucket))
-        run_s = timing.median_run_s(lambda: exe(self.params, inputs).block_until_ready(),
+        run_s = timing.median_run_s(lambda: jax.block_until_ready(exe(self.params, inputs)),
                                     timing.timed_runs(self.platform))
         key = (bucket.batch, bucket.seqlen, bucket.slots, output)
         self.spent["timing"] += time.perf_counter() - began
@@ -316,54 +324,65 @@ class Engine:
 
     def measure_host(self, bucket: Bucket, output: str = "pooled") -> float:
         """The host's own time per dispatch, measured on `bucket` (the smallest: least device work): the
-        median over HOST_RUNS dispatches of the copy in, the launch call and the copy out, each timed
-        apart from the wait for the device. Recorded (`host_dispatch_s`, and by the caller in the table) for
-        the throughput knee, the planner's costs and the queue's default bound."""
+        median over HOST_RUNS dispatches of the copy in, the launch call and the copy out (of the one chunk
+        its one-sequence rows fill), each timed apart from the wait for the device. Recorded (`host_dispatch_s`,
+        and by the caller in the table) for the throughput knee, the planner's costs and the queue's default
+        bound."""
         exe = self.compile(bucket.batch, bucket.seqlen, bucket.slots, output)
         inputs = dummy_batch(bucket)
-        exe(self.params, self._place(inputs)).block_until_ready()  # burn-in
+        jax.block_until_ready(exe(self.params, self._place(inputs)))  # burn-in
         costs = []
         for _ in range(HOST_RUNS):
             t0 = time.perf_counter()
             placed = self._place(inputs)
             t1 = time.perf_counter()
-            result = exe(self.params, placed)
+            result = exe(self.params, placed)[:1]
             t2 = time.perf_counter()
-            result.block_until_ready()
+            jax.block_until_ready(result)
             t3 = time.perf_counter()
-            np.asarray(result)
+            self.fetch(result)
             costs.append((t1 - t0) + (t2 - t1) + (time.perf_counter() - t3))
         self.host_dispatch_s = statistics.median(costs)
         return self.host_dispatch_s
 
-    def put(self, bucket: Bucket, inputs: np.ndarray, output: str = "pooled") -> Prepared:
-        """Check the shape and copy the [4, B, S] inputs to the device (the host part of a dispatch)."""
+    def put(self, bucket: Bucket, inputs: np.ndarray, output: str = "pooled", sequences: int | None = None) -> Prepared:
+        """Check the shape and copy the [4, B, S] inputs to the device (the host part of a dispatch).
+
+        `sequences`: the most any row holds (read from the segment ids when not given), which decides the
+        output chunks to copy back."""
         key = (bucket.batch, bucket.seqlen, bucket.slots, output)
         future = self._compiled.get(key) if key in self._table_keys else None
         if future is None or inputs.shape[1:] != bucket.shape:
             raise ShapeError(f"batch {inputs.shape[1:]} (slots {bucket.slots}) is not a warmed {output} bucket "
                              "of this engine")
-        return Prepared(bucket, future.result(), self._place(inputs))
+        keep = 1
+        if output == "pooled":
+            if sequences is None:
+                sequences = int(np.abs(inputs[1]).max())
+            keep = output_chunks.needed(bucket.slots, sequences)
+        return Prepared(bucket, future.result(), self._place(inputs), keep)
 
     def _place(self, inputs: np.ndarray) -> jax.Array:
         """Host array -> device, already split by rows across the mesh (no resharding op to compile)."""
         return jax.device_put(inputs, self._inputs_by_row if self.devices > 1 else None)
 
-    def launch(self, prepared: Prepared) -> jax.Array:
-        """Enqueue the batch on the device, and its output's copy to the host behind it (`copy_ahead`); returns
-        at once with the [B, K, D] result to come."""
-        result = prepared.exe(self.params, prepared.inputs)
+    def launch(self, prepared: Prepared) -> tuple[jax.Array, ...]:
+        """Enqueue the batch on the device, and the copy to the host of the output chunks it fills behind it
+        (`copy_ahead`); returns at once with those chunks to come (the others are dropped unread)."""
+        result = prepared.exe(self.params, prepared.inputs)[: prepared.keep]
         if self.copy_ahead:
-            result.copy_to_host_async()
+            for chunk in result:
+                chunk.copy_to_host_async()
         return result
 
     @staticmethod
-    def fetch(result: jax.Array) -> np.ndarray:
-        """Wait for a launched batch and copy its result to the host."""
-        return np.asarray(result)
+    def fetch(result: tuple[jax.Array, ...]) -> np.ndarray:
+        """Wait for a launched batch and copy its result to the host: [B, k, D], k >= the sequences of its
+        fullest row (or [B, S, D] tokens)."""
+        return output_chunks.join([np.asarray(chunk) for chunk in result])
 
     def run(self, bucket: Bucket, inputs: np.ndarray, output: str = "pooled") -> np.ndarray:
-        """One dispatch at `bucket`'s shape, start to end -> host array [B, K, D] (or [B, S, D] tokens)."""
+        """One dispatch at `bucket`'s shape, start to end -> host array [B, k, D] (or [B, S, D] tokens)."""
         return self.fetch(self.launch(self.put(bucket, inputs, output)))
 
 

@@ -12,8 +12,8 @@ Glossary (one meaning each, everywhere):
 
 `assemble` copies a dispatch's rows out of their jobs into one [4, B, S]
 int32 array (token ids, segment ids, positions, type ids: one host-to-device
-transfer); `scatter` copies the [B, K, D] output back into each job's
-per-sequence output, in input order.
+transfer); `scatter` copies the [B, k, D] output (the slots the batch fills)
+back into each job's per-sequence output, in input order.
 """
 
 from __future__ import annotations
@@ -92,8 +92,15 @@ def assemble(bucket: Bucket, parts, jobs: dict[int, Job]) -> tuple[np.ndarray, i
     return out.reshape(4, b, s), real
 
 
+def most_per_row(parts, jobs: dict[int, Job]) -> int:
+    """The most sequences any of a dispatch's rows holds (0: all its jobs are gone): the output slots to copy back."""
+    return max((int(job.rows.docs[rows].max()) for job_id, rows in parts
+                if (job := jobs.get(job_id)) is not None and len(rows)), default=0)
+
+
 def scatter(parts, result: np.ndarray, jobs: dict[int, Job]) -> list[int]:
-    """Copy a batch's outputs to its jobs: [B, K, D] per sequence, or [B, S, D] per token for `tokens` jobs.
+    """Copy a batch's outputs to its jobs: [B, k, D] per sequence (k at least the sequences of its fullest row),
+    or [B, S, D] per token for `tokens` jobs.
 
     Returns the jobs now complete (in order, once each)."""
     done = []

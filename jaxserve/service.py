@@ -41,7 +41,7 @@ from jaxserve.batcher import BULK, CLASSES, Batcher, Classes, Dispatch, queue_to
 from jaxserve.buckets import BucketTable
 from jaxserve.engine import Engine
 from jaxserve.explain import LiveTimings
-from jaxserve.jobs import Job, assemble, scatter
+from jaxserve.jobs import Job, assemble, most_per_row, scatter
 
 log = logging.getLogger("jaxserve.service")
 
@@ -361,7 +361,7 @@ class EmbeddingService:
             inputs, real_tokens = assemble(d.bucket, d.parts, jobs)
             assembled = time.perf_counter()
             try:
-                prepared = self.engine.put(d.bucket, inputs, lane)
+                prepared = self.engine.put(d.bucket, inputs, lane, most_per_row(d.parts, jobs))
             except Exception as exc:
                 self._fail(d, jobs, exc)
                 continue
@@ -469,7 +469,7 @@ def run_jobs(engine: Engine, table: BucketTable, jobs: list[Job], max_inflight: 
         d = batcher.next_dispatch(0.0, device_idle=True) if len(inflight) < most else None
         if d is not None:
             inputs, _ = assemble(d.bucket, d.parts, by_id)
-            prepared = engine.put(d.bucket, inputs, output)
+            prepared = engine.put(d.bucket, inputs, output, most_per_row(d.parts, by_id))
             inflight.append((d, pool.submit(run, prepared) if pool else engine.launch(prepared)))
             ran.append(d)
         elif inflight:

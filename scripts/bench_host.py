@@ -44,6 +44,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 H200_BF16_DENSE_TFLOPS = 989  # NVIDIA's H200 SXM datasheet, dense bfloat16
 DEFAULT_TFLOPS = 400  # achieved: ~40% of that peak, a good figure for a large-batch encoder forward
 DEFAULT_STEP_OVERHEAD_US = 30  # launch and synchronisation per dispatch
+DEFAULT_D2H_GBPS = 25  # device-to-host copy of a batch's output (PCIe Gen5 x16, achieved)
 MAX_REQUESTS = 20_000  # hard bound on what one run sends
 
 
@@ -77,10 +78,19 @@ class SimEngine:
 
     It speaks both engine interfaces: `put`/`launch`/`fetch` (this tree) and
     `put`/`execute` (the commit before the pipeline rewrite, edcd6b3), so the
-    same script measures both."""
+    same script measures both. Its output is the real engine's: the slot chunks
+    that hold the batch's sequences (`jaxserve.output_chunks`), joined on the
+    host; each arrives `bytes / d2h_bps` after its step ends (the copy overlaps
+    the next step, as `copy_to_host_async` does). With `full_slots`, or under
+    a server that does not say how full its rows are (a commit before output
+    chunks), every batch ships all its K slots."""
 
-    def __init__(self, real, table, rate_flops: float, overhead_s: float, dims):
+    def __init__(self, real, table, rate_flops: float, overhead_s: float, dims, d2h_bps: float = DEFAULT_D2H_GBPS * 1e9,
+                 full_slots: bool = False):
         self._real = real
+        self._d2h_bps = d2h_bps
+        self._full_slots = full_slots
+        self.shipped_bytes = 0
         self.device = SimDevice()
         self.devices = 1
         self.params = real.params
@@ -95,21 +105,32 @@ class SimEngine:
     def use(self, table, progress=False):
         return self.table
 
-    def put(self, bucket, inputs, output="pooled"):
+    def put(self, bucket, inputs, output="pooled", sequences=None):
         shape = inputs["token_ids"].shape if isinstance(inputs, dict) else inputs.shape[1:]
         if bucket.shape not in self._step_s or shape != bucket.shape:
             raise ValueError(f"batch {shape} is not a bucket")
         copy = {k: np.array(v) for k, v in inputs.items()} if isinstance(inputs, dict) else np.array(inputs)
-        return bucket, copy  # the host side of a host-to-device copy
+        if sequences is None or self._full_slots:
+            widths = [bucket.slots]
+        else:
+            from jaxserve import output_chunks
+
+            ends = output_chunks.ends(bucket.slots)[: output_chunks.needed(bucket.slots, sequences)]
+            widths = [int(w) for w in np.diff((0, *ends))]
+        return bucket, copy, widths  # the host side of a host-to-device copy; the chunks to copy back
 
     def launch(self, prepared):
-        bucket, _ = prepared
-        return bucket, self.device.launch(self._step_s[bucket.shape])
+        bucket, _, widths = prepared
+        done = self.device.launch(self._step_s[bucket.shape])
+        nbytes = bucket.batch * sum(widths) * self._real_dim * 4
+        self.shipped_bytes += nbytes
+        return bucket, widths, done + nbytes / self._d2h_bps
 
     def fetch(self, launched):
-        bucket, done = launched
-        time.sleep(max(0.0, done - time.perf_counter()))
-        return np.zeros((bucket.batch, bucket.slots, self._real_dim), np.float32)
+        bucket, widths, arrives = launched
+        time.sleep(max(0.0, arrives - time.perf_counter()))
+        chunks = [np.zeros((bucket.batch, w, self._real_dim), np.float32) for w in widths]
+        return chunks[0] if len(chunks) == 1 else np.concatenate(chunks, axis=1)
 
     def execute(self, prepared):
         return self.fetch(self.launch(prepared))
@@ -134,7 +155,8 @@ def gpu_table(enc, step_s, knee: bool = True):
 
 
 def serve(port: int, rate_flops: float, overhead_s: float, table_file: str | None, real: bool = False,
-          default_priority: str = "auto", dims: tuple[int, int, int] | None = None, knee: bool = True) -> None:
+          default_priority: str = "auto", dims: tuple[int, int, int] | None = None, knee: bool = True,
+          d2h_bps: float = DEFAULT_D2H_GBPS * 1e9, full_slots: bool = False) -> None:
     """The server process: the real app over a SimEngine (or, `real`, over the real engine and device).
     `dims` (hidden, intermediate, layers): step times of another model's size (default: the bundled model's)."""
     from aiohttp import web
@@ -157,7 +179,7 @@ def serve(port: int, rate_flops: float, overhead_s: float, table_file: str | Non
         table = BucketTable.load(table_file)
     else:
         table = gpu_table(enc, step_s, knee)
-    sim = SimEngine(enc.engine, table, rate_flops, overhead_s, dims)
+    sim = SimEngine(enc.engine, table, rate_flops, overhead_s, dims, d2h_bps, full_slots)
     sim._real_dim = enc.out_dim
     enc = _with_engine(enc, sim)
     import dataclasses
@@ -169,7 +191,8 @@ def serve(port: int, rate_flops: float, overhead_s: float, table_file: str | Non
     app = create_app(ServerConfig(use_cache=False, **extra), enc)
 
     async def sim_stats(request):
-        return web.json_response({"busy_s": sim.device.busy_s, "steps": sim.device.steps, "now": time.perf_counter()})
+        return web.json_response({"busy_s": sim.device.busy_s, "steps": sim.device.steps, "now": time.perf_counter(),
+                                  "shipped_bytes": sim.shipped_bytes})
 
     app.router.add_get("/sim", sim_stats)
     web.run_app(app, host="127.0.0.1", port=port, print=None, handler_cancellation=True)
@@ -252,8 +275,11 @@ async def run_level(url: str, pid: int, bodies: list[bytes], concurrency: int, s
     pct = lambda q: 1e3 * lat[min(n - 1, int(q * n))] if n else None
     busy = (sim1["busy_s"] - sim0["busy_s"]) / (sim1["now"] - sim0["now"])
     per_request = {k: (phases1[k] - phases0.get(k, 0.0)) / max(n, 1) for k in phases1}
-    return {"host_cpu_ms_per_request": 1e3 * (cpu1 - cpu0) / max(n, 1),"concurrency": concurrency, "requests": n, "errors": errors, "wall_s": wall,
-            "device_busy": busy, "device_steps": sim1["steps"] - sim0["steps"],
+    steps = sim1["steps"] - sim0["steps"]
+    shipped = (sim1.get("shipped_bytes", 0) - sim0.get("shipped_bytes", 0)) / max(steps, 1)
+    return {"host_cpu_ms_per_request": 1e3 * (cpu1 - cpu0) / max(n, 1), "concurrency": concurrency, "requests": n,
+            "errors": errors, "wall_s": wall, "device_busy": busy, "device_steps": steps,
+            "output_kib_per_batch": shipped / 1024 if "shipped_bytes" in sim1 else None,
             "docs_per_s": n * DOCS / wall, "tokens_per_s": tokens / wall,
             "p50_ms": pct(0.5), "p99_ms": pct(0.99), "phase_ms_per_request": {k: 1e3 * v for k, v in per_request.items()}}
 
@@ -358,6 +384,10 @@ def main() -> None:
     ap.add_argument("--tflops", type=float, default=DEFAULT_TFLOPS, help="simulated achieved device rate")
     ap.add_argument("--step-overhead-us", type=float, default=DEFAULT_STEP_OVERHEAD_US)
     ap.add_argument("--format", default="float", choices=["float", "base64"])
+    ap.add_argument("--d2h-gbps", type=float, default=DEFAULT_D2H_GBPS,
+                    help="simulated device-to-host bandwidth for a batch's output")
+    ap.add_argument("--full-slots", action="store_true",
+                    help="ship every batch's K output slots (as before output chunks) instead of the ones it fills")
     ap.add_argument("--label", default="", help="a name for this run in the output (e.g. the commit)")
     ap.add_argument("--health-probe", action=argparse.BooleanOptionalAction, default=True,
                     help="afterwards, /health latency during 4 concurrent 1000-document float requests")
@@ -374,7 +404,7 @@ def main() -> None:
     if args.serve:
         dims = tuple(int(x) for x in args.sim_dims.split(",")) if args.sim_dims else None
         serve(args.serve, args.tflops * 1e12, args.step_overhead_us * 1e-6, args.table, args.engine == "real",
-              args.default_priority, dims, not args.no_knee)
+              args.default_priority, dims, not args.no_knee, args.d2h_gbps * 1e9, args.full_slots)
         return
     DOCS = args.docs
     import subprocess
@@ -398,8 +428,10 @@ def main() -> None:
           f"{floor['decode']:.2f} + {floor['tokenize']:.2f} + {floor['encode']:.2f} = {floor['total']:.2f} ms", flush=True)
     port = free_port()
     proc = subprocess.Popen([sys.executable, __file__, "--serve", str(port), "--tflops", str(args.tflops),
-                             "--step-overhead-us", str(args.step_overhead_us), "--engine", args.engine]
-                            + (["--table", args.table] if args.table else []))
+                             "--step-overhead-us", str(args.step_overhead_us), "--engine", args.engine,
+                             "--d2h-gbps", str(args.d2h_gbps)]
+                            + (["--table", args.table] if args.table else [])
+                            + (["--full-slots"] if args.full_slots else []))
     url = f"http://127.0.0.1:{port}"
     rows, probe = [], None
     try:
@@ -419,7 +451,9 @@ def main() -> None:
             phases = r["phase_ms_per_request"]
             print(f"concurrency {c:>3}: {r['requests']} requests, {r['errors']} errors, device busy "
                   f"{r['device_busy']:.0%}, {r['docs_per_s']:,.0f} docs/s, {r['tokens_per_s']:,.0f} tokens/s, "
-                  f"p50 {r['p50_ms']:.1f} ms, p99 {r['p99_ms']:.1f} ms; server CPU {r['host_cpu_ms_per_request']:.2f} ms/request "
+                  f"p50 {r['p50_ms']:.1f} ms, p99 {r['p99_ms']:.1f} ms; "
+                  + (f"output {r['output_kib_per_batch']:,.0f} KiB/batch; " if r["output_kib_per_batch"] is not None else "")
+                  + f"server CPU {r['host_cpu_ms_per_request']:.2f} ms/request "
                   f"({r['host_cpu_ms_per_request'] / floor['total']:.2f}x the floor); phase wall ms/request: "
                   + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()), flush=True)
         if args.health_probe:

@@ -189,3 +189,54 @@ def test_climb_spins_up_each_round_only_with_buckets_it_times(tiny_checkpoint, m
     assert len(spun) == 3  # rounds: batch 1, 4, 16 of both seqlens
     # the largest of the round's first bucket and those timed before it (ties: the round's own)
     assert spun == [(1, 16), (4, 16), (16, 16)] and set(spun) <= set(ran)
+
+
+@pytest.fixture
+def packed(tiny_checkpoint):
+    enc = Encoder.from_pretrained(str(tiny_checkpoint()))
+    return enc, enc.warmup(fixed([(2, 64)], layout="packed"))
+
+
+def rows_holding(bucket, counts):
+    """[4, B, S]: row i holds counts[i] sequences of 4 tokens each."""
+    inputs = np.zeros((4, *bucket.shape), np.int32)
+    for row, n in enumerate(counts):
+        inputs[0, row, : 4 * n] = np.arange(1, 4 * n + 1)
+        inputs[1, row, : 4 * n] = np.repeat(np.arange(1, n + 1), 4)
+        inputs[2, row, : 4 * n] = np.tile(np.arange(4), n)
+    return inputs
+
+
+def test_a_batch_copies_back_only_the_slot_chunks_its_fullest_row_fills(packed):
+    """Rows of one sequence ship 1 of the bucket's 8 slots, rows of 3 ship 4; the vectors are the full output's."""
+    from jaxserve import output_chunks
+
+    enc, table = packed
+    (bucket,) = table.buckets
+    assert output_chunks.ends(bucket.slots) == (1, 4, 8)
+    before = compiles.xla_compiles_total()
+    for counts, shipped in (([1, 1], 1), ([1, 3], 4), ([2, 0], 4), ([8, 5], 8), ([0, 0], 1)):
+        inputs = rows_holding(bucket, counts)
+        full = enc.engine.fetch(enc.engine.launch(enc.engine.put(bucket, inputs, sequences=bucket.slots)))
+        assert full.shape == (2, 8, enc.out_dim)
+        prepared = enc.engine.put(bucket, inputs)  # the fullest row read from the segment ids
+        assert prepared.keep == output_chunks.needed(bucket.slots, max(counts))
+        launched = enc.engine.launch(prepared)
+        assert len(launched) == prepared.keep  # only these are copied to the host
+        out = enc.engine.fetch(launched)
+        assert out.shape == (2, shipped, enc.out_dim)
+        np.testing.assert_array_equal(out, full[:, :shipped])
+        assert enc.engine.put(bucket, inputs, sequences=max(counts)).keep == prepared.keep  # the batcher's count
+    assert compiles.xla_compiles_total() == before
+
+
+def test_slot_chunks_take_no_more_device_memory_than_one_output(packed):
+    """The chunks partition [B, K, D]: XLA's output bytes are the whole output's (plus the tuple's pointers), so
+    tables sized by memory analysis before the chunks still hold."""
+    from jaxserve import output_chunks
+
+    enc, table = packed
+    (bucket,) = table.buckets
+    m = enc.engine.compile(bucket.batch, bucket.seqlen, bucket.slots).memory_analysis()
+    whole = bucket.batch * bucket.slots * enc.out_dim * 4
+    assert whole <= m.output_size_in_bytes <= whole + 8 * len(output_chunks.ends(bucket.slots))
