@@ -123,9 +123,9 @@ class SlowEngine:
     def __getattr__(self, name):
         return getattr(self._engine, name)
 
-    def put(self, bucket, inputs, output="pooled"):
+    def put(self, bucket, inputs, output="pooled", sequences=None):
         self.seen.append(np.array(inputs[0]))
-        return self._engine.put(bucket, inputs, output)
+        return self._engine.put(bucket, inputs, output, sequences)
 
     def launch(self, prepared):
         self.launched.append(np.asarray(prepared.inputs[0]))

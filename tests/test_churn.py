@@ -126,7 +126,7 @@ class Fatal(BaseException):
 
 async def test_health_turns_503_when_a_pipeline_thread_dies(make_server, tiny_enc):
     class Dying(SlowEngine):
-        def put(self, bucket, inputs, output="pooled"):
+        def put(self, bucket, inputs, output="pooled", sequences=None):
             raise Fatal("the prepare thread is gone")
 
     client = await make_server(dataclasses.replace(tiny_enc, engine=Dying(tiny_enc.engine)), max_wait_ms=0)
@@ -141,8 +141,11 @@ async def test_stopping_never_blocks_the_event_loop_and_answers_batches_in_fligh
     client = await make_server(watched, max_wait_ms=0)
     service = client.app[STATE].service
     inflight = asyncio.create_task(client.post("/v1/embeddings", json=GOOD))
-    while watched.engine.steps == 0 and not watched.engine.seen:
+    for _ in range(3000):  # bounded: a broken engine fails the test instead of hanging the suite
+        if watched.engine.steps or watched.engine.seen:
+            break
         await asyncio.sleep(0.01)
+    assert watched.engine.seen, "the request never reached the engine"
     gaps, stop = [], asyncio.Event()
 
     async def ticker():
