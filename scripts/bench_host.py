@@ -220,29 +220,31 @@ def cpu_seconds(pid: int) -> float:
     return t.user + t.system
 
 
-async def device_clock(get) -> dict:
-    """Device busy seconds and steps so far: the simulated device's own count, or the server's metrics."""
-    sim = json.loads(await get("/sim"))
-    if "busy_s" in sim:
-        return sim
-    text = await get("/metrics")  # a real engine: no /sim route
+async def device_clock(get, simulated: bool) -> dict:
+    """Device busy seconds and steps so far: the simulated device's own count, or (a real engine) the server's
+    metrics."""
+    if simulated:
+        return json.loads(await get("/sim"))
+    text = await get("/metrics")
     value = lambda name: float(re.search(rf"^{name} ([0-9.e+-]+)$", text, re.M).group(1))
     return {"busy_s": value("jaxserve_device_seconds_total"), "now": time.perf_counter(),
             "steps": value(r'jaxserve_phase_seconds_count\{phase="device"\}')}
 
 
-async def run_level(url: str, pid: int, bodies: list[bytes], concurrency: int, seconds: float) -> dict:
+async def run_level(url: str, pid: int, bodies: list[bytes], concurrency: int, seconds: float,
+                    simulated: bool = True) -> dict:
     import aiohttp
 
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
         async def get(path):
             async with s.get(url + path) as r:
+                r.raise_for_status()
                 return await r.text()
 
         for body in bodies[:concurrency]:  # settle connections
             async with s.post(url + "/v1/embeddings", data=body, headers={"Content-Type": "application/json"}) as r:
                 await r.read()
-        phases0, sim0 = phase_sums(await get("/metrics")), await device_clock(get)
+        phases0, sim0 = phase_sums(await get("/metrics")), await device_clock(get, simulated)
         cpu0 = cpu_seconds(pid)
         latencies, tokens, errors = [], 0, 0
         sent = 0
@@ -269,7 +271,7 @@ async def run_level(url: str, pid: int, bodies: list[bytes], concurrency: int, s
         await asyncio.gather(*(client(k) for k in range(concurrency)))
         wall = time.perf_counter() - t0
         cpu1 = cpu_seconds(pid)
-        phases1, sim1 = phase_sums(await get("/metrics")), await device_clock(get)
+        phases1, sim1 = phase_sums(await get("/metrics")), await device_clock(get, simulated)
     n = len(latencies)
     lat = sorted(latencies)
     pct = lambda q: 1e3 * lat[min(n - 1, int(q * n))] if n else None
@@ -446,7 +448,7 @@ def main() -> None:
             Path(args.save_table).write_text(json.dumps(table, indent=1) + "\n")
         print("table: " + ", ".join(f"{b['batch']}x{b['seqlen']}" for b in table["buckets"]), flush=True)
         for c in [int(x) for x in args.concurrency.split(",")]:
-            r = asyncio.run(run_level(url, proc.pid, bodies, c, args.seconds))
+            r = asyncio.run(run_level(url, proc.pid, bodies, c, args.seconds, args.engine == "sim"))
             rows.append(r)
             phases = r["phase_ms_per_request"]
             print(f"concurrency {c:>3}: {r['requests']} requests, {r['errors']} errors, device busy "
