@@ -12,6 +12,10 @@ PYTHON ?= $(shell scripts/python_for_jax.sh)
 OLDEST := .venv-oldest
 OLDEST_PYTHON ?= python3
 OLDEST_PINS := jax==0.10.2 jaxlib==0.10.2 flax==0.12.8
+# The suite in parallel (pytest-xdist): one worker per usable core and one more, since many tests wait on servers,
+# subprocesses and sockets; each file's tests stay on one worker (module fixtures are built once).
+TEST_WORKERS ?= $(shell echo $$(( $$(nproc) + 1 )))
+PYTEST_ARGS ?= -n $(TEST_WORKERS) --dist loadfile
 
 define install_into
 	$(1)/bin/python -m pip install -q --upgrade pip
@@ -36,8 +40,8 @@ serve: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	@$(PY) -c 'import sys, jax, flax; print(f"jax {jax.__version__}, flax {flax.__version__}, Python {sys.version.split()[0]}")'
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 test-oldest: $(OLDEST)/.installed
 	@$(OLDEST)/bin/python -c 'import sys, jax, flax; print(f"jax {jax.__version__}, flax {flax.__version__}, Python {sys.version.split()[0]}")'
-	$(OLDEST)/bin/python -m pytest -q
+	$(OLDEST)/bin/python -m pytest -q $(PYTEST_ARGS)

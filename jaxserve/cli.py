@@ -29,7 +29,7 @@ def cmd_demo(args) -> int:
 
 def table_for(enc, args):
     """What --buckets names: a table from its JSON file, or (`auto`) the options to derive one with."""
-    from jaxserve.buckets import BucketTable
+    from jaxserve.runtime.buckets import BucketTable
 
     if args.buckets and args.buckets != "auto":
         return BucketTable.load(args.buckets)
@@ -38,7 +38,7 @@ def table_for(enc, args):
 
 def table_options(args):
     """The table flags as the derivation's options."""
-    from jaxserve.derivation import TableOptions
+    from jaxserve.runtime.derivation import TableOptions
 
     return TableOptions(
         ladder=args.ladder, layout=args.layout,
@@ -52,7 +52,7 @@ def table_options(args):
 def cmd_buckets(args) -> int:
     """Derive a bucket table and print it with its memory math."""
     from jaxserve import Encoder
-    from jaxserve.buckets import BucketTable, format_table
+    from jaxserve.runtime.buckets import BucketTable, format_table
 
     enc = Encoder.from_pretrained(args.model, dtype=args.dtype, attention=args.attention)
     table = table_for(enc, args)
@@ -69,15 +69,16 @@ def cmd_buckets(args) -> int:
 
 def cmd_warmup(args) -> int:
     """Compile and time the buckets and save the warm artifact (what `serve` then starts from in seconds)."""
-    from jaxserve import Encoder, compiles, startup
-    from jaxserve.buckets import format_table
+    from jaxserve import Encoder
+    from jaxserve.runtime import compiles, startup
+    from jaxserve.runtime.buckets import format_table
 
     started = startup.Startup()
     started.add("import", startup.since_process_start())
     with started.phase("weights"):
         enc = Encoder.from_pretrained(args.model, dtype=args.dtype, attention=args.attention)
     cache = None if args.no_cache else startup.cache_root(args.cache_dir)
-    table = startup.warm(enc, table_for(enc, args), tokens=args.embed_all, cache=cache, startup=started,
+    table = startup.start(enc, table_for(enc, args), tokens=args.embed_all, cache=cache, startup=started,
                          progress=True)
     print(format_table(table))
     source = started.source
@@ -94,7 +95,7 @@ def cmd_warmup(args) -> int:
 
 
 def _route_priority(text: str) -> tuple[str, str]:
-    from jaxserve.classes import parse_route
+    from jaxserve.http.classes import parse_route
 
     try:
         return parse_route(text)
@@ -104,7 +105,7 @@ def _route_priority(text: str) -> tuple[str, str]:
 
 def api_keys(args) -> tuple[tuple[str, str | None], ...]:
     """--api-key flags, then the lines of --api-keys-file, each KEY or KEY=CLASS."""
-    from jaxserve.classes import parse_key
+    from jaxserve.http.classes import parse_key
 
     lines = list(args.api_key)
     if args.api_keys_file:
@@ -115,7 +116,7 @@ def api_keys(args) -> tuple[tuple[str, str | None], ...]:
 
 def cmd_serve(args) -> int:
     """Serve the model over HTTP (OpenAI and TEI routes)."""
-    from jaxserve.server import ServerConfig, serve
+    from jaxserve.http.server import ServerConfig, serve
 
     config = ServerConfig(
         model=args.model, model_name=args.served_model_name, dtype=args.dtype, attention=args.attention,
@@ -138,17 +139,17 @@ def cmd_serve(args) -> int:
 
 
 def cmd_embed(args) -> int:
-    """Stream a corpus through the buckets into .npy or .parquet; resumable (see jaxserve/offline.py).
+    """Stream a corpus through the buckets into .npy or .parquet; resumable (see jaxserve/offline/job.py).
 
     Every input check (the corpus, the output, a partial run's arguments) runs
     before warmup, so a bad input fails in seconds, not after compiling.
     """
     from tqdm import tqdm
 
-    from jaxserve.corpus import Corpus
-    from jaxserve.offline import encoder_embed, open_sink, sink_class, write_summary
-
     from jaxserve.errors import JaxserveError
+    from jaxserve.offline.corpus import Corpus
+    from jaxserve.offline.job import encoder_embed, write_summary
+    from jaxserve.offline.sinks import open_sink, sink_class
 
     corpus = Corpus(args.input, args.field, args.id_field)
     sparse_output = args.output.endswith(".jsonl")
@@ -165,11 +166,11 @@ def cmd_embed(args) -> int:
         if not (sparse_output and enc.head.kind == "sparse"):
             raise JaxserveError("--output must end in .jsonl for a sparse (SPLADE) model (per row its "
                                 "[{index, value}] list), and in .npy or .parquet for a dense one")
-        from jaxserve.sparse import write_jsonl
+        from jaxserve.offline.sinks import write_sparse_jsonl
 
         enc.warmup(table_for(enc, args), progress=True)
-        rows = write_jsonl(corpus.texts(), lambda docs: enc.embed_sparse(docs, long=args.long), args.output,
-                           args.chunk)
+        rows = write_sparse_jsonl(corpus.texts(), lambda docs: enc.embed_sparse(docs, long=args.long), args.output,
+                                  args.chunk)
         print(f"wrote {args.output}: {rows} sparse rows")
         return 0
     state = {"input": os.path.abspath(args.input), "rows": total, "dim": enc.dim, "field": args.field,
@@ -180,7 +181,7 @@ def cmd_embed(args) -> int:
     done = sink.resume()
     if done:
         print(f"resuming at row {done} of {total}", flush=True)
-    from jaxserve.offline import embed_corpus
+    from jaxserve.offline.job import embed_corpus
 
     with tqdm(total=total, initial=done, unit="doc", desc="embed") as bar:
         summary = embed_corpus(corpus.records(), encoder_embed(enc, args.long), sink, done, args.chunk, bar.update)
@@ -194,8 +195,8 @@ def cmd_explain(args) -> int:
     import time
 
     from jaxserve import Encoder
-    from jaxserve.corpus import Corpus
-    from jaxserve.explain import LiveTimings, explain, format_report
+    from jaxserve.offline.corpus import Corpus
+    from jaxserve.scheduling.explain import LiveTimings, explain, format_report
 
     corpus = Corpus(args.file, args.field)
     corpus.check()  # before any compile
@@ -235,10 +236,9 @@ def build_parser() -> argparse.ArgumentParser:
     warmup = sub.add_parser("warmup", help="compile and time the buckets and save the warm artifact `serve` starts from")
     _model_args(warmup)
     _table_args(warmup)
-    warmup.add_argument("--cache-dir", help="where the warm artifact (warm/) and JAX's compilation cache (xla/) go "
+    warmup.add_argument("--cache-dir", help="where the warm artifact goes (in warm/) "
                         "(default $JAXSERVE_CACHE_DIR or ~/.cache/jaxserve); `serve` with the same flags starts from it")
-    warmup.add_argument("--no-cache", action="store_true", help="neither read nor write the warm artifact or "
-                        "the compilation cache")
+    warmup.add_argument("--no-cache", action="store_true", help="neither read nor write the warm artifact")
     warmup.add_argument("--embed-all", default=True, action=argparse.BooleanOptionalAction,
                         help="also warm token outputs for TEI's /embed_all (as `serve` does by default)")
     warmup.add_argument("--write", metavar="FILE", help="save the table, with measured times, as JSON")
@@ -269,7 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
     _table_args(embed)
     embed.set_defaults(func=cmd_embed)
 
-    from jaxserve import server
+    from jaxserve.http import server
 
     serve = sub.add_parser("serve", help="serve the model over HTTP (OpenAI /v1/embeddings, TEI /embed)")
     _model_args(serve)
@@ -322,17 +322,16 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--devices", default="1", type=lambda v: v if v == "all" else int(v),
                        help="local devices sharing each batch (data parallel): a number, or all")
     serve.add_argument("--served-model-name", help="model name reported in responses")
-    serve.add_argument("--cache-dir", help="warm artifacts (warm/) and JAX's compilation cache (xla/) "
+    serve.add_argument("--cache-dir", help="where warm artifacts are (in warm/) "
                        "(default $JAXSERVE_CACHE_DIR or ~/.cache/jaxserve)")
-    serve.add_argument("--no-cache", action="store_true", help="neither start from a warm artifact nor save one "
-                       "(and no compilation cache)")
+    serve.add_argument("--no-cache", action="store_true", help="neither start from a warm artifact nor save one")
     serve.set_defaults(func=cmd_serve)
     return parser
 
 
 def _table_args(p: argparse.ArgumentParser) -> None:
-    from jaxserve.buckets import LADDERS, LAYOUTS
-    from jaxserve.device import DEFAULT_HEADROOM
+    from jaxserve.runtime.buckets import LADDERS, LAYOUTS
+    from jaxserve.runtime.device import DEFAULT_HEADROOM
 
     p.add_argument("--buckets", default="auto", metavar="FILE|auto", help="a bucket table JSON file, or auto (derive)")
     p.add_argument("--ladder", default="default", choices=LADDERS, help="seqlen ladder to derive")

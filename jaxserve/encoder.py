@@ -15,21 +15,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve import buckets, checkpoint, derivation, device, multivector, sparse
-from jaxserve.buckets import BucketTable, ModelDims
-from jaxserve.derivation import TableOptions
-from jaxserve.config import EmbeddingConfig, HeadConfig, read_head_config, read_model_config
-from jaxserve.device import DEFAULT_HEADROOM
-from jaxserve.engine import Engine
+from jaxserve.checkpoint import loader
+from jaxserve.checkpoint.config import EmbeddingConfig, HeadConfig, read_head_config, read_model_config
+from jaxserve.checkpoint.tokenize import Pieces, TextTokenizer
+from jaxserve.dims import ModelDims
 from jaxserve.errors import InputError
+from jaxserve.heads import multivector, sparse
+from jaxserve.heads.forwards import classify_forward, embed_forward, tokens_forward
 from jaxserve.models import ArchConfig, Family
 from jaxserve.models import attention as attention_kernels
 from jaxserve.models.attention import CHOICES as ATTENTION_CHOICES
-from jaxserve.jobs import Job
-from jaxserve.planner import Rows, pack
-from jaxserve.pooling import dense_layers, pool
-from jaxserve.service import run_jobs
-from jaxserve.tokenize import Pieces, TextTokenizer
+from jaxserve.runtime import buckets, derivation, device, warm
+from jaxserve.runtime.buckets import BucketTable
+from jaxserve.runtime.derivation import TableOptions
+from jaxserve.runtime.device import DEFAULT_HEADROOM
+from jaxserve.runtime.engine import Engine
+from jaxserve.scheduling.jobs import Job
+from jaxserve.scheduling.pipeline import run_jobs
+from jaxserve.scheduling.planner import Rows, pack
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -41,39 +44,6 @@ def resolve_dtype(dtype: str) -> str:
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be auto or one of {', '.join(DTYPES)}, not {dtype!r}")
     return dtype
-
-
-def embed_forward(module, emb: EmbeddingConfig, num_segments: int, params, batch: dict) -> jax.Array:
-    """Pure forward: a batch of packed rows -> [B, K, D'] float32 vectors: pooled, through the checkpoint's
-    Dense layers (params["dense"]), not normalised."""
-    encoder_params = {k: v for k, v in params.items() if k != "dense"}
-    hidden = module.apply(
-        {"params": encoder_params}, batch["token_ids"], batch["segment_ids"], batch["positions"], batch["type_ids"],
-        packed=num_segments > 1,
-    )  # [B, S, D]
-    pooled = pool(emb.pooling, hidden, batch["segment_ids"], batch["positions"], num_segments)  # [B, K, D x modes]
-    return dense_layers(emb.dense, params.get("dense", ()), pooled)
-
-
-def tokens_forward(module, num_segments: int, params, batch: dict) -> jax.Array:
-    """Pure forward: packed rows -> [B, S, D] float32 last hidden states, every token (TEI's /embed_all)."""
-    encoder_params = {k: v for k, v in params.items() if k not in ("dense", "head", "mlm")}
-    hidden = module.apply(
-        {"params": encoder_params}, batch["token_ids"], batch["segment_ids"], batch["positions"], batch["type_ids"],
-        packed=num_segments > 1,
-    )
-    return hidden.astype(jnp.float32)
-
-
-def classify_forward(module, head, head_pooling: str, num_segments: int, params, batch: dict):
-    """Pure forward: packed rows -> [B, K, L] float32 logits of each sequence (from the head's pooled token(s))."""
-    encoder_params = {k: v for k, v in params.items() if k != "head"}
-    hidden = module.apply(
-        {"params": encoder_params}, batch["token_ids"], batch["segment_ids"], batch["positions"], batch["type_ids"],
-        packed=num_segments > 1,
-    )  # [B, S, D]
-    pooled = pool(head_pooling, hidden, batch["segment_ids"], batch["positions"], num_segments)  # [B, K, D]
-    return head.apply({"params": params["head"]}, pooled.astype(hidden.dtype)).astype(jnp.float32)
 
 
 def normalize_rows(x: np.ndarray) -> np.ndarray:
@@ -91,8 +61,8 @@ class Encoder:
     engine: Engine  # weights on device; compiled buckets
     dtype: str
     head: HeadConfig = HeadConfig()  # embedding, a classifier's labels, or sparse
-    splade: sparse.SparseConfig | None = None  # a SPLADE checkpoint's pooling (jaxserve.sparse)
-    colbert: multivector.MultiVectorConfig | None = None  # a multi-vector checkpoint's (jaxserve.multivector)
+    splade: sparse.SparseConfig | None = None  # a SPLADE checkpoint's pooling (jaxserve.heads.sparse)
+    colbert: multivector.MultiVectorConfig | None = None  # a multi-vector checkpoint's (jaxserve.heads.multivector)
     last_dispatches: list = dataclasses.field(default_factory=list, repr=False)  # the batches the last `run` ran
     attention: str = "auto"  # the --attention choice (each bucket's implementation: engine.attention_of)
 
@@ -113,16 +83,16 @@ class Encoder:
         dtype = resolve_dtype(dtype)
         if attention not in ATTENTION_CHOICES:
             raise ValueError(f"attention must be one of {', '.join(ATTENTION_CHOICES)}, not {attention!r}")
-        path = checkpoint.resolve(name)
+        path = loader.resolve(name)
         family, cfg = read_model_config(path)
         head = read_head_config(path)
         emb = EmbeddingConfig.from_checkpoint(path, cfg)
         tokenizer = TextTokenizer.from_dir(path, emb.max_seq_length)
         jdtype = DTYPES[dtype]
         shapes = family.param_shapes(cfg, jdtype, head.num_labels)
-        params = checkpoint.load_params(path, family, cfg, shapes, dtype=jdtype)
+        params = loader.load_params(path, family, cfg, shapes, dtype=jdtype)
         if emb.dense and head.kind == "embedding":
-            params["dense"] = checkpoint.load_dense(path, emb.dense)
+            params["dense"] = loader.load_dense(path, emb.dense)
         splade = sparse.SparseConfig.from_module(head.sparse, cfg.vocab_size) if head.kind == "sparse" else None
         if splade is not None:
             params["mlm"] = sparse.load_head(path, family.name, cfg, jdtype)
@@ -133,7 +103,7 @@ class Encoder:
             multivector.check_windows(colbert, getattr(cfg, "specs", ()))
             emb = dataclasses.replace(emb, max_seq_length=max(colbert.lengths))
             if colbert.dense:
-                params["dense"] = checkpoint.load_dense(path, colbert.dense)
+                params["dense"] = loader.load_dense(path, colbert.dense)
         params = jax.device_put(params)
         platform = jax.devices()[0].platform
 
@@ -210,17 +180,17 @@ class Encoder:
         opts = TableOptions(ladder, layout, tuple(seqlens) if seqlens else None, device_memory, headroom,
                             max_batch_tokens, max_batch, batch_multiple, batch_ladder)
         bounds, fields = self._derivation(opts)
-        return buckets.derive(bounds.pop("seqlens"), self.dims, self.engine.weights_bytes, measure=self.engine.measure,
+        return buckets.derive(bounds.pop("seqlens"), self.dims, self.engine.weights_bytes, measure=self.engine.bucket_bytes,
                               batch_ladder=batch_ladder, **bounds, **fields)
 
     def climb_table(self, options: TableOptions = TableOptions(), progress: bool = False) -> BucketTable:
         """Derive and warm the table by climbing each seqlen's batch ladder to its throughput knee
-        (`jaxserve.derivation`): only the kept buckets and one step past each knee are compiled."""
+        (`jaxserve.runtime.derivation`): only the kept buckets and one step past each knee are compiled."""
         bounds, fields = self._derivation(options)
         seqlens = bounds.pop("seqlens")
         ladders = derivation.climbs(seqlens, self.dims, self.engine.weights_bytes, **bounds,
                                     batch_ladder=options.batch_ladder, knee=options.knee)
-        self.engine.climb(ladders, progress=progress)
+        warm.climb(self.engine, ladders, progress=progress)
         table = derivation.table_of(ladders, self.dims, self.engine.weights_bytes, bounds["devices"],
                                     budget_bytes=bounds["budget_bytes"], max_batch_tokens=bounds["max_batch_tokens"],
                                     layout=options.layout, host_dispatch_s=self.engine.host_dispatch_s, **fields)
@@ -233,7 +203,7 @@ class Encoder:
         label = info.kind if o.device_memory is None else f"{info.kind} compiler, {o.device_memory} bytes given"
         bounds = dict(
             seqlens=list(o.seqlens) if o.seqlens else buckets.ladder(o.ladder, self.embedding_config.max_seq_length),
-            budget_bytes=int((DEFAULT_HEADROOM if o.headroom is None else o.headroom) * info.memory_bytes),
+            budget_bytes=device.budget_bytes(info.memory_bytes, o.headroom),
             max_batch_tokens=o.max_batch_tokens or info.max_batch_tokens, max_batch=o.max_batch or info.max_batch,
             multiple=o.batch_multiple or info.batch_multiple, layout=o.layout, devices=self.engine.devices,
         )
@@ -250,27 +220,27 @@ class Encoder:
                 f"bucket table stops at seqlen {table.max_seqlen}, below the model's "
                 f"max_seq_length {self.embedding_config.max_seq_length}"
             )
-        return self.engine.use(table, progress=progress, check=self._fits_check())
+        return warm.given(self.engine, table, progress=progress, check=self._fits_check())
 
     def _fits_check(self):
         """A given table's check against the live pool: its compiled buckets within the budget derivation uses."""
         info = device.describe()
-        budget = int(DEFAULT_HEADROOM * info.memory_bytes)
+        budget = device.budget_bytes(info.memory_bytes)
         rule = (f"{DEFAULT_HEADROOM} x this device's pool of {info.memory_bytes} bytes, "
                 f"{device.POOL_RULE.get(info.platform, device.POOL_RULE['gpu'])}")
         return partial(buckets.check_fits, budget_bytes=budget, weights_bytes=self.engine.weights_bytes,
                        fit=buckets.batch_fitter(info.batch_multiple, self.engine.devices), budget_rule=rule)
 
-    def warm_start(self, table: BucketTable | TableOptions | None = None, cache: str | Path | None = None,
-                   tokens: bool = False, progress: bool = False) -> BucketTable:
-        """`warmup` through the warm artifact in `cache` (default $JAXSERVE_CACHE_DIR or ~/.cache/jaxserve), as
-        `jaxserve serve` starts: the matching artifact's table and executables, no compile; else built and saved."""
-        from jaxserve import startup
+    def start(self, table: BucketTable | TableOptions | None = None, cache: str | Path | None = None,
+              tokens: bool = False, progress: bool = False) -> BucketTable:
+        """Ready the engine as `jaxserve serve` starts: the matching warm artifact's table and executables in
+        `cache` (default $JAXSERVE_CACHE_DIR or ~/.cache/jaxserve), no compile; else `warmup`, then saved there."""
+        from jaxserve.runtime import startup
 
-        return startup.warm(self, table or TableOptions(), tokens, startup.cache_root(cache), progress=progress)
+        return startup.start(self, table or TableOptions(), tokens, startup.cache_root(cache), progress=progress)
 
-    @property
-    def table(self) -> BucketTable:
+    def warm_table(self) -> BucketTable:
+        """The table batches run at: the warm one, or (first use) one derived for this device and warmed now."""
         if self.engine.table is None:
             self.warmup()
         return self.engine.table
@@ -278,13 +248,14 @@ class Encoder:
     def warmup_tokens(self, progress: bool = False) -> BucketTable:
         """Compile and time token outputs at each seqlen's smallest batch of the warm table (/embed_all), or at
         every bucket of it (a multi-vector model: per-token outputs are all it serves)."""
-        smallest = tuple(self.table.at(s)[0] for s in self.table.seqlens)
-        chosen = self.table.buckets if self.colbert is not None else smallest
-        return self.engine.use(dataclasses.replace(self.table, buckets=chosen), progress=progress, output="tokens",
-                               check=self._fits_check())
+        table = self.warm_table()
+        smallest = tuple(table.at(s)[0] for s in table.seqlens)
+        chosen = table.buckets if self.colbert is not None else smallest
+        return warm.given(self.engine, dataclasses.replace(table, buckets=chosen), progress=progress, output="tokens",
+                          check=self._fits_check())
 
-    @property
-    def token_table(self) -> BucketTable:
+    def warm_token_table(self) -> BucketTable:
+        """The token outputs' table (/embed_all, multi-vector): the warm one, or warmed now (first use)."""
         if "tokens" not in self.engine.tables:
             self.warmup_tokens()
         return self.engine.tables["tokens"]
@@ -292,7 +263,7 @@ class Encoder:
     def prepare(self, texts: list[str], long: str = "truncate", prompt: str | None = None) -> tuple[Pieces, Rows]:
         """Tokenize (with `prompt` in front of each text) and pack (no device work): the sequences and their rows."""
         pieces = self.tokenizer.documents(list(texts), long, prompt=prompt)
-        return pieces, pack(pieces.lengths, self.table)
+        return pieces, pack(pieces.lengths, self.warm_table())
 
     def run(self, pieces: Pieces, rows: Rows | None = None) -> np.ndarray:
         """Run sequences through the device -> [P, out_dim] (pooled, not normalised), in input order.
@@ -300,10 +271,18 @@ class Encoder:
         The batches are formed by the same batcher as the server's, drained at
         once; `last_dispatches` keeps the batches that ran (what `explain` reports).
         """
-        rows = rows if rows is not None else pack(pieces.lengths, self.table)
+        table = self.warm_table()
+        rows = rows if rows is not None else pack(pieces.lengths, table)
         job = Job(rows, pieces.ids, pieces.offsets, pieces.types, self.out_dim)
-        self.last_dispatches = run_jobs(self.engine, self.table, [job], streams=device.streams())
+        self.last_dispatches = run_jobs(self.engine, table, [job], streams=device.streams())
         return job.out
+
+    def run_tokens(self, pieces: Pieces) -> list[np.ndarray]:
+        """Run sequences for their token outputs -> per sequence its [tokens, token_dim] float32 states, in order."""
+        table = self.warm_token_table()
+        job = Job(pack(pieces.lengths, table), pieces.ids, pieces.offsets, None, self.token_dim, output="tokens")
+        self.last_dispatches = run_jobs(self.engine, table, [job])
+        return [job.token_vectors(p) for p in range(pieces.count)]
 
     def embed(self, texts: list[str], normalize: bool | None = None, long: str = "truncate",
               prompt_name: str | None = None, prompt: str | None = None) -> np.ndarray:
@@ -317,9 +296,14 @@ class Encoder:
         front of every text; neither: the checkpoint's `default_prompt_name`, if any.
         """
         self._require("embedding")
-        normalize = self.embedding_config.normalize if normalize is None else normalize
         pieces, rows = self.prepare(texts, long, self.embedding_config.prompt(prompt_name, prompt))
-        out = pieces.combine(self.run(pieces, rows), len(texts))
+        return self.embed_prepared(pieces, rows, len(texts), normalize)
+
+    def embed_prepared(self, pieces: Pieces, rows: Rows, documents: int, normalize: bool | None = None) -> np.ndarray:
+        """`embed` after `prepare`: run the sequences, combine each document's, normalise as the checkpoint says
+        (or as `normalize` says) -> [documents, dim]."""
+        out = pieces.combine(self.run(pieces, rows), documents)
+        normalize = self.embedding_config.normalize if normalize is None else normalize
         return normalize_rows(out) if normalize else out
 
     def embed_all(self, texts: list[str], prompt_name: str | None = None, prompt: str | None = None) -> list[np.ndarray]:
@@ -327,10 +311,7 @@ class Encoder:
         model's length), as TEI's /embed_all."""
         self._require("embedding")
         pieces = self.tokenizer.documents(list(texts), "truncate", prompt=self.embedding_config.prompt(prompt_name, prompt))
-        job = Job(pack(pieces.lengths, self.token_table), pieces.ids, pieces.offsets, None,
-                  self.model_config.hidden_size, output="tokens")
-        self.last_dispatches = run_jobs(self.engine, self.token_table, [job])
-        return [job.token_vectors(p) for p in range(pieces.count)]
+        return self.run_tokens(pieces)
 
     def embed_sparse(self, texts: list[str], long: str = "truncate", prompt_name: str | None = None,
                      prompt: str | None = None) -> list[list[dict]]:
@@ -358,10 +339,7 @@ class Encoder:
         """Texts -> per text its [tokens, dim] float32 token vectors, as MultiVectorEncoder's `encode_query`
         (kind="query") / `encode_document` (kind="document") and PyLate's `encode(is_query=...)` give them."""
         pieces = self.multivector_pieces(texts, kind, long, prompt)
-        job = Job(pack(pieces.lengths, self.token_table), pieces.ids, pieces.offsets, None, self.token_dim,
-                  output="tokens")
-        self.last_dispatches = run_jobs(self.engine, self.token_table, [job])
-        return multivector.outputs(self.colbert, kind, pieces.seqs, [job.token_vectors(p) for p in range(pieces.count)])
+        return multivector.outputs(self.colbert, kind, pieces.seqs, self.run_tokens(pieces))
 
     def classify(self, inputs: list, truncate: bool = True) -> np.ndarray:
         """Texts, or (text, text) pairs, mixed -> [N, num_labels] logits (a classifier checkpoint)."""

@@ -1,3 +1,6 @@
+import asyncio
+import contextlib
+import fcntl
 import json
 import os
 import sys
@@ -10,10 +13,12 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Unnamed models are the bundled MiniLM here, whatever the shell exports.
 os.environ.pop("JAXSERVE_MODEL", None)
-# Warm artifacts and compilation caches of this run only: a test never starts from an earlier run's.
+# Warm artifacts of this run only: a test never starts from an earlier run's. pytest-xdist's workers inherit the
+# controller's directory, so a model warmed by one worker starts warm in the others.
 import tempfile  # noqa: E402
 
-os.environ["JAXSERVE_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxserve-test-cache-")
+if "PYTEST_XDIST_WORKER" not in os.environ:
+    os.environ["JAXSERVE_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxserve-test-cache-")
 
 
 def _offline_tiktoken() -> None:
@@ -45,7 +50,7 @@ import tiny  # noqa: E402
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
-from jaxserve.buckets import fixed  # noqa: E402
+from jaxserve.runtime.buckets import fixed  # noqa: E402
 
 # Small tables keep the tiny-model tests quick; the default derived table is
 # exercised by the MiniLM float32 parity test and the server tests.
@@ -53,11 +58,42 @@ TINY_TABLE = fixed([(1, 16), (4, 16), (1, 32), (4, 32), (1, 64), (4, 64)], layou
 MINILM_SMALL_TABLE = fixed([(4, 64), (8, 64), (4, 128), (2, 256), (8, 256)], layout="packed")
 
 
-@pytest.fixture(scope="session")
-def minilm():
+@contextlib.contextmanager
+def run_lock(name: str):
+    """A lock shared by this run's xdist workers (a file in the run's cache directory): one worker builds what
+    the lock guards (a warm artifact), the others wait for it and load it."""
+    path = Path(os.environ["JAXSERVE_CACHE_DIR"]) / f"{name}.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def warm_encoder(path, table, **kw):
+    """`Encoder.from_pretrained(path, buckets=table, **kw)` through this run's warm artifacts (the shared cache
+    directory above): the first test, on any worker, to warm these checkpoint files at this table compiles, times
+    and saves them; a later one with the same files and table loads the executables instead of compiling again.
+    Tests of warming itself (test_engine, test_warm_artifact, ...) call `warmup` directly."""
     from jaxserve import Encoder
 
-    return Encoder.from_pretrained(None)
+    enc = Encoder.from_pretrained(None if path is None else str(path), **kw)
+    enc.start(table, tokens=enc.head.kind == "multivector")
+    return enc
+
+
+@pytest.fixture(scope="session")
+def minilm():
+    """The bundled MiniLM with its default derived table, started as the server starts: the first worker to
+    get here warms it and saves the warm artifact in the run's cache, the others load that artifact."""
+    from jaxserve import Encoder
+
+    enc = Encoder.from_pretrained(None)
+    with run_lock("minilm"):
+        enc.start()
+    return enc
 
 
 @pytest.fixture(scope="session")
@@ -83,7 +119,7 @@ def cosine_rows(a, b):
 @pytest.fixture(scope="session")
 def minilm_warm(minilm):
     """The bundled MiniLM with its default bucket table warmed (shared by the server tests)."""
-    minilm.table
+    assert minilm.engine.table is not None
     return minilm
 
 
@@ -92,7 +128,7 @@ def make_server(aiohttp_client):
     """Factory: a real jaxserve app on a loopback port, returned once /health says ready."""
     import asyncio
 
-    from jaxserve.server import ServerConfig, create_app
+    from jaxserve.http.server import ServerConfig, create_app
 
     async def make(encoder, **config):
         client = await aiohttp_client(create_app(ServerConfig(**config), encoder),
@@ -107,17 +143,28 @@ def make_server(aiohttp_client):
     return make
 
 
+async def until(predicate, what: str, timeout_s: float = 60.0) -> None:
+    """Wait on the event loop until `predicate()` holds. The bound only keeps a broken server from hanging the
+    suite (it fails naming `what`); no test result depends on how long anything takes."""
+    loop = asyncio.get_running_loop()
+    give_up = loop.time() + timeout_s
+    while not predicate():
+        if loop.time() > give_up:
+            raise AssertionError(f"never happened within {timeout_s} s: {what}")
+        await asyncio.sleep(0.005)
+
+
 class SlowEngine:
     """Fault injection: the real engine, with a delay (or an error) in each device step."""
 
-    def __init__(self, engine, delay=0.0, fail_when=None):
+    def __init__(self, engine, delay=0.0, fail_when=None, gate=None):
         self._engine = engine
         self.delay = delay
         self.fail_when = fail_when  # predicate on the batch's token ids [B, S]
         self.steps = 0
         self.seen: list[np.ndarray] = []  # token ids of every batch that reached the device (prepared)
         self.launched: list[np.ndarray] = []  # ... in the order they were launched
-        self.gate = None  # a threading.Event: while it is clear, a step ends only when it is set
+        self.gate = gate  # a threading.Event: while it is clear, a step ends only when it is set
         self.held = 0  # steps waiting at the gate
 
     def __getattr__(self, name):

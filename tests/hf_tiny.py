@@ -150,21 +150,21 @@ def assert_matches_sentence_transformers(enc, path: Path, texts: list[str], pad_
 
 def assert_packed_equals_padded(enc, path: Path, texts: list[str], max_len: int) -> None:
     """Rows shared by several documents give each the vectors it gets alone in a padded row."""
-    from jaxserve import Encoder
-    from jaxserve.buckets import fixed
+    from conftest import warm_encoder
+
+    from jaxserve.runtime.buckets import fixed
 
     texts = [texts[i % len(texts)] + " doc" * (i % 5) for i in range(24)]
     assert enc.prepare(texts)[1].docs.max() > 1  # rows are shared
-    padded = Encoder.from_pretrained(str(path), buckets=fixed([(4, max_len)]))
+    padded = warm_encoder(path, fixed([(4, max_len)]))
     np.testing.assert_allclose(enc.embed(texts), padded.embed(texts), atol=2e-5)
 
 
 def assert_bfloat16_close(enc, path: Path, texts: list[str], table) -> None:
     """bfloat16 vectors within cosine 0.999 of `enc`'s float32 ones."""
-    from conftest import cosine_rows
-    from jaxserve import Encoder
+    from conftest import cosine_rows, warm_encoder
 
-    bf16 = Encoder.from_pretrained(str(path), dtype="bfloat16", buckets=table)
+    bf16 = warm_encoder(path, table, dtype="bfloat16")
     cos = cosine_rows(bf16.embed(texts), enc.embed(texts))
     assert cos.min() >= 0.999, cos
 

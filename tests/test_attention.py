@@ -11,9 +11,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxserve.buckets import ModelDims, blockwise_block, derive
+from jaxserve.dims import ModelDims, blockwise_block
 from jaxserve.models import attention
 from jaxserve.models.attention import FULL, Masks, Spec, _blockwise, attend, key_blocks
+from jaxserve.runtime.buckets import derive
 
 SPECS = [FULL, Spec(causal=True), Spec(window=3), Spec(causal=True, window=5), Spec(window=40)]
 

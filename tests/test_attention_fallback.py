@@ -6,9 +6,10 @@ import logging
 import numpy as np
 import pytest
 
-from jaxserve import Encoder, artifact, cli, startup
-from jaxserve.derivation import TableOptions
+from jaxserve import Encoder, cli
 from jaxserve.models.attention import Plan, xla_impl
+from jaxserve.runtime import artifact, startup
+from jaxserve.runtime.derivation import TableOptions
 
 # head_dim 16 (the smallest the Pallas kernel takes); seqlen 128 is two of its 64-row tiles
 CONFIG = dict(hidden_size=64, num_attention_heads=4, intermediate_size=64, max_position_embeddings=130)
@@ -38,7 +39,7 @@ def test_a_bucket_whose_kernel_fails_is_served_by_the_next_with_the_reason(model
     kernel (Pallas' interpreter on CPU). Every bucket is served, and the vectors equal the xla path's."""
     enc = Encoder.from_pretrained(model, attention="pallas")
     monkeypatch.setattr(enc.engine, "_make_forward", failing_at(enc.engine._make_forward, "pallas", 64))
-    with caplog.at_level(logging.WARNING, logger="jaxserve.engine"):
+    with caplog.at_level(logging.WARNING, logger="jaxserve.runtime.engine"):
         table = enc.warmup(OPTIONS)
     by_seqlen = {b.seqlen: b for b in table.buckets}
     assert {s: b.attention for s, b in by_seqlen.items()} == {16: "dense", 64: "dense", 128: "pallas"}
@@ -69,19 +70,19 @@ def test_the_warm_artifact_keeps_each_buckets_implementation_and_the_choice_keys
     options = TableOptions(seqlens=(16, 64), max_batch=2, batch_ladder=False, knee=False)
     first = Encoder.from_pretrained(model, attention="pallas")
     monkeypatch.setattr(first.engine, "_make_forward", failing_at(first.engine._make_forward, "pallas", 64))
-    table = startup.warm(first, options, cache=cache)
+    table = startup.start(first, options, cache=cache)
     assert [b.attention for b in table.buckets] == ["dense", "dense"] and all(b.attention_fallback for b in table.buckets)
 
     second = Encoder.from_pretrained(model, attention="pallas")
     started = startup.Startup()
-    loaded = startup.warm(second, options, cache=cache, startup=started)
+    loaded = startup.start(second, options, cache=cache, startup=started)
     assert started.source["source"] == "artifact" and loaded == table
     for b in table.buckets:
         assert second.engine.attention_of(b.batch, b.seqlen, b.slots) == first.engine.attention_of(b.batch, b.seqlen,
                                                                                                     b.slots)
     other = Encoder.from_pretrained(model, attention="blockwise")
     started = startup.Startup()
-    assert {b.attention for b in startup.warm(other, options, cache=cache, startup=started).buckets} == {"blockwise"}
+    assert {b.attention for b in startup.start(other, options, cache=cache, startup=started).buckets} == {"blockwise"}
     assert "differs in attention (pallas -> blockwise)" in started.source["artifact_skipped"]
     assert artifact.key_fields(other, options, ("pooled",))["attention"] == "blockwise"
 
@@ -142,8 +143,8 @@ def test_a_bucket_records_what_its_layers_ran():
     `pallas+dense`; one whose every layer is windowed runs dense, and says why pallas took none."""
     import jax.numpy as jnp
 
-    from jaxserve.engine import Engine
     from jaxserve.models.attention import FULL, Kernel, Masks, Spec, attend
+    from jaxserve.runtime.engine import Engine
 
     def make(specs):
         def make_forward(slots, seqlen, output, implementation):

@@ -5,8 +5,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxserve.batcher import Batcher, QueueFull, TooLarge
-from jaxserve.buckets import fixed
+from jaxserve.runtime.buckets import fixed
+from jaxserve.scheduling.batcher import Batcher, QueueFull, TooLarge
 
 TABLE = fixed([(1, 16), (4, 16), (1, 64), (4, 64)], layout="packed")  # 16: 2 slots, 64: 8 slots
 
@@ -35,7 +35,7 @@ def test_full_bucket_leaves_even_when_device_busy():
 def test_window_expiry_sends_a_partial_batch():
     b = Batcher(TABLE, max_wait_s=0.005, max_queued=100_000)
     submit(b, 1, [16], now=0.0)
-    assert b.next_deadline() == pytest.approx(0.005)
+    assert b.next_wakeup() == pytest.approx(0.005)
     assert b.next_dispatch(now=0.004, device_idle=False) is None
     d = b.next_dispatch(now=0.005, device_idle=False)
     assert d.reason == "window" and d.bucket.shape == (1, 16) and d.oldest == 0.0

@@ -4,8 +4,16 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from jaxserve.buckets import (
-    BucketTable, ModelDims, derive, fine_ladder, fixed, format_table, geometric_ladder, ladder, pow2_ladder,
+from jaxserve.dims import ModelDims
+from jaxserve.runtime.buckets import (
+    BucketTable,
+    derive,
+    fine_ladder,
+    fixed,
+    format_table,
+    geometric_ladder,
+    ladder,
+    pow2_ladder,
 )
 
 DIMS = ModelDims(hidden=384, intermediate=1536, heads=12)
@@ -114,7 +122,7 @@ def test_json_round_trip(tmp_path):
 
 
 def test_table_rejects_unsorted_or_duplicate_shapes():
-    from jaxserve.buckets import Bucket
+    from jaxserve.runtime.buckets import Bucket
 
     with pytest.raises(ValueError, match="distinct and sorted"):
         BucketTable(buckets=(Bucket(4, 32), Bucket(4, 16)))
@@ -125,7 +133,7 @@ def test_table_rejects_unsorted_or_duplicate_shapes():
 
 
 def test_batch_ladder_adds_halvings_that_fit():
-    from jaxserve.buckets import batch_sizes
+    from jaxserve.runtime.buckets import batch_sizes
 
     assert batch_sizes(16) == [1, 4, 16] and batch_sizes(21) == [1, 4, 16, 21] and batch_sizes(1) == [1]
     t = derive([16, 256], DIMS, WEIGHTS, 2**34, fake_measure(), max_batch_tokens=4096, batch_ladder=True)
@@ -139,7 +147,7 @@ def test_batch_ladder_adds_halvings_that_fit():
 
 
 def test_throughput_knee_keeps_batches_until_a_larger_one_stops_paying():
-    from jaxserve.buckets import Bucket, BucketTable, throughput_knee
+    from jaxserve.runtime.buckets import Bucket, BucketTable, throughput_knee
 
     def timed(seqlen, rates):  # batch -> tokens per second
         return [Bucket(b, seqlen, 1, run_s=b * seqlen / r) for b, r in rates.items()]

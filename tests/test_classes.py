@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxserve.api import ApiError
-from jaxserve.batcher import BULK, CLASSES, INTERACTIVE, Batcher, Classes, QueueFull, bulk_caps
-from jaxserve.buckets import dispatch_s, fixed
-from jaxserve.classes import Ask, ask_of, class_from, class_of, likely_interactive, parse_key, parse_route
+from jaxserve.http.api import ApiError
+from jaxserve.http.classes import Ask, ask_of, class_from, class_of, likely_interactive, parse_key, parse_route
+from jaxserve.runtime.buckets import dispatch_s, fixed
+from jaxserve.scheduling.batcher import BULK, CLASSES, INTERACTIVE, Batcher, Classes, QueueFull, bulk_caps
 
 TABLE = fixed([(1, 16), (4, 16), (1, 64), (4, 64)], layout="packed")
 
@@ -57,7 +57,7 @@ def test_bulk_ages_into_interactive():
     b = Batcher(TABLE, max_wait_s=0.005, max_queued=1_000_000, classes=Classes(max_bulk_wait_s=2.0))
     submit(b, 0, [64], now=0.0, cls=BULK)
     submit(b, 1, [64], now=2.5, cls=INTERACTIVE)
-    assert b.next_deadline() == pytest.approx(0.005)
+    assert b.next_wakeup() == pytest.approx(0.005)
     d = b.next_dispatch(2.5, device_idle=True)
     assert d.jobs[0] == 0 and d.reason == "interactive"  # aged: due at 2.0, before the query's no-deadline
 

@@ -10,13 +10,12 @@ import threading
 
 import pytest
 import tiny
+from conftest import TINY_TABLE, SlowEngine, warm_encoder
 from prometheus_client.parser import text_string_to_metric_families
-from conftest import TINY_TABLE, SlowEngine
 
-from jaxserve import Encoder
-from jaxserve.batcher import CLASSES
-from jaxserve.classes import ask_of, class_of
-from jaxserve.server import STATE
+from jaxserve.http.classes import ask_of, class_of
+from jaxserve.http.server import STATE
+from jaxserve.scheduling.batcher import CLASSES
 
 BULK_DOCS = ["the model jax " * 9] * 40  # 29 tokens: one per row of seqlen 32  # > 8 sequences: bulk by default
 
@@ -24,7 +23,7 @@ BULK_DOCS = ["the model jax " * 9] * 40  # 29 tokens: one per row of seqlen 32  
 @pytest.fixture(scope="module")
 def tiny_enc(tmp_path_factory):
     path = tiny.write_checkpoint(tmp_path_factory.mktemp("classes") / "ckpt", max_seq_length=32)
-    return Encoder.from_pretrained(str(path), buckets=TINY_TABLE)
+    return warm_encoder(path, TINY_TABLE)
 
 
 async def _race(make_server, tiny_enc, query_body) -> dict:

@@ -4,10 +4,9 @@ import json
 
 import numpy as np
 import pytest
-
 import tiny
-from conftest import TINY_TABLE
-from jaxserve import Encoder
+from conftest import TINY_TABLE, warm_encoder
+
 from jaxserve.errors import InputError
 
 TEXTS = ["the model", "a batch of jax documents", "x", "hello, world! 42"]
@@ -25,7 +24,7 @@ def reference(path, inputs, enc):
 @pytest.mark.parametrize("model_type", ["bert", "roberta"])
 def test_classifier_logits_match_reference(tmp_path, model_type):
     path = tiny.write_checkpoint(tmp_path / model_type, model_type=model_type, num_labels=3)
-    enc = Encoder.from_pretrained(str(path), buckets=TINY_TABLE)
+    enc = warm_encoder(path, TINY_TABLE)
     assert enc.head.kind == "classifier" and enc.head.labels == ("label_a", "label_b", "label_c")
     got = enc.classify(TEXTS)
     assert got.shape == (4, 3)
@@ -35,7 +34,7 @@ def test_classifier_logits_match_reference(tmp_path, model_type):
 @pytest.mark.parametrize("model_type", ["bert", "roberta"])
 def test_pairs_use_token_types_and_match_reference(tmp_path, model_type):
     path = tiny.write_checkpoint(tmp_path / model_type, model_type=model_type, num_labels=1)
-    enc = Encoder.from_pretrained(str(path), buckets=TINY_TABLE)
+    enc = warm_encoder(path, TINY_TABLE)
     pieces = enc.prepare_pairs(PAIRS, truncate=True)
     if model_type == "bert":  # [CLS] q [SEP] d [SEP], types 0 then 1
         ids, types = pieces.seqs[0], pieces.type_seqs[0]
@@ -50,7 +49,7 @@ def test_pairs_use_token_types_and_match_reference(tmp_path, model_type):
 
 def test_long_pairs_truncate_longest_first_or_refuse(tmp_path):
     path = tiny.write_checkpoint(tmp_path / "c", num_labels=1)
-    enc = Encoder.from_pretrained(str(path), buckets=TINY_TABLE)
+    enc = warm_encoder(path, TINY_TABLE)
     long_pair = [("the query", "the model " * 100)]
     (ids,) = enc.prepare_pairs(long_pair, truncate=True).seqs
     assert len(ids) == 64
@@ -60,10 +59,10 @@ def test_long_pairs_truncate_longest_first_or_refuse(tmp_path):
 
 
 def test_wrong_kind_is_a_clear_error(tmp_path):
-    emb = Encoder.from_pretrained(str(tiny.write_checkpoint(tmp_path / "e")), buckets=TINY_TABLE)
+    emb = warm_encoder(tiny.write_checkpoint(tmp_path / "e"), TINY_TABLE)
     with pytest.raises(InputError, match="is an embedding model; this needs a classifier model"):
         emb.classify(["x"])
-    clf = Encoder.from_pretrained(str(tiny.write_checkpoint(tmp_path / "c", num_labels=2)), buckets=TINY_TABLE)
+    clf = warm_encoder(tiny.write_checkpoint(tmp_path / "c", num_labels=2), TINY_TABLE)
     with pytest.raises(InputError, match="is a classifier model; this needs an embedding model"):
         clf.embed(["x"])
 
@@ -71,13 +70,13 @@ def test_wrong_kind_is_a_clear_error(tmp_path):
 @pytest.fixture(scope="module")
 def classifier(tmp_path_factory):
     path = tiny.write_checkpoint(tmp_path_factory.mktemp("c") / "clf", num_labels=3)
-    return path, Encoder.from_pretrained(str(path), buckets=TINY_TABLE)
+    return path, warm_encoder(path, TINY_TABLE)
 
 
 @pytest.fixture(scope="module")
 def cross_encoder(tmp_path_factory):
     path = tiny.write_checkpoint(tmp_path_factory.mktemp("x") / "ce", model_type="roberta", num_labels=1)
-    return path, Encoder.from_pretrained(str(path), buckets=TINY_TABLE)
+    return path, warm_encoder(path, TINY_TABLE)
 
 
 def softmax(x):

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from jaxserve.buckets import BucketTable
+from jaxserve.runtime.buckets import BucketTable
 
 
 def jaxserve(*args, env=None):
@@ -38,7 +38,7 @@ def test_warmup_saves_the_artifact_that_every_later_start_serves_unchanged(tiny_
 
     import aiohttp
 
-    from jaxserve.launch import free_port, served, wait_ready
+    from jaxserve.integrations.launch import free_port, served, wait_ready
 
     model = str(tiny_checkpoint())
     cache = tmp_path / "cache"

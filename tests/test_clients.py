@@ -23,14 +23,16 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 import pytest
-from aiohttp import web
-
 import tiny
-from conftest import MINILM_SMALL_TABLE, TINY_TABLE, cosine_rows
-from jaxserve import Encoder, api, checkpoint
+from aiohttp import web
+from conftest import MINILM_SMALL_TABLE, TINY_TABLE, cosine_rows, warm_encoder
+
+from jaxserve import Encoder
+from jaxserve.checkpoint import loader
 from jaxserve.encoder import normalize_rows
-from jaxserve.launch import wait_ready
-from jaxserve.server import ServerConfig, create_app
+from jaxserve.http import api
+from jaxserve.http.server import ServerConfig, create_app
+from jaxserve.integrations.launch import wait_ready
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -175,14 +177,14 @@ class ThreadServer:
 @pytest.fixture(scope="module")
 def minilm_prompts(tmp_path_factory):
     """The bundled all-MiniLM-L6-v2 with one prompt added ({"query": "query: "}): its files linked, not copied."""
-    src = checkpoint.bundled_default()
+    src = loader.bundled_default()
     path = tmp_path_factory.mktemp("clients") / "minilm"
     path.mkdir()
     for item in src.iterdir():
         if item.name != "config_sentence_transformers.json":
             (path / item.name).symlink_to(item)
     (path / "config_sentence_transformers.json").write_text(json.dumps({"prompts": {"query": "query: "}}))
-    return Encoder.from_pretrained(str(path), buckets=MINILM_SMALL_TABLE)
+    return warm_encoder(path, MINILM_SMALL_TABLE)
 
 
 @pytest.fixture(scope="module")

@@ -1,10 +1,10 @@
-"""jaxserve.corpus without JAX: formats, field lookup, and the errors the checking pass names."""
+"""jaxserve.offline.corpus without JAX: formats, field lookup, and the errors the checking pass names."""
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from jaxserve.corpus import Corpus, CorpusError
+from jaxserve.offline.corpus import Corpus, CorpusError
 
 
 def test_plain_lines_and_jsonl_lines_mix_and_blank_lines_are_skipped(tmp_path):

@@ -3,8 +3,9 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxserve.buckets import Bucket, BucketTable, ModelDims, batch_sizes, pays, throughput_knee
-from jaxserve.derivation import Climb, climb, climbs, table_of
+from jaxserve.dims import ModelDims
+from jaxserve.runtime.buckets import Bucket, BucketTable, batch_sizes, pays, throughput_knee
+from jaxserve.runtime.derivation import Climb, climb, climbs, table_of
 
 DIMS = ModelDims(hidden=64, intermediate=256, heads=4)
 WEIGHTS = 10_000

@@ -10,9 +10,7 @@ import time
 import numpy as np
 import pytest
 import tiny
-from conftest import TINY_TABLE
-
-from jaxserve import Encoder
+from conftest import TINY_TABLE, warm_encoder
 
 
 def rows_done(out) -> int:
@@ -68,7 +66,7 @@ def test_embed_streams_in_order_and_resumes_after_kill_with_ids(tmp_path, suffix
     assert got_ids == [f"k{i}" for i in range(1500)]  # each id once, in row order, across the kill
     assert json.loads((tmp_path / "vectors.summary.json").read_text())["documents"] == 1500 - done
     got = load(out)
-    want = Encoder.from_pretrained(str(path), buckets=TINY_TABLE).embed(docs)
+    want = warm_encoder(path, TINY_TABLE).embed(docs)
     assert got.shape == (1500, 32)
     np.testing.assert_allclose(got, want, atol=1e-5)
 
@@ -89,7 +87,7 @@ def test_embed_refuses_an_unknown_output_format(tmp_path):
 def in_process(argv, capsys):
     """Run the CLI in this process: its exit status, stderr, and how many XLA compiles it did."""
     from jaxserve import cli
-    from jaxserve.compiles import install, xla_compiles_total
+    from jaxserve.runtime.compiles import install, xla_compiles_total
 
     install()
     before = xla_compiles_total()
@@ -163,7 +161,7 @@ def test_embed_parquet_round_trip_with_ids_and_summary(tmp_path, capsys):
     assert code == 0, err
     got = pq.read_table(out)
     assert got["id"].to_pylist() == ids
-    want = Encoder.from_pretrained(str(path), buckets=TINY_TABLE).embed(docs)
+    want = warm_encoder(path, TINY_TABLE).embed(docs)
     np.testing.assert_allclose(load(out), want, atol=1e-5)
     summary = json.loads((tmp_path / "v.summary.json").read_text())
     assert summary["documents"] == 50 and summary["tokens"] > 50 and 0 <= summary["padding"] < 1
@@ -186,7 +184,8 @@ def test_embed_corpus_tokenizes_the_next_chunk_while_this_one_runs_in_order(tmp_
     out and fail were the stages one after another); rows land in input order; a resume starts where it says."""
     import threading
 
-    from jaxserve.offline import Stages, embed_corpus, open_sink
+    from jaxserve.offline.job import Stages, embed_corpus
+    from jaxserve.offline.sinks import open_sink
 
     texts = [f"doc {i}" for i in range(10)]
     started: dict[int, threading.Event] = {i: threading.Event() for i in range(0, 10, 3)}

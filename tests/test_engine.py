@@ -3,11 +3,12 @@
 import numpy as np
 import pytest
 
-from jaxserve import Encoder, compiles
-from jaxserve.buckets import BucketTable, fixed
-from jaxserve.engine import ShapeError
-from jaxserve.jobs import Job, assemble
-from jaxserve.planner import pack
+from jaxserve import Encoder
+from jaxserve.runtime import compiles
+from jaxserve.runtime.buckets import BucketTable, fixed
+from jaxserve.runtime.engine import ShapeError
+from jaxserve.scheduling.jobs import Job, assemble
+from jaxserve.scheduling.planner import pack
 
 
 @pytest.fixture
@@ -68,9 +69,9 @@ def test_derived_table_uses_xla_memory_analysis(tiny_checkpoint):
         assert s.batch < b.batch
         assert s.compiled_bytes <= small.budget_bytes and b.compiled_bytes <= big.budget_bytes
         assert s.limited_by == "memory"
-        assert s.compiled_bytes == enc.engine.measure(s.batch, s.seqlen, 1)
+        assert s.compiled_bytes == enc.engine.bucket_bytes(s.batch, s.seqlen, 1)
         assert s.compiled_bytes > weights
-    one_row_64 = enc.engine.measure(1, 64, 1)
+    one_row_64 = enc.engine.bucket_bytes(1, 64, 1)
     tight = enc.derive_table(device_memory=int((one_row_64 - 1) / 0.9), **kw)
     assert 64 not in tight.seqlens and tight.dropped[0][0] == 64
     with pytest.raises(ValueError, match="fits no bucket"):
@@ -84,7 +85,7 @@ def test_results_equal_across_buckets(tiny_checkpoint):
     enc.warmup(fixed([(8, 16), (4, 32), (2, 64)]))
     ladder = enc.embed(texts)
     enc.warmup(fixed([(2, 64)]))
-    assert enc.table.seqlens == [64]
+    assert enc.warm_table().seqlens == [64]
     np.testing.assert_allclose(enc.embed(texts), ladder, atol=1e-5)
 
 
@@ -92,19 +93,19 @@ def test_derived_table_climbs_each_ladder_and_compiles_one_step_past_its_knee(ti
     """Batches above the knee's next step are never compiled; the one past it is dropped with its executable."""
     import dataclasses
 
-    from jaxserve import compiles
-    from jaxserve.derivation import TableOptions
+    from jaxserve.runtime import compiles, warm
+    from jaxserve.runtime.derivation import TableOptions
 
     enc = Encoder.from_pretrained(str(tiny_checkpoint()))
     rates = {1: 1e3, 4: 4e3, 16: 4.1e3, 64: 9e3}  # tokens/s: 16 rows gain < 5% over 4, so 64 is never compiled
     ran, built = [], []
 
-    def fake_time(bucket, output):  # the clock injected: the knee is decided from these, not from wall time
+    def fake_time(engine, bucket, output):  # the clock injected: the knee is decided from these, not from wall time
         ran.append(bucket.shape)
         return dataclasses.replace(bucket, run_s=bucket.tokens / rates[bucket.batch])
 
     compile = enc.engine.compile
-    monkeypatch.setattr(enc.engine, "_time", fake_time)
+    monkeypatch.setattr(warm, "time_bucket", fake_time)
     monkeypatch.setattr(enc.engine, "compile", lambda *key: built.append(key[:2]) or compile(*key))
     before = compiles.xla_compiles_total()
     table = enc.warmup(TableOptions(seqlens=(16, 64), max_batch=64))
@@ -149,15 +150,15 @@ def test_outputs_copied_ahead_of_fetch_are_the_same_vectors(warm):
 def test_warmup_spins_an_accelerator_up_then_times_each_bucket_by_its_median(tiny_checkpoint, monkeypatch):
     """On an accelerator (the platform injected): one spin-up on the largest bucket, then per bucket the median
     of `timing.ACCELERATOR_TIMED_RUNS` runs (the runs and clock are timing's, tested with fake clocks)."""
-    from jaxserve import timing
-    from jaxserve.engine import Engine
+    from jaxserve.runtime import timing, warm
+    from jaxserve.runtime.engine import Engine
 
     enc = Encoder.from_pretrained(str(tiny_checkpoint()))
     monkeypatch.setattr(Engine, "platform", property(lambda self: "gpu"))
-    monkeypatch.setattr(enc.engine, "measure_host", lambda bucket, output="pooled": 1e-4)  # its own test above
+    monkeypatch.setattr(warm, "host_dispatch_s", lambda engine, bucket, output="pooled": 1e-4)  # its own test above
     placed, calls = [], []
-    place = enc.engine._place
-    monkeypatch.setattr(enc.engine, "_place", lambda x: placed.append(x.shape[1:]) or place(x))
+    place = enc.engine.place
+    monkeypatch.setattr(enc.engine, "place", lambda x: placed.append(x.shape[1:]) or place(x))
     monkeypatch.setattr(timing, "spin_up", lambda run, seconds: (calls.append(("spin", seconds)), run(), 1)[-1])
     monkeypatch.setattr(timing, "median_run_s", lambda run, runs: (calls.append(("median", runs)), run(), 1e-3)[-1])
     table = enc.warmup(fixed([(1, 16), (4, 16), (2, 64)]))
@@ -171,19 +172,19 @@ def test_climb_spins_up_each_round_only_with_buckets_it_times(tiny_checkpoint, m
     times (within the budget), never a candidate it has not checked."""
     import dataclasses
 
-    from jaxserve import timing
-    from jaxserve.derivation import TableOptions
-    from jaxserve.engine import Engine
+    from jaxserve.runtime import timing, warm
+    from jaxserve.runtime.derivation import TableOptions
+    from jaxserve.runtime.engine import Engine
 
     enc = Encoder.from_pretrained(str(tiny_checkpoint()))
     monkeypatch.setattr(Engine, "platform", property(lambda self: "gpu"))
-    monkeypatch.setattr(enc.engine, "measure_host", lambda bucket, output="pooled": 1e-4)
+    monkeypatch.setattr(warm, "host_dispatch_s", lambda engine, bucket, output="pooled": 1e-4)
     rates = {1: 1e3, 4: 4e3, 16: 4.1e3, 64: 9e3}
     ran, spun = [], []
-    monkeypatch.setattr(enc.engine, "_time", lambda b, output: ran.append(b.shape) or dataclasses.replace(
+    monkeypatch.setattr(warm, "time_bucket", lambda engine, b, output: ran.append(b.shape) or dataclasses.replace(
         b, run_s=b.tokens / rates[b.batch]))
-    place = enc.engine._place
-    monkeypatch.setattr(enc.engine, "_place", lambda x: spun.append(x.shape[1:]) or place(x))
+    place = enc.engine.place
+    monkeypatch.setattr(enc.engine, "place", lambda x: spun.append(x.shape[1:]) or place(x))
     monkeypatch.setattr(timing, "spin_up", lambda run, seconds: (run(), 1)[-1])
     enc.warmup(TableOptions(seqlens=(16, 64), max_batch=64))
     assert len(spun) == 3  # rounds: batch 1, 4, 16 of both seqlens
@@ -209,7 +210,7 @@ def rows_holding(bucket, counts):
 
 def test_a_batch_copies_back_only_the_slot_chunks_its_fullest_row_fills(packed):
     """Rows of one sequence ship 1 of the bucket's 8 slots, rows of 3 ship 4; the vectors are the full output's."""
-    from jaxserve import output_chunks
+    from jaxserve.runtime import output_chunks
 
     enc, table = packed
     (bucket,) = table.buckets
@@ -220,20 +221,20 @@ def test_a_batch_copies_back_only_the_slot_chunks_its_fullest_row_fills(packed):
         full = enc.engine.fetch(enc.engine.launch(enc.engine.put(bucket, inputs, sequences=bucket.slots)))
         assert full.shape == (2, 8, enc.out_dim)
         prepared = enc.engine.put(bucket, inputs)  # the fullest row read from the segment ids
-        assert prepared.keep == output_chunks.needed(bucket.slots, max(counts))
+        assert prepared.chunks == output_chunks.needed(bucket.slots, max(counts))
         launched = enc.engine.launch(prepared)
-        assert len(launched) == prepared.keep  # only these are copied to the host
+        assert len(launched) == prepared.chunks  # only these are copied to the host
         out = enc.engine.fetch(launched)
         assert out.shape == (2, shipped, enc.out_dim)
         np.testing.assert_array_equal(out, full[:, :shipped])
-        assert enc.engine.put(bucket, inputs, sequences=max(counts)).keep == prepared.keep  # the batcher's count
+        assert enc.engine.put(bucket, inputs, sequences=max(counts)).chunks == prepared.chunks  # the batcher's count
     assert compiles.xla_compiles_total() == before
 
 
 def test_slot_chunks_take_no_more_device_memory_than_one_output(packed):
     """The chunks partition [B, K, D]: XLA's output bytes are the whole output's (plus the tuple's pointers), so
     tables sized by memory analysis before the chunks still hold."""
-    from jaxserve import output_chunks
+    from jaxserve.runtime import output_chunks
 
     enc, table = packed
     (bucket,) = table.buckets

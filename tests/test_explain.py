@@ -7,12 +7,12 @@ import sys
 
 import numpy as np
 import pytest
+from conftest import TINY_TABLE, SlowEngine, warm_encoder
 
-from conftest import TINY_TABLE, SlowEngine
-from jaxserve import Encoder, compiles
-from jaxserve.buckets import Bucket, BucketTable
-from jaxserve.explain import LiveTimings, explain, format_report, simulate
-from jaxserve.planner import pack
+from jaxserve.runtime import compiles
+from jaxserve.runtime.buckets import Bucket, BucketTable
+from jaxserve.scheduling.explain import LiveTimings, explain, format_report, simulate
+from jaxserve.scheduling.planner import pack
 
 TIMED = BucketTable(buckets=(Bucket(1, 16, 2, compiled_bytes=100, run_s=0.001), Bucket(4, 16, 2, compiled_bytes=120, run_s=0.003),
                              Bucket(1, 64, 8, compiled_bytes=150, run_s=0.004), Bucket(4, 64, 8, compiled_bytes=300, run_s=0.012)),
@@ -54,7 +54,7 @@ def tiny_enc(tmp_path_factory):
     import tiny
 
     path = tiny.write_checkpoint(tmp_path_factory.mktemp("t") / "ckpt")
-    return Encoder.from_pretrained(str(path), buckets=TINY_TABLE)
+    return warm_encoder(path, TINY_TABLE)
 
 
 async def test_plan_endpoint_never_runs_the_model_or_compiles(make_server, tiny_enc):

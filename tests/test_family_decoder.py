@@ -8,14 +8,15 @@ the long documents.
 
 import dataclasses
 
+import hf_tiny
 import numpy as np
 import pytest
+from conftest import warm_encoder
 
-import hf_tiny
 from jaxserve import Encoder
-from jaxserve.buckets import fixed
 from jaxserve.errors import CheckpointError
 from jaxserve.models import FAMILIES, decoder
+from jaxserve.runtime.buckets import fixed
 
 VOCAB = hf_tiny.vocab("decoder")
 PAD = VOCAB["<|im_end|>"]  # a classifier's pad token: never in the texts, so transformers scores the last token
@@ -57,7 +58,7 @@ def arch(request, tmp_path_factory):
     path = write(tmp_path_factory.mktemp(model_type) / "ckpt", model_type)
     hf_tiny.sentence_transformers_dir(path, pooling="lasttoken", max_seq_length=MAX_LEN)
     model = hf_tiny.torch_model(path, ARCHS[model_type][0] + "Model")
-    return model_type, path, model, Encoder.from_pretrained(str(path), buckets=PACKED)
+    return model_type, path, model, warm_encoder(path, PACKED)
 
 
 LONG_DOCS = ["x", "the model", "a batch of jax documents is the query " * 3,
@@ -123,7 +124,7 @@ def test_classifier_logits_match_transformers(tmp_path, model_type):
     labels = {0: "neg", 1: "neutral", 2: "pos"}
     suffix = "ForSequenceClassification"
     path = write(tmp_path / model_type, model_type, suffix=suffix, num_labels=3, id2label=labels)
-    enc = Encoder.from_pretrained(str(path), buckets=FULL_LENGTH)
+    enc = warm_encoder(path, FULL_LENGTH)
     assert enc.head.labels == ("neg", "neutral", "pos")
     model = hf_tiny.torch_model(path, ARCHS[model_type][0] + suffix)
     want = np.stack([hf_tiny.logits(model, ids) for ids in enc.tokenizer.encode(TEXTS)])

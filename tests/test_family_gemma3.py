@@ -10,15 +10,16 @@ query_pre_attn_scalar 32 != head_dim; the long documents run past the window sev
 
 import dataclasses
 
+import hf_tiny
 import numpy as np
 import pytest
+from conftest import warm_encoder
 
-import hf_tiny
 from jaxserve import Encoder
-from jaxserve.buckets import fixed
 from jaxserve.errors import CheckpointError
 from jaxserve.models import FAMILIES, gemma3
 from jaxserve.models.attention import Spec
+from jaxserve.runtime.buckets import fixed
 
 VOCAB = hf_tiny.vocab("gemma")
 WINDOW = 8  # config.json's sliding_window
@@ -59,7 +60,7 @@ def arch(request, tmp_path_factory):
     path = write(tmp_path_factory.mktemp(request.param) / "ckpt", request.param)
     hf_tiny.sentence_transformers_dir(path, pooling="mean", max_seq_length=MAX_LEN)
     model = hf_tiny.torch_model(path, "Gemma3TextModel")
-    return request.param, path, model, Encoder.from_pretrained(str(path), buckets=PACKED)
+    return request.param, path, model, warm_encoder(path, PACKED)
 
 
 def test_hidden_states_match_transformers(arch):
@@ -100,7 +101,7 @@ def test_classifier_logits_match_transformers(tmp_path):
     labels = {0: "neg", 1: "neutral", 2: "pos"}
     path = write(tmp_path / "cls", "embeddinggemma", "Gemma3TextForSequenceClassification", num_labels=3,
                  id2label=labels)
-    enc = Encoder.from_pretrained(str(path), buckets=FULL_LENGTH)
+    enc = warm_encoder(path, FULL_LENGTH)
     assert enc.head.labels == ("neg", "neutral", "pos") and enc.family.pooling_for_head(enc.model_config) == "lasttoken"
     model = hf_tiny.torch_model(path, "Gemma3TextForSequenceClassification")
     want = np.stack([hf_tiny.logits(model, ids) for ids in enc.tokenizer.encode(TEXTS)])

@@ -8,16 +8,15 @@ by side: each must get the rotary positions and the window it gets alone.
 
 import json
 
+import hf_tiny
 import numpy as np
 import pytest
+from conftest import cosine_rows, warm_encoder
 
-import hf_tiny
-from conftest import cosine_rows
-from jaxserve import Encoder
-from jaxserve.buckets import fixed
 from jaxserve.errors import CheckpointError
 from jaxserve.models import FAMILIES, modernbert
 from jaxserve.models.attention import visible
+from jaxserve.runtime.buckets import fixed
 
 MAX_LEN = 128  # tokens, special ones included: the tiny model's max_position_embeddings
 HIDDEN = 32
@@ -98,7 +97,7 @@ def embedder(tmp_path_factory):
     transformers' last hidden states of each of TEXTS."""
     path = write(tmp_path_factory.mktemp("modernbert") / "emb")
     hf_tiny.sentence_transformers_dir(path, pooling="mean", max_seq_length=MAX_LEN, hidden_size=HIDDEN)
-    enc = Encoder.from_pretrained(str(path), buckets=PACKED)
+    enc = warm_encoder(path, PACKED)
     torch_model = hf_tiny.torch_model(path, "ModernBertModel")
     seqs = sequences(enc)
     return path, enc, seqs, [hf_tiny.hidden(torch_model, ids) for ids in seqs]
@@ -149,13 +148,13 @@ def test_packed_rows_equal_padded_rows(embedder):
     lengths = np.diff(pieces.offsets)
     shared = [packed_rows.members[a:b] for a, b in zip(packed_rows.starts[:-1], packed_rows.starts[1:]) if b - a > 1]
     assert any((lengths[row] > LOCAL_ATTENTION).sum() > 1 for row in shared), "long documents must share rows"
-    padded = Encoder.from_pretrained(str(path), buckets=PADDED)
+    padded = warm_encoder(path, PADDED)
     np.testing.assert_allclose(enc.embed(texts), padded.embed(texts), atol=2e-5)
 
 
 def test_bfloat16_close_to_float32_reference(embedder):
     path, _, _, reference = embedder
-    enc = Encoder.from_pretrained(str(path), dtype="bfloat16", buckets=PACKED)
+    enc = warm_encoder(path, PACKED, dtype="bfloat16")
     want = np.stack([h.mean(0) for h in reference])
     assert cosine_rows(enc.embed(TEXTS), want).min() >= 0.999
 
@@ -178,7 +177,7 @@ def test_classifier_logits_match_transformers(tmp_path, pooling, biases):
     flags = {k: biases for k in ("attention_bias", "mlp_bias", "norm_bias", "classifier_bias")}
     path = write(tmp_path / "clf", head="ForSequenceClassification", classifier_pooling=pooling,
                  num_labels=3, id2label=labels, label2id={v: k for k, v in labels.items()}, **flags)
-    enc = Encoder.from_pretrained(str(path), buckets=PACKED)
+    enc = warm_encoder(path, PACKED)
     assert enc.head.labels == ("neg", "neutral", "pos") and enc.family.pooling_for_head(enc.model_config) == pooling
     torch_model = hf_tiny.torch_model(path, "ModernBertForSequenceClassification")
     want = np.stack([hf_tiny.logits(torch_model, ids) for ids in sequences(enc)])

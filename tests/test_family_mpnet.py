@@ -7,16 +7,16 @@ document after another one: it must get the positions and bias it gets alone in 
 
 import dataclasses
 
+import hf_tiny
 import jax
 import numpy as np
 import pytest
+from conftest import cosine_rows, warm_encoder
 
-import hf_tiny
-from conftest import cosine_rows
 from jaxserve import Encoder
-from jaxserve.buckets import fixed
 from jaxserve.errors import CheckpointError
 from jaxserve.models import FAMILIES, mpnet
+from jaxserve.runtime.buckets import fixed
 
 MAX_LEN = 128  # tokens, special ones included: both tiny models' position tables end here
 HIDDEN = 32
@@ -109,7 +109,7 @@ def embedder(request, tmp_path_factory):
     case = CASES[request.param]
     path = case.write(tmp_path_factory.mktemp(case.family) / "emb")
     hf_tiny.sentence_transformers_dir(path, pooling="mean", max_seq_length=MAX_LEN, hidden_size=HIDDEN)
-    enc = Encoder.from_pretrained(str(path), buckets=PACKED)
+    enc = warm_encoder(path, PACKED)
     torch_model = hf_tiny.torch_model(path, f"{case.prefix}Model")
     seqs = sequences(enc)
     reference = [hf_tiny.hidden(torch_model, ids) for ids in seqs]
@@ -149,12 +149,12 @@ def test_packed_rows_equal_padded_rows(embedder):
     texts = TEXTS + [f"doc {i} " + "the model " * (i % 5) for i in range(12)]
     _, rows = embedder.enc.prepare(texts)
     assert rows.layout == "packed" and rows.docs.max() > 1  # rows really are shared
-    padded = Encoder.from_pretrained(str(embedder.path), buckets=PADDED)
+    padded = warm_encoder(embedder.path, PADDED)
     np.testing.assert_allclose(embedder.enc.embed(texts), padded.embed(texts), atol=2e-5)
 
 
 def test_bfloat16_close_to_float32_reference(embedder):
-    enc = Encoder.from_pretrained(str(embedder.path), dtype="bfloat16", buckets=PACKED)
+    enc = warm_encoder(embedder.path, PACKED, dtype="bfloat16")
     want = np.stack([h.mean(0) for h in embedder.reference])
     assert cosine_rows(enc.embed(TEXTS), want).min() >= 0.999
 
@@ -166,13 +166,13 @@ def test_classifier_logits_match_transformers(tmp_path, name):
     labels = {0: "neg", 1: "neutral", 2: "pos"}
     path = case.write(tmp_path / "clf", head="ForSequenceClassification", num_labels=3, id2label=labels,
                       label2id={v: k for k, v in labels.items()})
-    enc = Encoder.from_pretrained(str(path), buckets=PACKED)
+    enc = warm_encoder(path, PACKED)
     assert enc.head.kind == "classifier" and enc.head.labels == ("neg", "neutral", "pos")
     torch_model = hf_tiny.torch_model(path, f"{case.prefix}ForSequenceClassification")
     want = np.stack([hf_tiny.logits(torch_model, ids) for ids in sequences(enc)])
     got = enc.classify(TEXTS)
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
-    padded = Encoder.from_pretrained(str(path), buckets=PADDED)
+    padded = warm_encoder(path, PADDED)
     np.testing.assert_allclose(padded.classify(TEXTS), got, atol=2e-5)
 
 

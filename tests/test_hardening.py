@@ -7,11 +7,10 @@ import sys
 from pathlib import Path
 
 import pytest
-
 import tiny
-from conftest import TINY_TABLE, SlowEngine
-from jaxserve import Encoder
-from jaxserve.launch import free_port, served
+from conftest import TINY_TABLE, SlowEngine, warm_encoder
+
+from jaxserve.integrations.launch import free_port, served
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
 
@@ -30,7 +29,7 @@ def test_schemathesis_fuzz_finds_no_server_error(tiny_files):
     with served(port, "--model", str(path), "--buckets", str(table), "--no-cache") as (url, _):
         import aiohttp
 
-        from jaxserve.launch import wait_ready
+        from jaxserve.integrations.launch import wait_ready
 
         async def ready():
             async with aiohttp.ClientSession() as s:
@@ -69,7 +68,7 @@ def test_soak_loses_nothing_and_leaks_nothing(tiny_files):
 
 @pytest.fixture(scope="module")
 def tiny_enc(tiny_files):
-    return Encoder.from_pretrained(str(tiny_files[0]), buckets=TINY_TABLE)
+    return warm_encoder(tiny_files[0], TINY_TABLE)
 
 
 async def test_concurrency_limit_gives_429(make_server, tiny_enc):

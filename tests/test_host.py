@@ -6,9 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from jaxserve import host
-from jaxserve.batcher import MAX_QUEUE_TOKENS, MIN_QUEUE_TOKENS, queue_tokens
-from jaxserve.buckets import (
+from jaxserve.runtime import host
+from jaxserve.runtime.buckets import (
     HOST_DISPATCH_S,
     Bucket,
     BucketTable,
@@ -16,7 +15,8 @@ from jaxserve.buckets import (
     fixed,
     throughput_knee,
 )
-from jaxserve.planner import cost_model
+from jaxserve.scheduling.batcher import MAX_QUEUE_TOKENS, MIN_QUEUE_TOKENS, queue_tokens
+from jaxserve.scheduling.planner import cost_model
 
 
 def test_pools_follow_the_usable_cores_and_keep_two_threads_on_a_small_host():
@@ -42,7 +42,7 @@ def test_usable_cores_are_the_affinity_not_the_machine(monkeypatch):
 
 
 def test_server_state_sizes_its_pools_by_the_rule_or_the_config(monkeypatch):
-    from jaxserve.state import AppState, ServerConfig
+    from jaxserve.http.state import AppState, ServerConfig
 
     monkeypatch.setattr(host, "usable_cores", lambda: 16)
     state = AppState(ServerConfig(), None)
@@ -87,7 +87,7 @@ def test_the_tables_measured_host_cost_replaces_the_constant():
 
 
 def test_the_queue_bound_in_the_server_config_is_tokens():
-    from jaxserve.state import ServerConfig
+    from jaxserve.http.state import ServerConfig
 
     assert ServerConfig().max_queue_tokens is None  # the table's: a few seconds of device work
     with pytest.raises(ValueError, match="positive"):

@@ -4,12 +4,12 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxserve.batcher import Batcher
-from jaxserve.buckets import fixed
-from jaxserve import output_chunks
-from jaxserve.jobs import Job, assemble, most_per_row, ragged_arange, scatter
-from jaxserve.planner import pack
-from jaxserve.tokenize import from_sequences
+from jaxserve.checkpoint.tokenize import from_sequences
+from jaxserve.runtime import output_chunks
+from jaxserve.runtime.buckets import fixed
+from jaxserve.scheduling.batcher import Batcher
+from jaxserve.scheduling.jobs import Job, assemble, most_per_row, ragged_arange, scatter
+from jaxserve.scheduling.planner import pack
 
 TABLES = [fixed([(4, 16), (2, 64), (2, 128)], layout="packed"), fixed([(4, 16), (2, 64), (2, 128)]),
           fixed([(b, s) for s in (16, 64, 128) for b in (1, 4)], layout="packed")]

@@ -6,12 +6,12 @@ import os
 import jax
 import numpy as np
 import pytest
+from conftest import TINY_TABLE, warm_encoder
 from safetensors.numpy import load_file, save_file
 
-from conftest import TINY_TABLE
 from jaxserve import Encoder
 from jaxserve.errors import CheckpointError
-from jaxserve.server import AppState, ServerConfig
+from jaxserve.http.server import AppState, ServerConfig
 
 
 def test_missing_weights(tiny_checkpoint):
@@ -19,14 +19,14 @@ def test_missing_weights(tiny_checkpoint):
     os.remove(path / "model.safetensors")
     (path / "pytorch_model.bin").write_bytes(b"")
     with pytest.raises(CheckpointError, match=r"no model\.safetensors \(found: .*pytorch_model\.bin"):
-        Encoder.from_pretrained(str(path), buckets=TINY_TABLE)
+        warm_encoder(path, TINY_TABLE)
 
 
 def test_missing_config(tiny_checkpoint):
     path = tiny_checkpoint()
     os.remove(path / "config.json")
     with pytest.raises(CheckpointError, match=r"no config\.json \(found: .*model\.safetensors"):
-        Encoder.from_pretrained(str(path), buckets=TINY_TABLE)
+        warm_encoder(path, TINY_TABLE)
 
 
 def test_unknown_architecture(tiny_checkpoint):
@@ -35,7 +35,7 @@ def test_unknown_architecture(tiny_checkpoint):
     cfg["model_type"] = "gpt2"
     (path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match=r"unsupported model_type 'gpt2'.*GPT2LMHeadModel"):
-        Encoder.from_pretrained(str(path), buckets=TINY_TABLE)
+        warm_encoder(path, TINY_TABLE)
 
 
 @pytest.mark.parametrize(
@@ -53,14 +53,14 @@ def test_bad_config(tiny_checkpoint, edit, message):
     edit(cfg)
     (path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match=message):
-        Encoder.from_pretrained(str(path), buckets=TINY_TABLE)
+        warm_encoder(path, TINY_TABLE)
 
 
 def test_config_not_json(tiny_checkpoint):
     path = tiny_checkpoint()
     (path / "config.json").write_text("{not json")
     with pytest.raises(CheckpointError, match=r"cannot read .*config\.json"):
-        Encoder.from_pretrained(str(path), buckets=TINY_TABLE)
+        warm_encoder(path, TINY_TABLE)
 
 
 def test_config_disagrees_with_weights(tiny_checkpoint):
@@ -69,7 +69,7 @@ def test_config_disagrees_with_weights(tiny_checkpoint):
     cfg["intermediate_size"] = 48
     (path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match=r"intermediate\.dense\.weight: shape \(32, 64\) does not fit"):
-        Encoder.from_pretrained(str(path), buckets=TINY_TABLE)
+        warm_encoder(path, TINY_TABLE)
 
 
 def test_missing_and_unknown_tensors_are_named(tiny_checkpoint):
@@ -79,7 +79,7 @@ def test_missing_and_unknown_tensors_are_named(tiny_checkpoint):
     tensors["encoder.layer.1.adapter.weight"] = np.zeros(3, np.float32)
     save_file(tensors, str(path / "model.safetensors"))
     with pytest.raises(CheckpointError) as err:
-        Encoder.from_pretrained(str(path), buckets=TINY_TABLE)
+        warm_encoder(path, TINY_TABLE)
     assert "missing encoder.layer.1.output.dense.bias" in str(err.value)
     assert "unknown tensors encoder.layer.1.adapter.weight" in str(err.value)
 
@@ -87,12 +87,12 @@ def test_missing_and_unknown_tensors_are_named(tiny_checkpoint):
 def test_prefixed_task_checkpoint_loads(tiny_checkpoint):
     """`bert.`-prefixed tensors (as in *ForSequenceClassification checkpoints) load the same encoder."""
     path = tiny_checkpoint()
-    plain = Encoder.from_pretrained(str(path), buckets=TINY_TABLE).embed(["the model"])
+    plain = warm_encoder(path, TINY_TABLE).embed(["the model"])
     tensors = load_file(path / "model.safetensors")
     prefixed = {f"bert.{k}": v for k, v in tensors.items()}
     prefixed["classifier.weight"] = np.zeros((2, 32), np.float32)
     save_file(prefixed, str(path / "model.safetensors"))
-    np.testing.assert_allclose(Encoder.from_pretrained(str(path), buckets=TINY_TABLE).embed(["the model"]), plain, atol=1e-6)
+    np.testing.assert_allclose(warm_encoder(path, TINY_TABLE).embed(["the model"]), plain, atol=1e-6)
 
 
 @pytest.mark.parametrize("pooling, message", [
@@ -104,7 +104,7 @@ def test_unsupported_pooling(tiny_checkpoint, pooling, message):
     path = tiny_checkpoint()
     (path / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
     with pytest.raises(CheckpointError, match=message):
-        Encoder.from_pretrained(str(path), buckets=TINY_TABLE)
+        warm_encoder(path, TINY_TABLE)
 
 
 def test_unknown_module_and_dense_activation_are_clear_errors(tiny_checkpoint):
@@ -113,14 +113,14 @@ def test_unknown_module_and_dense_activation_are_clear_errors(tiny_checkpoint):
     (path / "modules.json").write_text(json.dumps(modules + [{"idx": 9, "name": "9", "path": "9_X",
                                                                "type": "sentence_transformers.models.LayerNorm"}]))
     with pytest.raises(CheckpointError, match="LayerNorm.*cannot run"):
-        Encoder.from_pretrained(str(path), buckets=TINY_TABLE)
+        warm_encoder(path, TINY_TABLE)
     (path / "modules.json").write_text(json.dumps(modules[:2] + [{"idx": 2, "name": "2", "path": "2_Dense",
                                                                   "type": "sentence_transformers.models.Dense"}]))
     (path / "2_Dense").mkdir()
     (path / "2_Dense" / "config.json").write_text(json.dumps({"in_features": 32, "out_features": 8,
                                                                "activation_function": "my.Activation"}))
     with pytest.raises(CheckpointError, match="my.Activation"):
-        Encoder.from_pretrained(str(path), buckets=TINY_TABLE)
+        warm_encoder(path, TINY_TABLE)
 
 
 def test_not_a_directory(tmp_path):
@@ -148,7 +148,7 @@ def test_missing_directory(tmp_path):
 def test_unnamed_model_comes_from_jaxserve_model_env(tiny_checkpoint, monkeypatch):
     path = tiny_checkpoint()
     monkeypatch.setenv("JAXSERVE_MODEL", str(path))
-    enc = Encoder.from_pretrained(None, buckets=TINY_TABLE)
+    enc = warm_encoder(None, TINY_TABLE)
     assert enc.path == path and enc.model_config.hidden_size == 32
     assert AppState(ServerConfig(), None).model_name == str(path)  # what responses report as `model`
     monkeypatch.setenv("JAXSERVE_MODEL", str(path / "nope"))

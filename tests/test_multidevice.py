@@ -9,7 +9,8 @@ SCRIPT = textwrap.dedent("""
     sys.path.insert(0, "tests")
     import jax, numpy as np, tiny
     from pathlib import Path
-    from jaxserve import Encoder, compiles
+    from jaxserve import Encoder
+    from jaxserve.runtime import compiles
     assert len(jax.devices()) == 2, jax.devices()
     path = tiny.write_checkpoint(Path(sys.argv[1]))
     docs = ["the model " * (i % 11) + f"doc {i}" for i in range(61)]

@@ -11,15 +11,17 @@ Parity: the same token count per text, cosine >= 0.9999 per token.
 import json
 import string
 
+import hf_tiny
 import numpy as np
 import pytest
+from conftest import warm_encoder
 from hypothesis import given, settings
 from hypothesis import strategies as hs
 
-import hf_tiny
-from jaxserve import Encoder, multivector
-from jaxserve.buckets import fixed
+from jaxserve import Encoder
 from jaxserve.errors import InputError
+from jaxserve.heads import multivector
+from jaxserve.runtime.buckets import fixed
 
 QUERY_LENGTH = 16
 DOCUMENT_LENGTH = 48
@@ -140,7 +142,7 @@ def assert_same_tokens(got, want, min_cos=0.9999):
 @pytest.fixture(scope="module")
 def st_model(tmp_path_factory):
     path = st_checkpoint(tmp_path_factory.mktemp("mve"))
-    return path, Encoder.from_pretrained(str(path), dtype="float32", buckets=TABLE)
+    return path, warm_encoder(path, TABLE, dtype="float32")
 
 
 @pytest.mark.parametrize("kind", ["query", "document"])
@@ -164,7 +166,7 @@ def test_multivector_encoder_variants(tmp_path, options):
     """Expansion tokens attended to, a floor-only expansion, none, neither normalisation nor skiplist, and
     ModernBERT (sliding-window layers of 20 positions either side: shorter than the 48-token documents)."""
     path = st_checkpoint(tmp_path, **options)
-    enc = Encoder.from_pretrained(str(path), dtype="float32", buckets=TABLE)
+    enc = warm_encoder(path, TABLE, dtype="float32")
     for kind, texts in (("query", QUERIES), ("document", DOCUMENTS)):
         assert_same_tokens(enc.embed_multivector(texts, kind=kind), reference(path, texts, kind))
 
@@ -177,9 +179,9 @@ def test_expansion_past_a_sliding_window_is_refused(tmp_path):
 
     path = st_checkpoint(tmp_path / "hidden", family="modernbert", local=8)
     with pytest.raises(CheckpointError, match="sliding window"):
-        Encoder.from_pretrained(str(path), dtype="float32", buckets=TABLE)
+        warm_encoder(path, TABLE, dtype="float32")
     path = st_checkpoint(tmp_path / "attended", family="modernbert", local=8, attend=True)
-    enc = Encoder.from_pretrained(str(path), dtype="float32", buckets=TABLE)
+    enc = warm_encoder(path, TABLE, dtype="float32")
     assert_same_tokens(enc.embed_multivector(QUERIES, kind="query"), reference(path, QUERIES, "query"))
 
 
@@ -188,7 +190,7 @@ def test_expansion_past_a_sliding_window_is_refused(tmp_path):
 def test_pylate_checkpoint_parity(tmp_path, options):
     """PyLate's layout: the marker token inserted after [CLS], its lengths, its default punctuation skiplist."""
     path = pylate_checkpoint(tmp_path, **options)
-    enc = Encoder.from_pretrained(str(path), dtype="float32", buckets=TABLE)
+    enc = warm_encoder(path, TABLE, dtype="float32")
     assert enc.head.kind == "multivector" and enc.colbert.prefix_ids[0] is not None
     for kind, texts in (("query", QUERIES), ("document", DOCUMENTS)):
         got = enc.embed_multivector(texts, kind=kind)
@@ -200,19 +202,19 @@ KIND = {"query": 0, "document": 1}
 
 
 def run_pieces(enc, pieces):
-    from jaxserve.jobs import Job
-    from jaxserve.planner import pack
-    from jaxserve.service import run_jobs
+    from jaxserve.scheduling.jobs import Job
+    from jaxserve.scheduling.pipeline import run_jobs
+    from jaxserve.scheduling.planner import pack
 
-    job = Job(pack(pieces.lengths, enc.token_table), pieces.ids, pieces.offsets, None, enc.token_dim, output="tokens")
-    run_jobs(enc.engine, enc.token_table, [job])
+    job = Job(pack(pieces.lengths, enc.warm_token_table()), pieces.ids, pieces.offsets, None, enc.token_dim, output="tokens")
+    run_jobs(enc.engine, enc.warm_token_table(), [job])
     return [job.token_vectors(p) for p in range(pieces.count)]
 
 
 def test_hidden_expansion_tokens_are_no_keys(st_model):
     """attend=False: the real tokens' vectors are those of the query without its expansion tokens (they are no
     keys); the expansion tokens' own vectors differ from those of plain mask tokens (which are keys)."""
-    from jaxserve.tokenize import from_sequences
+    from jaxserve.checkpoint.tokenize import from_sequences
 
     _, enc = st_model
     ids = enc.multivector_pieces(["the model"], "query").seqs[0]
@@ -228,7 +230,7 @@ def test_hidden_expansion_tokens_are_no_keys(st_model):
 def test_packed_rows_match_one_per_row(st_model):
     """Several queries and documents packed in one row give each text's own vectors."""
     path, enc = st_model
-    one = Encoder.from_pretrained(str(path), dtype="float32", buckets=fixed([(4, 16), (4, 64)], layout="padded"))
+    one = warm_encoder(path, fixed([(4, 16), (4, 64)], layout="padded"), dtype="float32")
     for kind, texts in (("query", QUERIES), ("document", DOCUMENTS)):
         packed = enc.embed_multivector(texts, kind=kind)
         assert max(len(d.parts) for d in enc.last_dispatches) >= 1
@@ -343,7 +345,7 @@ async def test_dense_routes_on_a_multivector_model_and_the_reverse(make_server, 
     bad = await client.post("/v1/embeddings", json={"input": ["x"], "is_query": "yes"})
     assert bad.status == 400
     assert (await client.post("/v1/embeddings", json={"input": ["x"]})).status == 200
-    dense = Encoder.from_pretrained(str(tiny.write_checkpoint(tmp_path / "dense")), buckets=TINY_TABLE)
+    dense = warm_encoder(tiny.write_checkpoint(tmp_path / "dense"), TINY_TABLE)
     dense_client = await make_server(dense)
     resp = await dense_client.post("/rerank", json={"query": "a", "texts": ["b"]})
     assert resp.status == 422
@@ -353,7 +355,7 @@ async def test_dense_routes_on_a_multivector_model_and_the_reverse(make_server, 
 def test_warm_artifact_keeps_every_token_bucket(tmp_path, st_model):
     """A multi-vector model warms its per-token output at every bucket of the table (not only each seqlen's
     smallest, as /embed_all), and a second start loads them from the warm artifact, compiling nothing."""
-    from jaxserve import compiles, startup
+    from jaxserve.runtime import compiles, startup
 
     path, _ = st_model
     cache = tmp_path / "cache"
@@ -362,7 +364,7 @@ def test_warm_artifact_keeps_every_token_bucket(tmp_path, st_model):
         enc = Encoder.from_pretrained(str(path), dtype="float32")
         before = compiles.xla_compiles_total()
         started = startup.Startup()
-        table = startup.warm(enc, TABLE, tokens=True, cache=cache, startup=started)
+        table = startup.start(enc, TABLE, tokens=True, cache=cache, startup=started)
         built = compiles.xla_compiles_total() - before
         assert [(b.shape, b.slots) for b in enc.engine.tables["tokens"].buckets] == \
             [(b.shape, b.slots) for b in table.buckets]

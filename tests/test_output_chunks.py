@@ -4,8 +4,8 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from jaxserve import output_chunks
-from jaxserve.buckets import MAX_SLOTS
+from jaxserve.runtime import output_chunks
+from jaxserve.runtime.buckets import MAX_SLOTS
 
 
 def test_ends_of_the_served_slot_counts():

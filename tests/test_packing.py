@@ -2,12 +2,12 @@
 
 import numpy as np
 import pytest
-
 from conftest import cosine_rows
+
 from jaxserve import Encoder
-from jaxserve.buckets import fixed
+from jaxserve.checkpoint.tokenize import from_sequences
 from jaxserve.errors import InputError
-from jaxserve.tokenize import from_sequences
+from jaxserve.runtime.buckets import fixed
 
 SMALL = [(4, 64), (4, 128), (2, 256)]
 
@@ -108,7 +108,7 @@ def test_key_mask_equals_segment_mask_for_one_document_rows(tiny_checkpoint):
 def test_attention_bias_equals_softmax_over_visible_keys():
     """The additive-bias attention equals a float64 softmax over each query's visible keys only;
     a query that sees no key gets the plain mean of the values (uniform softmax), not NaN."""
-    from jaxserve.models.attention import FULL, _dense, attend, attention_bias, Masks, visible
+    from jaxserve.models.attention import FULL, Masks, _dense, attend, attention_bias, visible
 
     rng = np.random.default_rng(0)
     b, s, n, h = 2, 12, 3, 8

@@ -4,10 +4,8 @@ import json
 
 import numpy as np
 import pytest
-
 import tiny
-from conftest import MINILM_SMALL_TABLE, TINY_TABLE, FIXTURES, cosine_rows
-from jaxserve import Encoder
+from conftest import FIXTURES, MINILM_SMALL_TABLE, TINY_TABLE, cosine_rows, warm_encoder
 
 
 def test_minilm_matches_sentence_transformers_float32(minilm, minilm_reference):
@@ -21,7 +19,7 @@ def test_minilm_matches_sentence_transformers_float32(minilm, minilm_reference):
 
 def test_minilm_matches_sentence_transformers_bfloat16(minilm_reference):
     texts, want = minilm_reference
-    enc = Encoder.from_pretrained(None, dtype="bfloat16", buckets=MINILM_SMALL_TABLE)
+    enc = warm_encoder(None, MINILM_SMALL_TABLE, dtype="bfloat16")
     got = enc.embed(texts)
     assert got.dtype == np.float32
     cos = cosine_rows(got, want)
@@ -39,7 +37,7 @@ def test_tiny_model_matches_transformers_pytorch(tmp_path, model_type):
     """Hidden states equal transformers' BertModel / RobertaModel (RoBERTa's position offset included)."""
     ref = np.load(FIXTURES / "tiny_torch_reference.npz")
     path = tiny.write_checkpoint(tmp_path / model_type, model_type=model_type)
-    enc = Encoder.from_pretrained(str(path), buckets=TINY_TABLE)
+    enc = warm_encoder(path, TINY_TABLE)
     texts = ["the model", "a batch of jax documents is the query", "x", "hello, world! 42"]
     seqs = enc.tokenizer.encode(texts)
     for i, ids in enumerate(seqs):

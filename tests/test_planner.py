@@ -5,8 +5,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxserve.buckets import Bucket, BucketTable, fixed, geometric_ladder, slots_for
-from jaxserve.planner import UNTIMED_PACK_WIDTH, cheapest_cover, pack, pack_width
+from jaxserve.runtime.buckets import Bucket, BucketTable, fixed, geometric_ladder, slots_for
+from jaxserve.scheduling.planner import UNTIMED_PACK_WIDTH, cheapest_cover, pack, pack_width
 
 TABLES = {
     "padded": fixed([(8, 16), (4, 32), (4, 64), (2, 128)]),

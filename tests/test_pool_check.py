@@ -3,11 +3,12 @@
 import logging
 
 import pytest
-
 from conftest import TINY_TABLE
-from jaxserve import Encoder, device
-from jaxserve.buckets import Bucket, TableTooLarge, batch_fitter, check_fits
-from jaxserve.engine import compiled_bytes
+
+from jaxserve import Encoder
+from jaxserve.runtime import device
+from jaxserve.runtime.buckets import Bucket, TableTooLarge, batch_fitter, check_fits
+from jaxserve.runtime.engine import compiled_bytes
 
 GB = 10**9
 
@@ -43,7 +44,7 @@ def test_table_file_over_the_live_pool_is_refused_at_warmup(tiny_checkpoint, mon
     with pytest.raises(TableTooLarge, match=rf"batch 4 x seqlen 64 needs {large}.*seqlen 64: batch [123]\b"):
         Encoder.from_pretrained(str(tiny_checkpoint("again")), buckets=path)
     monkeypatch.setattr(device, "_memory_limit", lambda dev: 10 * large)
-    assert Encoder.from_pretrained(str(tiny_checkpoint("again")), buckets=path).table.max_seqlen == 64
+    assert Encoder.from_pretrained(str(tiny_checkpoint("again")), buckets=path).warm_table().max_seqlen == 64
 
 
 def test_device_memory_above_the_live_pool_warns(monkeypatch, caplog):

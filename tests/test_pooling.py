@@ -4,11 +4,10 @@ import json
 
 import numpy as np
 import pytest
-
 import tiny
-from conftest import TINY_TABLE, cosine_rows
-from jaxserve import Encoder
-from jaxserve.tokenize import TextTokenizer
+from conftest import TINY_TABLE, cosine_rows, warm_encoder
+
+from jaxserve.checkpoint.tokenize import TextTokenizer
 
 TEXTS = ["the model", "a batch of jax documents is the query and the query is long", "x", "hello, world! 42", ""]
 
@@ -24,7 +23,7 @@ def reference(path, texts, pooling, normalize=True, max_len=64):
 @pytest.mark.parametrize("pooling", ["mean", "cls", "max", "lasttoken"])
 def test_pooling_modes_match_reference(tiny_checkpoint, pooling, model_type):
     path = tiny_checkpoint(pooling=pooling, model_type=model_type)
-    enc = Encoder.from_pretrained(str(path), buckets=TINY_TABLE)
+    enc = warm_encoder(path, TINY_TABLE)
     assert enc.embedding_config.pooling == pooling
     got = enc.embed(TEXTS)
     want = reference(path, TEXTS, pooling)
@@ -33,7 +32,7 @@ def test_pooling_modes_match_reference(tiny_checkpoint, pooling, model_type):
 
 def test_normalize_off_returns_raw_pooled_vectors(tiny_checkpoint):
     path = tiny_checkpoint(pooling="mean")
-    got = Encoder.from_pretrained(str(path), buckets=TINY_TABLE).embed(TEXTS, normalize=False)
+    got = warm_encoder(path, TINY_TABLE).embed(TEXTS, normalize=False)
     want = reference(path, TEXTS, "mean", normalize=False)
     np.testing.assert_allclose(got, want, atol=2e-5)
     assert not np.allclose(np.linalg.norm(got, axis=1), 1.0)
@@ -41,7 +40,7 @@ def test_normalize_off_returns_raw_pooled_vectors(tiny_checkpoint):
 
 def test_plain_transformers_checkpoint_defaults_to_mean_at_full_length(tiny_checkpoint):
     path = tiny_checkpoint(pooling=None)
-    enc = Encoder.from_pretrained(str(path), buckets=TINY_TABLE)
+    enc = warm_encoder(path, TINY_TABLE)
     assert enc.embedding_config.pooling == "mean"
     assert enc.embedding_config.max_seq_length == 64
     assert not enc.embedding_config.normalize  # sentence-transformers adds no Normalize module either
@@ -49,7 +48,7 @@ def test_plain_transformers_checkpoint_defaults_to_mean_at_full_length(tiny_chec
 
 def test_max_seq_length_from_sentence_bert_config_truncates(tiny_checkpoint):
     path = tiny_checkpoint(max_seq_length=10)
-    enc = Encoder.from_pretrained(str(path), buckets=TINY_TABLE)
+    enc = warm_encoder(path, TINY_TABLE)
     long_text = "the model " * 30
     (ids,) = enc.tokenizer.encode([long_text])
     assert len(ids) == 10 and ids[0] == 2 and ids[-1] == 3  # [CLS] ... [SEP]
@@ -60,7 +59,7 @@ def test_max_seq_length_from_sentence_bert_config_truncates(tiny_checkpoint):
 
 def test_roberta_limit_accounts_for_position_offset(tiny_checkpoint):
     path = tiny_checkpoint(model_type="roberta")
-    enc = Encoder.from_pretrained(str(path), buckets=TINY_TABLE)
+    enc = warm_encoder(path, TINY_TABLE)
     assert enc.model_config.position_offset == 2
     assert enc.embedding_config.max_seq_length == 64  # 66 positions - offset
     (ids,) = enc.tokenizer.encode(["a " * 200])

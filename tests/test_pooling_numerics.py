@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from jax.extend.core import ClosedJaxpr, Literal
 
-from jaxserve.pooling import pool
+from jaxserve.heads.pooling import pool
 
 MODES = ("mean", "mean_sqrt_len_tokens", "weightedmean", "max", "cls", "lasttoken", "cls+mean")
 LENGTHS = (3001, 1000, 77)  # one row of 4096 slots: documents past TF32's exact integers, and short ones

@@ -5,17 +5,14 @@ import asyncio
 import aiohttp
 import numpy as np
 import pytest
-
-import tiny
-from conftest import TINY_TABLE
-from jaxserve import Encoder
-from jaxserve.launch import free_port
-from jaxserve.server import ServerConfig
-
 import ray
+import tiny
+from conftest import TINY_TABLE, warm_encoder
 from ray import serve
 
-from jaxserve.ray_serve import AUTOSCALE_TARGET, build_app, deployment
+from jaxserve.http.server import ServerConfig
+from jaxserve.integrations.launch import free_port
+from jaxserve.integrations.ray_serve import AUTOSCALE_TARGET, build_app, deployment
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +34,7 @@ def cluster(tmp_path_factory):
 async def test_http_through_ray_proxy_spreads_over_replicas_in_order(cluster):
     url, _, path = cluster
     docs = [f"document {i} " + "jax " * (i % 11) for i in range(60)]
-    want = Encoder.from_pretrained(str(path), buckets=TINY_TABLE).embed(docs)
+    want = warm_encoder(path, TINY_TABLE).embed(docs)
     replicas = set()
     async with aiohttp.ClientSession() as session:
         async def one(i):
@@ -64,7 +61,7 @@ def test_deployment_handle_embeds_without_http(cluster):
     _, handle, path = cluster
     docs = ["hello world", "static shapes", "jax " * 40]
     got = handle.embed.remote(docs).result()
-    want = Encoder.from_pretrained(str(path), buckets=TINY_TABLE).embed(docs)
+    want = warm_encoder(path, TINY_TABLE).embed(docs)
     np.testing.assert_allclose(got, want, atol=1e-5)
     with pytest.raises(Exception, match="must not be empty"):
         handle.embed.remote([]).result()

@@ -7,15 +7,14 @@ activations, Normalize only where listed, and prompts (`prompt_name`,
 
 import json
 
+import hf_tiny
 import numpy as np
 import pytest
 import transformers
+from conftest import cosine_rows, warm_encoder
 
-import hf_tiny
-from conftest import cosine_rows
-from jaxserve import Encoder
-from jaxserve.buckets import fixed
 from jaxserve.errors import InputError
+from jaxserve.runtime.buckets import fixed
 
 TABLE = fixed([(2, 16), (4, 16), (2, 32), (4, 32), (2, 64), (4, 64)], layout="packed")
 TEXTS = ["the model", "a batch of jax documents is the query and the query is long", "x", "hello, world! 42",
@@ -43,13 +42,13 @@ def full(tmp_path_factory):
     """mean pooling -> Dense (tanh) -> Dense (identity, no bias) -> Normalize, with prompts and a default."""
     path = checkpoint(tmp_path_factory.mktemp("st") / "full", pooling="mean", dense=DENSE, prompts=PROMPTS,
                       default_prompt_name="document")
-    return path, Encoder.from_pretrained(str(path), buckets=TABLE), sentence_transformer(path)
+    return path, warm_encoder(path, TABLE), sentence_transformer(path)
 
 
 @pytest.mark.parametrize("pooling", ["cls", "max", "mean", "mean_sqrt_len", "weightedmean", "lasttoken"])
 def test_every_pooling_mode_matches_sentence_transformers(tmp_path, pooling):
     path = checkpoint(tmp_path / pooling, pooling=pooling, normalize=False)
-    enc = Encoder.from_pretrained(str(path), buckets=TABLE)
+    enc = warm_encoder(path, TABLE)
     want = sentence_transformer(path).encode(TEXTS)
     got = enc.embed(TEXTS)  # no Normalize module: raw pooled vectors, as sentence-transformers
     assert cosine_rows(got, want).min() >= 0.99999
@@ -61,7 +60,7 @@ def test_several_modes_are_concatenated_in_sentence_transformers_order(tmp_path)
     path = checkpoint(tmp_path / "multi", pooling="mean")
     flags = {"pooling_mode_mean_tokens": True, "pooling_mode_cls_token": True, "pooling_mode_max_tokens": True}
     (path / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 32, **flags}))
-    enc = Encoder.from_pretrained(str(path), buckets=TABLE)
+    enc = warm_encoder(path, TABLE)
     assert enc.embedding_config.pooling == "cls+max+mean" and enc.dim == 96
     want = sentence_transformer(path).encode(TEXTS)
     assert cosine_rows(enc.embed(TEXTS), want).min() >= 0.99999
@@ -105,7 +104,7 @@ def test_unknown_prompt_name_names_the_known_ones(full):
 
 def test_bfloat16_pipeline(full):
     path, _, st = full
-    enc = Encoder.from_pretrained(str(path), dtype="bfloat16", buckets=TABLE)
+    enc = warm_encoder(path, TABLE, dtype="bfloat16")
     assert cosine_rows(enc.embed(TEXTS, prompt_name="query"), st.encode(TEXTS, prompt_name="query")).min() >= 0.999
 
 
@@ -142,7 +141,7 @@ async def test_server_default_prompt_name(make_server, full):
 
 
 def test_a_default_prompt_name_the_model_lacks_stops_the_server_at_start(full):
-    from jaxserve.server import ServerConfig, check_prompt
+    from jaxserve.http.server import ServerConfig, check_prompt
 
     with pytest.raises(InputError, match="unknown prompt_name 'nope'"):
         check_prompt(ServerConfig(default_prompt_name="nope"), full[1])
@@ -176,11 +175,11 @@ def decoder_checkpoint(path, family):
 @pytest.mark.parametrize("family", ["qwen3", "gemma3"])
 def test_decoder_embedder_pipelines_match_sentence_transformers(tmp_path, family):
     path, pad = decoder_checkpoint(tmp_path / family, family)
-    enc = Encoder.from_pretrained(str(path), buckets=TABLE)
+    enc = warm_encoder(path, TABLE)
     st = hf_tiny.sentence_transformer_on_tokenizer_json(path, pad, 64)
     for name in ("query", "document"):
         got, want = enc.embed(TEXTS, prompt_name=name), st.encode(TEXTS, prompt_name=name)
         assert got.shape == want.shape and cosine_rows(got, want).min() >= 0.99999, name
     np.testing.assert_allclose(np.linalg.norm(enc.embed(TEXTS), axis=1), 1.0, atol=1e-5)
-    bf16 = Encoder.from_pretrained(str(path), dtype="bfloat16", buckets=TABLE)
+    bf16 = warm_encoder(path, TABLE, dtype="bfloat16")
     assert cosine_rows(bf16.embed(TEXTS, prompt_name="query"), st.encode(TEXTS, prompt_name="query")).min() >= 0.999

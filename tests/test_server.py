@@ -5,9 +5,9 @@ import asyncio
 import numpy as np
 import openai
 import pytest
-
 from conftest import cosine_rows
-from jaxserve import compiles
+
+from jaxserve.runtime import compiles
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 

@@ -13,10 +13,9 @@ import sys
 import aiohttp
 import pytest
 import tiny
-from conftest import TINY_TABLE, SlowEngine
+from conftest import TINY_TABLE, SlowEngine, warm_encoder
 
-from jaxserve import Encoder
-from jaxserve.state import STATE
+from jaxserve.http.state import STATE
 
 GOOD = {"input": ["the model", "a query"]}
 TEI_PATHS = ("/embed", "/embed_all", "/similarity", "/predict", "/rerank", "/tokenize", "/decode")
@@ -30,7 +29,7 @@ def tiny_path(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tiny_enc(tiny_path):
-    return Encoder.from_pretrained(str(tiny_path), buckets=TINY_TABLE)
+    return warm_encoder(tiny_path, TINY_TABLE)
 
 
 async def assert_good(client):
@@ -158,7 +157,7 @@ def test_sigterm_finishes_accepted_requests_then_exits(tiny_path, tmp_path):
     """The real `jaxserve serve` process: SIGTERM during load loses no accepted request."""
     table = tmp_path / "table.json"
     TINY_TABLE.save(table)
-    from jaxserve.launch import free_port, wait_ready
+    from jaxserve.integrations.launch import free_port, wait_ready
 
     port = free_port()
     proc = subprocess.Popen(

@@ -6,13 +6,15 @@ sentence-transformers with max_seq_length 128. Parity: the same non-zero
 indices, values within 1e-4 relative.
 """
 
+import hf_tiny
 import numpy as np
 import pytest
+from conftest import warm_encoder
 
-import hf_tiny
-from jaxserve import Encoder, sparse
-from jaxserve.buckets import fixed
+from jaxserve import Encoder
 from jaxserve.errors import InputError
+from jaxserve.heads import sparse
+from jaxserve.runtime.buckets import fixed
 
 MAX_LEN = 128
 PACKED = fixed([(4, MAX_LEN)], layout="packed")
@@ -67,7 +69,7 @@ def assert_same_sparse(got: list[list[dict]], want) -> None:
 @pytest.fixture(scope="module")
 def splade(tmp_path_factory):
     path = splade_checkpoint(tmp_path_factory.mktemp("splade"))
-    return path, Encoder.from_pretrained(str(path), buckets=PACKED)
+    return path, warm_encoder(path, PACKED)
 
 
 def test_matches_sparse_encoder(splade):
@@ -83,7 +85,7 @@ def test_matches_sparse_encoder(splade):
 @pytest.mark.parametrize("model, strategy, activation", [("distilbert", "max", "relu"), ("bert", "sum", "log1p_relu")])
 def test_other_heads_and_poolings(tmp_path, model, strategy, activation):
     path = splade_checkpoint(tmp_path, model, strategy, activation)
-    enc = Encoder.from_pretrained(str(path), buckets=PACKED)
+    enc = warm_encoder(path, PACKED)
     assert_same_sparse(enc.embed_sparse(TEXTS), reference(path, TEXTS))
 
 
@@ -91,6 +93,8 @@ def test_vocabulary_blocks_and_cap(splade, monkeypatch):
     """Blocks that do not divide the vocabulary give the same weights; a cap below a text's non-zeros is an error."""
     path, _ = splade
     monkeypatch.setattr(sparse, "BLOCK", 10)  # 152 entries: 16 blocks, the last one padded
+    # warmed directly, not through the run's warm artifacts: the block and the cap change the executables, and
+    # neither is in the artifact's key yet (issue "No client takes more than its key grants")
     blocked = Encoder.from_pretrained(str(path), buckets=PACKED)
     assert_same_sparse(blocked.embed_sparse(TEXTS), reference(path, TEXTS))
     monkeypatch.setenv(sparse.CAP_ENV, "8")
@@ -159,7 +163,7 @@ async def test_dense_routes_on_a_sparse_model_and_the_reverse(make_server, splad
     chunk = await client.post("/embed_sparse", json={"inputs": TEXTS, "long": "chunk"})
     assert chunk.status == 422 and "chunk" in (await chunk.json())["error"]
     assert (await client.post("/embed_sparse", json={"inputs": TEXTS[:1]})).status == 200
-    dense = Encoder.from_pretrained(str(tiny.write_checkpoint(tmp_path / "dense")), buckets=TINY_TABLE)
+    dense = warm_encoder(tiny.write_checkpoint(tmp_path / "dense"), TINY_TABLE)
     dense_client = await make_server(dense)
     resp = await dense_client.post("/embed_sparse", json={"inputs": TEXTS})
     assert resp.status == 422

@@ -9,13 +9,12 @@ sentence-transformers' own `encode` gives them.
 
 import json
 
-import pytest
-
 import hf_tiny
-from conftest import cosine_rows
-from jaxserve import Encoder
-from jaxserve.buckets import fixed
-from jaxserve.config import max_seq_length, read_model_config
+import pytest
+from conftest import cosine_rows, warm_encoder
+
+from jaxserve.checkpoint.config import max_seq_length, read_model_config
+from jaxserve.runtime.buckets import fixed
 
 MAX_LEN = 128
 POSITIONS = 512
@@ -97,7 +96,7 @@ def test_truncation_as_sentence_transformers(family, tmp_path):
     assert json.loads((path / "tokenizer_config.json").read_text())["model_max_length"] == MAX_LEN
     st = SentenceTransformer(str(path), device="cpu")
     assert st.max_seq_length == MAX_LEN
-    enc = Encoder.from_pretrained(str(path), buckets=TABLE)
+    enc = warm_encoder(path, TABLE)
     assert enc.family.name == family or family in ("mistral", "qwen3")
     assert enc.embedding_config.max_seq_length == MAX_LEN
     lengths = [len(s) for s in enc.tokenizer.encode(TEXTS)]
@@ -119,7 +118,7 @@ def test_dense_use_residual(tmp_path):
     path = st6_checkpoint(tmp_path, "bert", dense=True)
     layers = [json.loads((path / f"{i}_Dense" / "config.json").read_text()) for i in (2, 3)]
     assert all(layer["use_residual"] for layer in layers)
-    enc = Encoder.from_pretrained(str(path), buckets=TABLE)
+    enc = warm_encoder(path, TABLE)
     assert enc.dim == 16 and [d.residual for d in enc.embedding_config.dense] == [True, True]
     cos = cosine_rows(enc.embed(TEXTS), SentenceTransformer(str(path), device="cpu").encode(TEXTS))
     assert cos.min() >= 0.99999, cos

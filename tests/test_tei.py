@@ -5,10 +5,8 @@ import json
 
 import numpy as np
 import pytest
-
 import tiny
-from conftest import TINY_TABLE, cosine_rows
-from jaxserve import Encoder
+from conftest import TINY_TABLE, cosine_rows, warm_encoder
 
 TEXTS = ["the model", "a batch of jax documents is the query", "x", "hello, world! 42"]
 
@@ -16,19 +14,19 @@ TEXTS = ["the model", "a batch of jax documents is the query", "x", "hello, worl
 @pytest.fixture(scope="module")
 def embedder(tmp_path_factory):
     path = tiny.write_checkpoint(tmp_path_factory.mktemp("tei") / "emb")
-    return path, Encoder.from_pretrained(str(path), buckets=TINY_TABLE)
+    return path, warm_encoder(path, TINY_TABLE)
 
 
 @pytest.fixture(scope="module")
 def classifier(tmp_path_factory):
     path = tiny.write_checkpoint(tmp_path_factory.mktemp("tei") / "cls", num_labels=3)
-    return path, Encoder.from_pretrained(str(path), buckets=TINY_TABLE)
+    return path, warm_encoder(path, TINY_TABLE)
 
 
 @pytest.fixture(scope="module")
 def reranker(tmp_path_factory):
     path = tiny.write_checkpoint(tmp_path_factory.mktemp("tei") / "rr", num_labels=1)
-    return path, Encoder.from_pretrained(str(path), buckets=TINY_TABLE)
+    return path, warm_encoder(path, TINY_TABLE)
 
 
 async def test_root_embeds_or_compares_for_an_embedding_model(make_server, embedder):

@@ -3,7 +3,7 @@
 from hypothesis import given
 from hypothesis import strategies as st
 
-from jaxserve import timing
+from jaxserve.runtime import timing
 
 
 class FakeDevice:

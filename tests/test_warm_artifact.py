@@ -7,8 +7,9 @@ import threading
 import numpy as np
 import pytest
 
-from jaxserve import Encoder, artifact, compiles, startup
-from jaxserve.derivation import TableOptions
+from jaxserve import Encoder
+from jaxserve.runtime import artifact, compiles, startup
+from jaxserve.runtime.derivation import TableOptions
 
 OPTIONS = TableOptions(seqlens=(16, 64), max_batch=16)
 TEXTS = ["the model is jax", "a query", "the " * 40]
@@ -18,7 +19,7 @@ def warm(path, cache, options=OPTIONS, tokens=True):
     enc = Encoder.from_pretrained(str(path))
     started = startup.Startup()
     before = compiles.xla_compiles_total()
-    table = startup.warm(enc, options, tokens=tokens, cache=cache, startup=started)
+    table = startup.start(enc, options, tokens=tokens, cache=cache, startup=started)
     return enc, table, started, compiles.xla_compiles_total() - before
 
 
@@ -49,7 +50,7 @@ def test_a_corrupt_or_truncated_artifact_is_skipped_with_its_reason_and_replaced
     raw = bytearray(good.read_bytes())
     raw[len(raw) // 2] ^= 0xFF
     good.write_bytes(bytes(raw))
-    with caplog.at_level(logging.INFO, logger="jaxserve.startup"):
+    with caplog.at_level(logging.INFO, logger="jaxserve.runtime.startup"):
         _, _, started, built = warm(path, cache, tokens=False)
     assert built > 0 and "corrupt" in started.source["artifact_skipped"] and "corrupt" in caplog.text
     assert warm(path, cache, tokens=False)[3] == 0  # the rebuilt artifact replaced it
@@ -119,23 +120,23 @@ def test_an_artifact_of_a_table_file_is_keyed_by_the_tables_content(tiny_checkpo
 
     path, cache = tiny_checkpoint(), tmp_path / "cache"
     enc = Encoder.from_pretrained(str(path))
-    startup.warm(enc, TINY_TABLE, cache=cache)
+    startup.start(enc, TINY_TABLE, cache=cache)
     started = startup.Startup()
     enc2 = Encoder.from_pretrained(str(path))
-    table = startup.warm(enc2, TINY_TABLE, cache=cache, startup=started)
+    table = startup.start(enc2, TINY_TABLE, cache=cache, startup=started)
     assert started.source["source"] == "artifact" and [b.shape for b in table.buckets] == [b.shape for b in TINY_TABLE.buckets]
     with pytest.raises(artifact.Skipped, match="differs in table"):
         artifact.load(cache / "warm", enc2, artifact.key_fields(enc2, TINY_TABLE.__class__(
             TINY_TABLE.buckets[:2], layout="packed"), ("pooled",)))
 
 
-def test_encoder_warm_start_uses_the_artifact_the_server_would(tiny_checkpoint, tmp_path):
+def test_encoder_start_uses_the_artifact_the_server_would(tiny_checkpoint, tmp_path):
     path, cache = tiny_checkpoint(), tmp_path / "cache"
     first = Encoder.from_pretrained(str(path))
-    table = first.warm_start(OPTIONS, cache=cache)
+    table = first.start(OPTIONS, cache=cache)
     second = Encoder.from_pretrained(str(path))
     before = compiles.xla_compiles_total()
-    assert second.warm_start(OPTIONS, cache=cache) == table and compiles.xla_compiles_total() == before
+    assert second.start(OPTIONS, cache=cache) == table and compiles.xla_compiles_total() == before
 
 
 def test_no_artifact_is_made_from_executables_of_jaxs_persistent_cache(tiny_checkpoint, tmp_path):
@@ -143,7 +144,9 @@ def test_no_artifact_is_made_from_executables_of_jaxs_persistent_cache(tiny_chec
     import jax
 
     path = tiny_checkpoint()
-    compiles.enable_persistent_cache(tmp_path / "xla")
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path / "xla"))  # what a user might enable
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)  # every compile stored, however quick
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
     try:
         warm(path, None, tokens=False)  # fills JAX's cache
         enc, _, started, _ = warm(path, tmp_path / "cache", tokens=False)  # its compiles are cache hits

@@ -3,12 +3,7 @@
 from __future__ import annotations
 
 from jaxserve.errors import CheckpointError
-from jaxserve.models import bert
-from jaxserve.models import decoder
-from jaxserve.models import distilbert
-from jaxserve.models import gemma3
-from jaxserve.models import modernbert
-from jaxserve.models import mpnet
+from jaxserve.models import bert, decoder, distilbert, gemma3, modernbert, mpnet
 from jaxserve.models.family import ArchConfig, Family
 
 FAMILIES: dict[str, Family] = {t: f.FAMILY for f in (bert, decoder, distilbert, gemma3, modernbert, mpnet) for t in f.FAMILY.model_types}

@@ -29,7 +29,7 @@ Implementations (`IMPLEMENTATIONS`), chosen per bucket by `plan` (static, compil
 seqlen. A layer a fused kernel cannot express (a score bias; a window, or for
 cuDNN a non-causal one) runs the xla implementation inside the same bucket;
 grouped-query heads are repeated for Pallas. A bucket whose fused kernel fails
-to compile is compiled again with the next candidate (`jaxserve.engine`).
+to compile is compiled again with the next candidate (`jaxserve.runtime.engine`).
 
 Skipping key blocks (blockwise) and the kernel's causal rule (pallas) count in
 row slots, where the masks count in document positions: both agree because a
@@ -48,7 +48,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from jaxserve.buckets import blockwise_block
+from jaxserve.dims import blockwise_block
 
 IMPLEMENTATIONS = ("dense", "blockwise", "pallas", "cudnn")
 CHOICES = ("auto", "pallas", "cudnn", "xla", "blockwise")  # what `--attention` takes
@@ -261,7 +261,7 @@ def visible(seg_q, pos_q, seg_k, pos_k, spec: Spec, packed: bool = True) -> jax.
 def same_document(seg_q, pos_q, seg_k, pos_k, spec: Spec) -> jax.Array:
     """Boolean [B, Sq, Sk]: the key is a real token of the query's document that the spec lets it see.
 
-    A token of segment -k (a multi-vector query's expansion token, `jaxserve.multivector`) is a query of
+    A token of segment -k (a multi-vector query's expansion token, `jaxserve.heads.multivector`) is a query of
     document k but no key of any."""
     ok = (jnp.abs(seg_q)[:, :, None] == seg_k[:, None, :]) & (seg_k > 0)[:, None, :]  # [B, Sq, Sk]
     delta = pos_q[:, :, None] - pos_k[:, None, :]  # query position - key position, within a document

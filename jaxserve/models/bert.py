@@ -11,11 +11,11 @@ import dataclasses
 import jax.numpy as jnp
 from flax import linen as nn
 
-from jaxserve.buckets import ModelDims
+from jaxserve.dims import ModelDims
 from jaxserve.errors import CheckpointError
 from jaxserve.models import attention, layers
-from jaxserve.models.family import Family
 from jaxserve.models.attention import Masks
+from jaxserve.models.family import Family
 from jaxserve.models.layers import dense, embedding, layer_norm, linear
 
 MODEL_TYPES = ("bert", "roberta", "xlm-roberta", "camembert")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Protocol
 
-from jaxserve.buckets import ModelDims
+from jaxserve.dims import ModelDims
 from jaxserve.errors import CheckpointError
 
 

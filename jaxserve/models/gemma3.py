@@ -19,7 +19,7 @@ import math
 import jax.numpy as jnp
 from flax import linen as nn
 
-from jaxserve.buckets import ModelDims
+from jaxserve.dims import ModelDims
 from jaxserve.errors import CheckpointError
 from jaxserve.models import layers
 from jaxserve.models.attention import Masks, Spec, attend

@@ -1,7 +1,7 @@
 """Building blocks the families share: Flax layers, rotary positions, and checkpoint-name helpers.
 
 Weight helpers describe one leaf of our params tree as (the checkpoint's
-tensor names, how to turn them into the leaf); `jaxserve.checkpoint` applies
+tensor names, how to turn them into the leaf); `jaxserve.checkpoint.loader` applies
 them and checks every shape.
 """
 

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 
-from jaxserve.buckets import ModelDims
+from jaxserve.dims import ModelDims
 from jaxserve.errors import CheckpointError
 from jaxserve.models import layers
 from jaxserve.models.attention import Masks

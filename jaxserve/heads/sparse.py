@@ -1,0 +1,191 @@
+"""Sparse (SPLADE) embeddings, as sentence-transformers' `SparseEncoder` computes them.
+
+A SPLADE checkpoint is a masked-LM (a `fill-mask` Transformer module) followed
+by `SpladePooling`: per sequence, `log(1 + relu(logits))` pooled over its
+tokens (max, or sum), one weight per vocabulary entry, most of them zero.
+
+Two things keep it cheap on a device:
+- the vocabulary projection runs in blocks of `BLOCK` entries (`lax.map`), each
+  block pooled before the next is computed: no [B, S, vocab] tensor exists, only
+  [B, S, BLOCK] at a time and the pooled [B, K, vocab];
+- the device compacts each sequence's non-zeros to the front (index order) and
+  ships [B, K, 1 + 2 * cap] (count, values, indices) instead of [B, K, vocab].
+  Below the cap that is lossless; a sequence with more non-zeros than the cap
+  is an error naming `JAXSERVE_SPARSE_CAP`, never a silent cut.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.errors import CheckpointError, InputError
+from jaxserve.models import layers
+
+BLOCK = 4096  # vocabulary entries projected at a time
+CAP_ENV = "JAXSERVE_SPARSE_CAP"  # non-zeros shipped per sequence
+DEFAULT_CAP = 2048  # (or the vocabulary, if smaller): trained SPLADE models keep far fewer (docs/models.md)
+STRATEGIES = ("max", "sum")
+ACTIVATIONS = ("relu", "log1p_relu")
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseConfig:
+    """SpladePooling's config, and what the device ships per sequence."""
+
+    vocab_size: int
+    strategy: str = "max"  # max | sum over a sequence's tokens
+    activation: str = "relu"  # relu: log1p(relu(x)); log1p_relu: log1p(log1p(relu(x)))
+    cap: int = 0  # non-zeros shipped per sequence
+
+    @property
+    def out_dim(self) -> int:
+        """Width of one sequence's device output: its count, then `cap` values, then `cap` indices."""
+        return 1 + 2 * self.cap
+
+    @classmethod
+    def from_module(cls, raw: dict, vocab_size: int, cap: int | None = None) -> "SparseConfig":
+        strategy = raw.get("pooling_strategy", "max")
+        activation = raw.get("activation_function", "relu")
+        if strategy not in STRATEGIES or activation not in ACTIVATIONS:
+            raise CheckpointError(f"SpladePooling {raw}: pooling_strategy must be one of {STRATEGIES}, "
+                                  f"activation_function one of {ACTIVATIONS}")
+        if cap is None:
+            cap = int(os.environ.get(CAP_ENV) or DEFAULT_CAP)
+        return cls(vocab_size, strategy, activation, max(1, min(int(cap), vocab_size)))
+
+
+# family -> the MLM head's tensors: transform dense, its LayerNorm, untied decoder weight, decoder bias(es)
+MLM_HEADS = {
+    "bert": ("cls.predictions.transform.dense", "cls.predictions.transform.LayerNorm", "cls.predictions.decoder.weight",
+             ("cls.predictions.bias", "cls.predictions.decoder.bias")),
+    "roberta": ("lm_head.dense", "lm_head.layer_norm", "lm_head.decoder.weight", ("lm_head.bias", "lm_head.decoder.bias")),
+    "distilbert": ("vocab_transform", "vocab_layer_norm", "vocab_projector.weight", ("vocab_projector.bias",)),
+}
+
+
+def mlm_kind(family: str, model_type: str) -> str:
+    if family == "bert":
+        return "bert" if model_type == "bert" else "roberta"
+    if family == "distilbert":
+        return "distilbert"
+    raise CheckpointError(f"SPLADE checkpoints of the {family} family are not supported (BERT, RoBERTa, XLM-R, "
+                          "DistilBERT masked-LM heads are)")
+
+
+def load_head(path: Path, family: str, cfg, dtype) -> dict:
+    """The masked-LM head's params: transform {kernel, bias}, ln {scale, bias}, bias [V], decoder [V, D] if untied."""
+    from jaxserve.checkpoint.loader import read_tensors
+
+    dense, norm, decoder, biases = MLM_HEADS[mlm_kind(family, cfg.model_type)]
+    tensors = read_tensors(path)
+    find = lambda name: next((tensors[k] for k in (name, f"{cfg.model_type}.{name}") if k in tensors), None)
+    got = {n: find(n) for n in (f"{dense}.weight", f"{dense}.bias", f"{norm}.weight", f"{norm}.bias")}
+    bias = next((find(b) for b in biases if find(b) is not None), None)
+    missing = [n for n, v in got.items() if v is None] + ([] if bias is not None else [biases[0]])
+    if missing:
+        raise CheckpointError(f"{path} is a SPLADE checkpoint without its masked-LM head: missing {', '.join(missing)}")
+    d, v = cfg.hidden_size, cfg.vocab_size
+    cast = lambda x: np.ascontiguousarray(np.asarray(x, np.float32)).astype(dtype)
+    head = {"transform": {"kernel": cast(got[f"{dense}.weight"].T), "bias": cast(got[f"{dense}.bias"])},
+            "ln": {"scale": cast(got[f"{norm}.weight"]), "bias": cast(got[f"{norm}.bias"])},
+            "bias": np.asarray(bias, np.float32)}
+    untied = find(decoder)
+    if untied is not None:
+        head["decoder"] = cast(untied)
+    if head["transform"]["kernel"].shape != (d, d) or head["bias"].shape != (v,) or \
+            head.get("decoder", np.zeros((v, d))).shape != (v, d):
+        raise CheckpointError(f"{path}: the masked-LM head's shapes do not fit hidden_size {d}, vocab_size {v}")
+    return head
+
+
+def transform(cfg, head: dict, hidden_bsd: jax.Array) -> jax.Array:
+    """The MLM head before its vocabulary projection: dense, activation, LayerNorm -> [B, S, D] float32."""
+    x = hidden_bsd.astype(jnp.float32) @ head["transform"]["kernel"].astype(jnp.float32) + head["transform"]["bias"]
+    act = "gelu" if cfg.model_type in ("roberta", "xlm-roberta", "camembert") else cfg.hidden_act
+    x = layers.ACTIVATIONS[act](x)
+    mu = x.mean(-1, keepdims=True)
+    var = ((x - mu) ** 2).mean(-1, keepdims=True)
+    x = (x - mu) / jnp.sqrt(var + cfg.layer_norm_eps)
+    return x * head["ln"]["scale"].astype(jnp.float32) + head["ln"]["bias"].astype(jnp.float32)
+
+
+def _activate(sparse: SparseConfig, x):
+    y = jnp.log1p(jax.nn.relu(x))
+    return jnp.log1p(y) if sparse.activation == "log1p_relu" else y
+
+
+def pooled_weights(sparse: SparseConfig, t_bsd, decoder_vd, bias_v, member_bsk) -> jax.Array:
+    """[B, S, D] head states -> [B, K, V] float32 SPLADE weights per sequence, `BLOCK` vocabulary entries at a time.
+
+    max: the activation is monotone, so the max of the activated logits is the activated max of the logits
+    (exact); padding and other sequences' tokens count as logit 0, as sentence-transformers masks them."""
+    v = decoder_vd.shape[0]
+    block = min(BLOCK, v)
+    nb = -(-v // block)
+    pad = nb * block - v
+    dec = jnp.pad(decoder_vd.astype(jnp.float32), ((0, pad), (0, 0))).reshape(nb, block, -1)  # [NB, VB, D]
+    bias = jnp.pad(bias_v.astype(jnp.float32), (0, pad)).reshape(nb, block)  # [NB, VB]
+    k = member_bsk.shape[-1]
+
+    def one(args):
+        dec_b, bias_b = args
+        logits = jnp.einsum("bsd,vd->bsv", t_bsd, dec_b) + bias_b  # [B, S, VB]
+        if sparse.strategy == "sum":
+            return jnp.einsum("bsk,bsv->bkv", member_bsk, _activate(sparse, logits),
+                              precision=jax.lax.Precision.HIGHEST)  # [B, K, VB]
+        slot_max = [jnp.where(member_bsk[:, :, j : j + 1] > 0, logits, 0.0).max(axis=1) for j in range(k)]
+        return _activate(sparse, jnp.stack(slot_max, axis=1))  # [B, K, VB]
+
+    blocks = jax.lax.map(one, (dec, bias))  # [NB, B, K, VB]
+    b = t_bsd.shape[0]
+    return jnp.moveaxis(blocks, 0, 2).reshape(b, k, nb * block)[..., :v]  # [B, K, V]
+
+
+def compact(weights_bkv: jax.Array, cap: int) -> jax.Array:
+    """[B, K, V] -> [B, K, 1 + 2 cap]: the non-zero count, then up to `cap` values and their indices, in index order."""
+    b, k, v = weights_bkv.shape
+    nonzero = weights_bkv > 0
+    count = nonzero.sum(-1)  # [B, K]
+    place = jnp.where(nonzero, jnp.cumsum(nonzero, -1) - 1, cap)  # [B, K, V] each non-zero's slot, cap: dropped
+    place = jnp.minimum(place, cap)
+    rows = jnp.arange(b)[:, None, None]
+    slots = jnp.arange(k)[None, :, None]
+    values = jnp.zeros((b, k, cap + 1), jnp.float32).at[rows, slots, place].set(weights_bkv)
+    index = jnp.broadcast_to(jnp.arange(v, dtype=jnp.float32), (b, k, v))  # exact below 2**24
+    indices = jnp.zeros((b, k, cap + 1), jnp.float32).at[rows, slots, place].set(index)
+    return jnp.concatenate([count[..., None].astype(jnp.float32), values[..., :cap], indices[..., :cap]], -1)
+
+
+def sparse_forward(module, cfg, sparse: SparseConfig, num_segments: int, params, batch: dict) -> jax.Array:
+    """Pure forward: packed rows -> [B, K, 1 + 2 cap] compacted SPLADE weights of each sequence."""
+    from jaxserve.heads.pooling import segment_onehot
+
+    head = params["mlm"]
+    hidden = module.apply(
+        {"params": {k: v for k, v in params.items() if k != "mlm"}}, batch["token_ids"], batch["segment_ids"],
+        batch["positions"], batch["type_ids"], packed=num_segments > 1,
+    )  # [B, S, D]
+    decoder = head["decoder"] if "decoder" in head else params["embeddings"]["word"]["embedding"]  # [V, D]
+    member = segment_onehot(batch["segment_ids"], num_segments)  # [B, S, K]
+    weights = pooled_weights(sparse, transform(cfg, head, hidden), decoder, head["bias"], member)
+    return compact(weights, sparse.cap)
+
+
+def decode(out: np.ndarray, sparse: SparseConfig) -> list[list[dict]]:
+    """[P, 1 + 2 cap] device rows -> per sequence its non-zeros [{"index", "value"}], index order (TEI's shape)."""
+    result = []
+    for row in out:
+        n = int(row[0])
+        if n > sparse.cap:
+            raise InputError(f"an input has {n} non-zero sparse weights, over this server's cap of {sparse.cap} "
+                             f"({CAP_ENV}); raise it (up to the vocabulary, {sparse.vocab_size}) to get them all")
+        values = row[1 : 1 + n]
+        indices = row[1 + sparse.cap : 1 + sparse.cap + n].astype(np.int64)
+        result.append([{"index": int(i), "value": float(v)} for i, v in zip(indices, values)])
+    return result

@@ -1,0 +1,389 @@
+"""Request validation and response shapes of the HTTP API (OpenAI- and TEI-compatible), without HTTP.
+
+Each `parse_*` turns a decoded JSON body into a typed request or raises
+`ApiError` with the status and a message naming the offending field. An
+error is written in the shape its route's clients read: OpenAI's
+`{"error": {"message", "type", ...}}` on /v1/*, TEI's
+`{"error", "error_type"}` with TEI's status codes on TEI's routes (`tei()`).
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+
+import numpy as np
+import orjson
+
+from jaxserve.checkpoint.tokenize import LONG_MODES
+
+# Our error types -> TEI's (status, error_type): router/src/http/server.rs maps Validation and
+# Tokenizer to 422, Empty to 400, Overloaded to 429, Backend to 424, Unhealthy to 503.
+TEI_ERRORS = {
+    "rate_limit_error": (429, "Overloaded"),
+    "unavailable": (503, "Unhealthy"),
+    "timeout": (503, "Unhealthy"),
+    "server_error": (424, "Backend"),
+    "tokenizer_error": (422, "Tokenizer"),
+}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", headers: dict | None = None,
+                 tei: tuple[int, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.headers = headers or {}
+        self._tei = tei  # (status, error_type) where TEI's differ from the default mapping
+
+    def body(self) -> dict:
+        """OpenAI's error shape."""
+        return {"error": {"message": self.message, "type": self.type, "param": None, "code": None}}
+
+    def tei(self) -> tuple[int, dict]:
+        """TEI's status and error shape."""
+        status, kind = self._tei or TEI_ERRORS.get(self.type) or (
+            (self.status, "Unauthorized") if self.status == 401 else
+            (413, "Validation") if self.type == "body_too_large" else
+            (self.status, "Validation") if self.status in (404, 405) else (422, "Validation"))
+        return status, {"error": self.message, "error_type": kind}
+
+
+def _show(value) -> str:
+    """A request's value in an error message: a scalar cut short, a container by its type only. Bodies hold
+    values nested up to orjson's 1024 levels (repr() raises RecursionError) and megabytes long."""
+    if isinstance(value, str):
+        return repr(value) if len(value) <= 60 else repr(value[:60]) + "..."
+    if value is None or isinstance(value, (bool, float)) or (isinstance(value, int) and value.bit_length() <= 64):
+        return repr(value)
+    return {list: "an array", dict: "an object"}.get(type(value), type(value).__name__)
+
+
+def empty(field: str) -> ApiError:
+    return ApiError(400, f"`{field}` must not be empty", tei=(400, "Empty"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    max_client_batch: int  # inputs per request
+    max_input_chars: int  # characters per input
+
+
+@dataclasses.dataclass(frozen=True)
+class EmbedRequest:
+    texts: list[str] | None  # either texts ...
+    token_ids: list[np.ndarray] | None  # ... or pre-tokenized bodies (no special tokens)
+    long: str  # truncate | chunk | error
+    normalize: bool = True
+    dimensions: int | None = None
+    encoding_format: str = "float"
+    prompt_name: str | None = None  # one of the model's prompts ...
+    prompt: str | None = None  # ... or a prompt text, put in front of every input
+    direction: str = "right"  # which end truncation cuts
+    model: str | None = None  # the `model` field of an OpenAI request (names the tokenizer of its token ids)
+
+    @property
+    def count(self) -> int:
+        return len(self.texts if self.texts is not None else self.token_ids)
+
+
+def _inputs(value, field: str, limits: Limits, allow_tokens: bool) -> tuple[list[str] | None, list[np.ndarray] | None]:
+    """A string, a list of strings, or (OpenAI) a list of token ids or of token-id lists."""
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list):
+        raise ApiError(400, f"`{field}` must be a string or a list of strings, not {type(value).__name__}")
+    if not value:
+        raise empty(field)
+    if allow_tokens and all(isinstance(x, int) and not isinstance(x, bool) for x in value):
+        value = [value]  # one pre-tokenized input
+    if len(value) > limits.max_client_batch:
+        raise ApiError(413, f"`{field}` has {len(value)} inputs; at most {limits.max_client_batch} per request",
+                       "request_too_large")
+    if allow_tokens and all(isinstance(x, list) for x in value):
+        for i, ids in enumerate(value):
+            if not ids or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31 for t in ids):
+                raise ApiError(400, f"`{field}[{i}]` must be a non-empty list of non-negative token ids")
+        return None, [np.asarray(ids, np.int32) for ids in value]
+    for i, x in enumerate(value):
+        if not isinstance(x, str):
+            raise ApiError(400, f"`{field}[{i}]` must be a string, not {type(x).__name__}")
+        if len(x) > limits.max_input_chars:
+            raise ApiError(413, f"`{field}[{i}]` has {len(x)} characters; at most {limits.max_input_chars}",
+                           "request_too_large")
+    return value, None
+
+
+def _long_mode(body: dict, default: str) -> str:
+    long = body.get("long", default)
+    if long not in LONG_MODES:
+        raise ApiError(400, f"`long` must be one of {', '.join(LONG_MODES)}, not {_show(long)}")
+    return long
+
+
+def _object(body) -> dict:
+    if not isinstance(body, dict):
+        raise ApiError(400, f"the request body must be a JSON object, not {type(body).__name__}")
+    return body
+
+
+def _bool(body: dict, key: str, default):
+    """A boolean field; absent or null means `default`."""
+    value = body.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ApiError(400, f"`{key}` must be true or false, not {_show(value)}")
+    return value
+
+
+def _prompt(body: dict, limits: Limits) -> tuple[str | None, str | None]:
+    """`prompt_name` (TEI) or `prompt` (a text), at most one of them."""
+    name, text = body.get("prompt_name"), body.get("prompt")
+    for key, value in (("prompt_name", name), ("prompt", text)):
+        if value is not None and not isinstance(value, str):
+            raise ApiError(400, f"`{key}` must be a string, not {type(value).__name__}")
+    if name is not None and text is not None:
+        raise ApiError(400, "give `prompt_name` or `prompt`, not both")
+    if text is not None and len(text) > limits.max_input_chars:
+        raise ApiError(413, f"`prompt` has {len(text)} characters; at most {limits.max_input_chars}", "request_too_large")
+    return name, text
+
+
+def _openai_body(body) -> dict:
+    """An OpenAI embeddings body: an object with `input`."""
+    body = _object(body)
+    if "input" not in body:
+        raise ApiError(400, "missing required field `input`")
+    return body
+
+
+def parse_openai_embeddings(body, limits: Limits, dim: int, default_long: str) -> EmbedRequest:
+    body = _openai_body(body)
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise ApiError(400, "`model` must be a string")
+    texts, ids = _inputs(body["input"], "input", limits, allow_tokens=True)
+    fmt = body.get("encoding_format") or "float"
+    if fmt not in ("float", "base64"):
+        raise ApiError(400, f"`encoding_format` must be 'float' or 'base64', not {_show(fmt)}")
+    return EmbedRequest(texts, ids, _long_mode(body, default_long), True, _dimensions(body, dim), fmt,
+                        *_prompt(body, limits), model=model)
+
+
+def parse_multivector_embeddings(body, limits: Limits) -> tuple[list[str], str]:
+    """PyLate's EmbeddingRequest, OpenAI's shape: `input` (texts), `is_query` (default true, as PyLate's server)
+    -> (texts, query or document)."""
+    body = _openai_body(body)
+    texts, _ = _inputs(body["input"], "input", limits, allow_tokens=False)
+    fmt = body.get("encoding_format")
+    if fmt not in (None, "float"):
+        raise ApiError(400, f"a multi-vector model's embeddings are float lists: `encoding_format` {fmt!r} is not "
+                            "supported")
+    return texts, "query" if _bool(body, "is_query", True) else "document"
+
+
+def _dimensions(body: dict, dim: int) -> int | None:
+    dims = body.get("dimensions")
+    if dims is not None and (not isinstance(dims, int) or isinstance(dims, bool) or not 1 <= dims <= dim):
+        raise ApiError(400, f"`dimensions` must be an integer from 1 to {dim}, not {_show(dims)}")
+    return dims
+
+
+def _direction(body: dict) -> str:
+    direction = body.get("truncation_direction")
+    if direction is None:
+        return "right"
+    if not isinstance(direction, str) or direction.lower() not in ("left", "right"):
+        raise ApiError(400, f"`truncation_direction` must be Left or Right, not {_show(direction)}")
+    return direction.lower()
+
+
+def _tei_long(body: dict, default_long: str) -> str:
+    """TEI's `truncate` (absent: the server's default) -> our long-input mode."""
+    truncate = _bool(body, "truncate", None)
+    long = default_long if truncate is None else ("truncate" if truncate else "error")
+    return _long_mode(body, long)
+
+
+def parse_tei_embed(body, limits: Limits, dim: int, default_long: str) -> EmbedRequest:
+    """TEI /embed (and /embed_all): `inputs` texts or token-id lists (the model's vocabulary, as TEI)."""
+    body = _object(body)
+    if "inputs" not in body:
+        raise ApiError(400, "missing required field `inputs`")
+    texts, ids = _inputs(body["inputs"], "inputs", limits, allow_tokens=True)
+    return EmbedRequest(texts, ids, _tei_long(body, default_long), _bool(body, "normalize", True),
+                        _dimensions(body, dim), "float", *_prompt(body, limits), direction=_direction(body))
+
+
+def parse_tei_embed_sparse(body, limits: Limits, default_long: str) -> EmbedRequest:
+    """TEI /embed_sparse: /embed's `inputs`, `truncate`, `truncation_direction` and prompt; one output per input
+    (`long: chunk` has no sparse meaning)."""
+    req = parse_tei_embed(body, limits, 1, default_long)
+    if req.long == "chunk":
+        raise ApiError(400, "/embed_sparse gives each input's own weights: `long: chunk` does not apply")
+    return req
+
+
+def parse_similarity(body, limits: Limits, default_long: str) -> tuple[EmbedRequest, int]:
+    """TEI /similarity: `inputs` {source_sentence, sentences}, `parameters` {truncate, truncation_direction,
+    prompt_name} -> (an embed request of source then sentences, how many sentences)."""
+    body = _object(body)
+    inputs = body.get("inputs")
+    if not isinstance(inputs, dict):
+        raise ApiError(400, "`inputs` must be an object with `source_sentence` and `sentences`")
+    source, sentences = inputs.get("source_sentence"), inputs.get("sentences")
+    if not isinstance(source, str):
+        raise ApiError(400, "`inputs.source_sentence` must be a string")
+    if isinstance(sentences, list) and not sentences:
+        raise empty("inputs.sentences")
+    texts, _ = _inputs([source] + sentences if isinstance(sentences, list) else sentences, "inputs.sentences",
+                       limits, allow_tokens=False)
+    params = body.get("parameters") or {}
+    if not isinstance(params, dict):
+        raise ApiError(400, "`parameters` must be an object")
+    return EmbedRequest(texts, None, _tei_long(params, default_long), False, None, "float", *_prompt(params, limits),
+                        direction=_direction(params)), len(texts) - 1
+
+
+def parse_tokenize(body, limits: Limits) -> tuple[list[str], bool, str | None]:
+    """TEI /tokenize -> (texts, add_special_tokens, prompt_name)."""
+    body = _object(body)
+    if "inputs" not in body:
+        raise ApiError(400, "missing required field `inputs`")
+    texts, _ = _inputs(body["inputs"], "inputs", limits, allow_tokens=False)
+    name, _ = _prompt(body, limits)
+    return texts, _bool(body, "add_special_tokens", True), name
+
+
+def parse_decode(body, limits: Limits, vocab: int) -> tuple[list[list[int]], bool]:
+    """TEI /decode: `ids` (one list of token ids, or a list of them), `skip_special_tokens` (default true)."""
+    body = _object(body)
+    if "ids" not in body:
+        raise ApiError(400, "missing required field `ids`")
+    ids = body["ids"]
+    if isinstance(ids, list) and ids and all(isinstance(x, int) and not isinstance(x, bool) for x in ids):
+        ids = [ids]
+    if not isinstance(ids, list):
+        raise ApiError(400, "`ids` must be a list of token ids or a list of such lists")
+    if not ids:
+        raise empty("ids")
+    if len(ids) > limits.max_client_batch:
+        raise ApiError(413, f"`ids` has {len(ids)} inputs; at most {limits.max_client_batch} per request",
+                       "request_too_large")
+    for i, seq in enumerate(ids):
+        if not isinstance(seq, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
+                                                for t in seq):
+            raise ApiError(400, f"`ids[{i}]` must be a list of token ids from 0 to {vocab - 1}")
+        if len(seq) > limits.max_input_chars:
+            raise ApiError(413, f"`ids[{i}]` has {len(seq)} ids; at most {limits.max_input_chars}", "request_too_large")
+    return ids, _bool(body, "skip_special_tokens", True)
+
+
+def shape_vectors(vectors: np.ndarray, dimensions: int | None) -> np.ndarray:
+    """Truncate to `dimensions` and renormalise (Matryoshka-style, as OpenAI's `dimensions` does)."""
+    if dimensions is None or dimensions == vectors.shape[1]:
+        return vectors
+    cut = vectors[:, :dimensions]
+    return cut / np.maximum(np.linalg.norm(cut, axis=1, keepdims=True), 1e-12)
+
+
+def openai_body(vectors: np.ndarray, model: str, prompt_tokens: int, encoding_format: str) -> bytes:
+    """The OpenAI embeddings response as JSON bytes (float32 vectors written at float32's shortest repr)."""
+    if encoding_format == "base64":
+        encode = lambda v: base64.b64encode(v.tobytes()).decode("ascii")
+        vectors = np.ascontiguousarray(vectors, "<f4")
+    else:
+        encode = lambda v: v  # orjson writes numpy rows itself
+        vectors = np.ascontiguousarray(vectors, np.float32)
+    return orjson.dumps({
+        "object": "list",
+        "data": [{"object": "embedding", "index": i, "embedding": encode(v)} for i, v in enumerate(vectors)],
+        "model": model,
+        "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
+    }, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+@dataclasses.dataclass(frozen=True)
+class ClassifyRequest:
+    inputs: list  # texts, or (text, text) pairs
+    single: bool  # the body held one input (TEI answers it unwrapped)
+    raw_scores: bool = False
+    truncate: bool = True
+    top_k: int | None = None
+    direction: str = "right"
+
+
+def _pair_or_text(x, field: str, limits: Limits):
+    if isinstance(x, str):
+        return x
+    if isinstance(x, list) and len(x) in (1, 2) and all(isinstance(s, str) for s in x):
+        if any(len(s) > limits.max_input_chars for s in x):
+            raise ApiError(413, f"`{field}` has over {limits.max_input_chars} characters", "request_too_large")
+        return x[0] if len(x) == 1 else (x[0], x[1])
+    raise ApiError(400, f"`{field}` must be a string or a [text, text] pair")
+
+
+def parse_predict(body, limits: Limits, default_truncate: bool) -> ClassifyRequest:
+    """TEI /predict: `inputs` is one input (a text, or a [text, text] pair) or a list of inputs, texts and
+    pairs mixed. As in TEI, a list of exactly two texts is one pair; a batch of two texts is [[a], [b]]."""
+    body = _object(body)
+    if "inputs" not in body:
+        raise ApiError(400, "missing required field `inputs`")
+    raw = body["inputs"]
+    single = isinstance(raw, str) or (isinstance(raw, list) and len(raw) == 2 and all(isinstance(x, str) for x in raw))
+    if single:
+        items = [raw]
+    elif isinstance(raw, list):
+        items = raw
+    else:
+        raise ApiError(400, f"`inputs` must be a text, a [text, text] pair, or a list of them, not {type(raw).__name__}")
+    if not items:
+        raise empty("inputs")
+    if len(items) > limits.max_client_batch:
+        raise ApiError(413, f"`inputs` has {len(items)} inputs; at most {limits.max_client_batch} per request",
+                       "request_too_large")
+    inputs = [_pair_or_text(x, f"inputs[{i}]", limits) for i, x in enumerate(items)]
+    params = body.get("parameters") or {}  # huggingface_hub's InferenceClient sends top_k there
+    top_k = body.get("top_k", params.get("top_k") if isinstance(params, dict) else None)
+    if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1):
+        raise ApiError(400, f"`top_k` must be a positive integer, not {_show(top_k)}")
+    truncate = _bool(body, "truncate", default_truncate)
+    return ClassifyRequest(inputs, single, _bool(body, "raw_scores", False), truncate, top_k, _direction(body))
+
+
+def parse_rerank(body, limits: Limits, default_truncate: bool) -> tuple[str, list[str], bool, bool, bool, str]:
+    """TEI /rerank -> (query, texts, raw_scores, return_text, truncate, truncation direction)."""
+    body = _object(body)
+    for key in ("query", "texts"):
+        if key not in body:
+            raise ApiError(400, f"missing required field `{key}`")
+    query = body["query"]
+    if not isinstance(query, str) or not query:
+        raise ApiError(400, "`query` must be a non-empty string")
+    if len(query) > limits.max_input_chars:
+        raise ApiError(413, f"`query` has {len(query)} characters; at most {limits.max_input_chars}", "request_too_large")
+    texts, _ = _inputs(body["texts"], "texts", limits, allow_tokens=False)
+    return (query, texts, _bool(body, "raw_scores", False), _bool(body, "return_text", False),
+            _bool(body, "truncate", default_truncate), _direction(body))
+
+
+def parse_classify(body, limits: Limits) -> list[str]:
+    """vLLM-style /classify: `input` is a text or a list of texts."""
+    body = _object(body)
+    if "input" not in body:
+        raise ApiError(400, "missing required field `input`")
+    texts, _ = _inputs(body["input"], "input", limits, allow_tokens=False)
+    return texts
+
+
+def scores(logits: np.ndarray, raw: bool) -> np.ndarray:
+    """Logits -> probabilities: sigmoid for one logit (cross-encoders), softmax otherwise."""
+    if raw:
+        return logits
+    if logits.shape[-1] == 1:
+        return 1 / (1 + np.exp(-logits))
+    e = np.exp(logits - logits.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)

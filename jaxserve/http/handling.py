@@ -1,0 +1,267 @@
+"""The path every model request takes, shared by the OpenAI and TEI routes.
+
+decode the body (on a thread when large) -> validate (api.py) -> tokenize and
+pack into a job (a tokenizer thread) -> the device pipeline (service.py) ->
+combine, normalise and encode the response (a respond thread when large).
+Nothing on the event loop grows with the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+import zlib
+
+import numpy as np
+import orjson
+from aiohttp import web
+
+from jaxserve.checkpoint.tokenize import openai_token_texts
+from jaxserve.encoder import normalize_rows
+from jaxserve.errors import InputError, TokenizerError
+from jaxserve.http import api
+from jaxserve.http.api import ApiError, EmbedRequest
+from jaxserve.http.classes import NO_ASK, Ask, ask_of, class_from, class_of, likely_interactive
+from jaxserve.http.state import (
+    API_KEY_CLASS,
+    OFFLOAD_BODY_BYTES,
+    OFFLOAD_FLOATS,
+    RETRY_AFTER_S,
+    STATE,
+    AppState,
+)
+from jaxserve.scheduling.batcher import CLASSES, QueueFull, TooLarge
+from jaxserve.scheduling.explain import explain
+from jaxserve.scheduling.jobs import Job
+from jaxserve.scheduling.pipeline import DeviceError, Draining
+from jaxserve.scheduling.planner import pack
+
+
+def json_response(body, status: int = 200, headers=None) -> web.Response:
+    return web.Response(body=orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY), status=status, headers=headers,
+                        content_type="application/json")
+
+
+def inflate(raw: bytes, coding: str, limit: int) -> bytes:
+    """A gzip or deflate body inflated, to at most `limit` bytes (413 past it, 400 when it is not that coding)."""
+    wbits = 47 if coding != "deflate" or (raw[:1] and raw[0] & 0x0F == 8) else -15  # gzip/zlib; or raw deflate
+    inflater = zlib.decompressobj(wbits)
+    try:
+        out = inflater.decompress(raw, limit + 1)
+    except zlib.error as exc:
+        raise ApiError(400, f"the request body is not valid {coding}: {exc}") from None
+    if len(out) > limit:
+        raise ApiError(413, f"request body over {limit} bytes once inflated", "body_too_large")
+    if not inflater.eof:
+        raise ApiError(400, f"the request body is not valid {coding}: it ends early")
+    return out
+
+
+async def json_body(request: web.Request):
+    """The decoded body (a large or compressed one decoded on a thread); 400 for anything that is not strict
+    UTF-8 JSON, 415 for a Content-Encoding other than gzip or deflate (server.create_app turns aiohttp's off)."""
+    state = request.app[STATE]
+    start = time.perf_counter()
+    try:
+        raw = await request.read()  # raises 413 past client_max_size
+    except web.RequestPayloadError as exc:  # e.g. broken chunked framing
+        raise ApiError(400, f"the request body could not be read: {exc}") from None
+    coding = request.headers.get("Content-Encoding", "").strip().lower()
+    if coding not in ("", "identity", "gzip", "x-gzip", "deflate"):
+        raise ApiError(415, f"Content-Encoding {coding[:40]!r} is not supported; send gzip, deflate or none")
+    packed = coding not in ("", "identity")
+
+    def decode():
+        return orjson.loads(inflate(raw, coding, state.config.max_body_bytes) if packed else raw)
+
+    try:
+        if packed or len(raw) > OFFLOAD_BODY_BYTES:
+            body = await asyncio.get_running_loop().run_in_executor(state.tokenizer_pool, decode)
+        else:
+            body = decode()
+    except orjson.JSONDecodeError as exc:
+        raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+    state.metrics.phase("parse", time.perf_counter() - start)
+    return body
+
+
+async def on_thread(state: AppState, fn, big: bool = True):
+    """fn() on a respond thread when `big`, else here (a thread hop costs more than small work)."""
+    if big:
+        return await asyncio.get_running_loop().run_in_executor(state.respond_pool, fn)
+    return fn()
+
+
+def tokenized(fn):
+    """fn(), the tokenizer at work on a request's texts: whatever it raises is the request's fault (TokenizerError)."""
+    try:
+        return fn()
+    except InputError:
+        raise
+    except Exception as exc:
+        raise TokenizerError(f"the tokenizer could not read an input: {type(exc).__name__}: {exc}") from None
+    except BaseException as exc:  # a Rust panic in the tokenizer: pyo3's PanicException is a BaseException
+        if type(exc).__name__ != "PanicException":
+            raise
+        raise TokenizerError(f"the tokenizer could not read an input (it panicked: {exc})") from None
+
+
+async def on_tokenizer(state: AppState, fn, interactive: bool = False):
+    """fn() on a tokenizer thread (`interactive`: the interactive requests' own); an InputError it raises (too
+    long, an unknown prompt, the tokenizer refusing a text: see `tokenized`) is the request's 400. Anything else
+    is a bug, and stays a 500."""
+    pool = state.interactive_pool if interactive else state.tokenizer_pool
+    try:
+        return await asyncio.get_running_loop().run_in_executor(pool, fn)
+    except TokenizerError as err:
+        raise ApiError(400, str(err), "tokenizer_error") from None
+    except InputError as err:
+        raise ApiError(400, str(err)) from None
+
+
+@dataclasses.dataclass
+class Ran:
+    """One request's sequences after the device: outputs, and where the time went."""
+
+    pieces: object  # tokenize.Pieces
+    job: Job  # its outputs: job.out
+    phases: dict  # seconds per phase
+    dispatched: list  # (bucket shape, rows of this request, reason, device s) of the batches that carried it
+    explain: dict | None  # the request's own batches with their predictions, when asked (taken before it queued)
+
+    @property
+    def out(self) -> np.ndarray:
+        return self.job.out
+
+    @property
+    def tokens(self) -> int:
+        return int(self.pieces.lengths.sum())
+
+
+def ask_for(request: web.Request, body, route: str | None = None) -> Ask:
+    """The class and budget a request asked for, with its API key's and its route's (`route`, default its own
+    path) classes as fallbacks."""
+    routes = request.app[STATE].config.route_classes
+    return ask_of(body, request.headers, request.get(API_KEY_CLASS), routes.get(route or request.path))
+
+
+def explain_rows(state: AppState, rows, table, pieces) -> dict:
+    """The latency math of one request's rows on `table`, given what waits and runs ahead of it now."""
+    service = state.service
+    return explain(rows, table, service.timings, pieces.doc, service.batcher.backlog(), service.batches_in_flight,
+                   state.config.max_wait_ms / 1000)
+
+
+async def run_request(state: AppState, make_pieces, want_explain: bool = False, output: str = "pooled",
+                      ask: Ask = NO_ASK, inputs: int | None = None) -> Ran:
+    """Tokenize (`make_pieces()`, `inputs` texts; None: many) and pack into a job on a thread, then through the
+    batcher and the device."""
+    enc = state.encoder
+    service = state.service
+    table = enc.engine.tables[output]
+
+    def prepare():
+        t0 = time.perf_counter()
+        pieces = tokenized(make_pieces)
+        t1 = time.perf_counter()
+        rows = pack(pieces.lengths, table)
+        width = enc.token_dim if output == "tokens" else enc.out_dim
+        job = Job(rows, pieces.ids, pieces.offsets, pieces.types, width, output)
+        t2 = time.perf_counter()
+        explained = explain_rows(state, rows, table, pieces) if want_explain else None
+        return pieces, job, explained, {"tokenize_s": t1 - t0, "plan_s": t2 - t1}
+
+    cfg = state.config
+    small = inputs is not None and likely_interactive(ask, inputs, cfg.default_priority, cfg.interactive_max_sequences)
+    pieces, job, explained, phases = await on_tokenizer(state, prepare, interactive=small)
+    timeout = state.config.request_timeout_s
+    try:
+        cls = class_of(ask, int(job.rows.docs.sum()), state.config.default_priority,
+                       state.config.interactive_max_sequences)
+        deadline_s = None if ask.deadline_ms is None else ask.deadline_ms / 1000
+        _, timing = await asyncio.wait_for(service.run(job, cls, deadline_s), timeout)
+    except TimeoutError:
+        raise ApiError(503, f"the request did not finish within {timeout:g} s; its waiting rows were dropped",
+                       "timeout", {"Retry-After": str(RETRY_AFTER_S)}) from None
+    except TooLarge as err:
+        raise ApiError(413, f"{err} (--max-queue-tokens); send fewer or shorter inputs", "request_too_large") from None
+    except QueueFull as err:
+        raise ApiError(429, f"queue full: {err}", "rate_limit_error", {"Retry-After": str(RETRY_AFTER_S)}) from None
+    except Draining as err:
+        raise ApiError(503, str(err), "unavailable", {"Retry-After": str(RETRY_AFTER_S)}) from None
+    except DeviceError as err:
+        raise ApiError(500, str(err), "server_error") from None
+    phases.update(queue_s=timing.queue_s, service_s=timing.total_s)
+    for name in ("tokenize", "plan", "queue"):
+        state.metrics.phase(name, phases[name + "_s"])
+    state.metrics.inputs.inc(int(pieces.doc[-1]) + 1 if len(pieces.doc) else 0)
+    if explained is not None:
+        explained["request_class"] = CLASSES[timing.cls]
+        explained["class_from"] = class_from(ask, state.config.default_priority)
+        explained["waited_behind"] = timing.behind
+    return Ran(pieces, job, phases, timing.batches, explained)
+
+
+def require_kind(state: AppState, kind: str, route: str) -> None:
+    head = state.encoder.head
+    if head.kind != kind:
+        what = {"embedding": "an embedding model", "classifier": "a sequence-classification or cross-encoder model",
+                "sparse": "a sparse (SPLADE) embedding model", "multivector": "a multi-vector (ColBERT) model"}
+        raise ApiError(400, f"{route} needs {what[kind]}; this server serves {what[head.kind]} ({state.model_name})")
+
+
+def request_prompt(state: AppState, req: EmbedRequest) -> str | None:
+    """The prompt text for a request: its own, else the server's default, else the checkpoint's."""
+    cfg = state.config
+    emb = state.encoder.embedding_config
+    if req.prompt_name is None and req.prompt is None:
+        if cfg.default_prompt is not None:
+            return cfg.default_prompt
+        return emb.prompt(cfg.default_prompt_name)
+    return emb.prompt(req.prompt_name, req.prompt)
+
+
+def embedding_pieces(state: AppState, req: EmbedRequest, openai_ids: bool = False):
+    """The request's documents as model sequences (runs on a tokenizer thread).
+
+    Token ids are the model's own vocabulary (TEI), except on OpenAI's route with
+    `--token-ids openai` (the default), where they are OpenAI's tokenizer's ids,
+    decoded to text first (`openai_token_texts`)."""
+    enc = state.encoder
+    tok = enc.tokenizer
+    prompt = request_prompt(state, req)
+    texts, token_ids = req.texts, req.token_ids
+    if token_ids is not None and openai_ids and state.config.token_ids == "openai":
+        texts, token_ids = openai_token_texts(token_ids, req.model), None
+    if token_ids is not None:
+        vocab = enc.model_config.vocab_size
+        for i, ids in enumerate(token_ids):
+            if ids.max() >= vocab:
+                raise InputError(f"input {i} has token id {int(ids.max())}, outside the vocabulary of {vocab}")
+        return tok.pieces(token_ids, req.long, prompt=prompt, direction=req.direction)
+    return tok.documents(texts, req.long, prompt=prompt, direction=req.direction)
+
+
+def vectors_of(ran: Ran, req: EmbedRequest) -> np.ndarray:
+    """Per-sequence outputs -> per-document vectors, normalised and cut to `dimensions` as asked."""
+    vectors = ran.pieces.combine(ran.out, req.count)
+    if req.normalize:
+        vectors = normalize_rows(vectors)
+    return api.shape_vectors(vectors, req.dimensions)
+
+
+async def respond(state: AppState, encode, floats: int) -> tuple[bytes, float]:
+    """Encode a response body (on a thread when it is big); returns it with the seconds it took."""
+    def timed():
+        start = time.perf_counter()
+        body = encode()
+        return body, time.perf_counter() - start
+
+    body, seconds = await on_thread(state, timed, big=floats > OFFLOAD_FLOATS)
+    state.metrics.phase("encode", seconds)
+    return body, seconds
+
+
+def bytes_response(body: bytes) -> web.Response:
+    return web.Response(body=body, content_type="application/json")

@@ -1,0 +1,194 @@
+"""text-embeddings-inference's routes, behaving as TEI's router does (router/src/http/server.rs).
+
+`POST /` (and SageMaker's `/invocations`) dispatches by the served model's
+kind, as TEI does: a classifier's `/predict`, a cross-encoder's (one label)
+`/rerank`, a SPLADE model's `/embed_sparse`, an embedding model's `/embed`, or `/similarity` when the body's
+`inputs` is a {source_sentence, sentences} object (huggingface_hub's
+`sentence_similarity`, which TEI serves only under TASK=sentence-similarity).
+Errors on these routes are TEI's `{"error", "error_type"}` with TEI's codes
+(the middleware writes them: `api.ApiError.tei`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import orjson
+from aiohttp import web
+
+from jaxserve.errors import InputError
+from jaxserve.heads import sparse
+from jaxserve.http import api
+from jaxserve.http.api import ApiError
+from jaxserve.http.classes import NO_ASK, Ask
+from jaxserve.http.handling import (
+    ask_for,
+    bytes_response,
+    embedding_pieces,
+    json_body,
+    json_response,
+    on_tokenizer,
+    request_prompt,
+    require_kind,
+    respond,
+    run_request,
+    tokenized,
+    vectors_of,
+)
+from jaxserve.http.routes import multivector as multivector_routes
+from jaxserve.http.state import STATE, AppState
+
+PATHS = ("/", "/invocations", "/embed", "/embed_all", "/embed_sparse", "/similarity", "/predict", "/rerank",
+         "/tokenize", "/decode")
+
+
+def kind(state: AppState) -> str:
+    """TEI's model kind: embedding, sparse (SPLADE), classifier, or reranker (a classifier with one label)."""
+    head = state.encoder.head
+    if head.kind in ("embedding", "sparse", "multivector"):
+        return head.kind
+    return "reranker" if head.num_labels == 1 else "classifier"
+
+
+async def _embed(state: AppState, body, ask: Ask = NO_ASK) -> web.Response:
+    require_kind(state, "embedding", "/embed")
+    req = api.parse_tei_embed(body, state.limits, state.encoder.dim, state.config.long)
+    ran = await run_request(state, lambda: embedding_pieces(state, req), ask=ask, inputs=req.count)
+    encoded, _ = await respond(state, lambda: orjson.dumps(vectors_of(ran, req), option=orjson.OPT_SERIALIZE_NUMPY),
+                               ran.out.size)
+    return bytes_response(encoded)
+
+
+async def _embed_sparse(state: AppState, body, ask: Ask = NO_ASK) -> web.Response:
+    """Per input its non-zero SPLADE weights [{"index", "value"}], index order (TEI's EmbedSparseResponse)."""
+    require_kind(state, "sparse", "/embed_sparse")
+    req = api.parse_tei_embed_sparse(body, state.limits, state.config.long)
+    ran = await run_request(state, lambda: embedding_pieces(state, req), ask=ask, inputs=req.count)
+    try:
+        weights = sparse.decode(ran.out, state.encoder.splade)
+    except InputError as err:
+        raise ApiError(422, str(err)) from None
+    encoded, _ = await respond(state, lambda: orjson.dumps(weights), ran.out.size)
+    return bytes_response(encoded)
+
+
+async def _embed_all(state: AppState, body, ask: Ask = NO_ASK) -> web.Response:
+    require_kind(state, "embedding", "/embed_all")
+    if "tokens" not in state.encoder.engine.tables:
+        raise ApiError(400, "/embed_all is off on this server (started with --no-embed-all)")
+    req = api.parse_tei_embed(body, state.limits, state.encoder.dim, state.config.long)
+    if req.long == "chunk":
+        raise ApiError(400, "/embed_all returns each input's own tokens: `long: chunk` does not apply")
+    ran = await run_request(state, lambda: embedding_pieces(state, req), output="tokens", ask=ask,
+                            inputs=req.count)
+    encoded, _ = await respond(
+        state, lambda: orjson.dumps([ran.job.token_vectors(p) for p in range(ran.pieces.count)],
+                                    option=orjson.OPT_SERIALIZE_NUMPY), ran.out.size)
+    return bytes_response(encoded)
+
+
+async def _similarity(state: AppState, body, ask: Ask = NO_ASK) -> web.Response:
+    """Cosine similarity of `source_sentence` to each of `sentences` (TEI: un-normalised embeddings, then cosine)."""
+    require_kind(state, "embedding", "/similarity")
+    req, _ = api.parse_similarity(body, state.limits, state.config.long)
+    ran = await run_request(state, lambda: embedding_pieces(state, req), ask=ask, inputs=req.count)
+    vectors = vectors_of(ran, req)
+    unit = vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
+    return json_response((unit[1:] @ unit[0]).astype(np.float32))
+
+
+async def _predict(state: AppState, body, ask: Ask = NO_ASK) -> web.Response:
+    """Labels with scores, best first (softmax, or sigmoid for one logit; `raw_scores`: logits)."""
+    require_kind(state, "classifier", "/predict")
+    req = api.parse_predict(body, state.limits, state.config.long != "error")
+    ran = await run_request(state, lambda: state.encoder.prepare_pairs(req.inputs, req.truncate, req.direction),
+                            ask=ask, inputs=len(req.inputs))
+    labels = state.encoder.head.labels
+    results = []
+    for row in api.scores(ran.out, req.raw_scores):
+        ranked = sorted(zip(labels, row.tolist()), key=lambda t: -t[1])[: req.top_k]
+        results.append([{"label": label, "score": score} for label, score in ranked])
+    return json_response(results[0] if req.single else results)
+
+
+async def _rerank(state: AppState, body, ask: Ask = NO_ASK) -> web.Response:
+    """(query, text) pairs through the cross-encoder, sorted by score (a multi-vector model: by MaxSim)."""
+    if state.encoder.head.kind == "multivector":
+        return await multivector_routes.rerank(state, body, ask)
+    require_kind(state, "classifier", "/rerank")
+    query, texts, raw, return_text, truncate, direction = api.parse_rerank(body, state.limits,
+                                                                           state.config.long != "error")
+    if state.encoder.head.num_labels != 1:
+        raise ApiError(400, f"/rerank needs a cross-encoder with one output; this model has "
+                            f"{state.encoder.head.num_labels} labels (use /predict)")
+    ran = await run_request(state, lambda: state.encoder.prepare_pairs([(query, t) for t in texts], truncate, direction),
+                            ask=ask, inputs=len(texts))
+    ranked = sorted(enumerate(api.scores(ran.out, raw)[:, 0].tolist()), key=lambda t: -t[1])
+    return json_response([{"index": i, "score": s, **({"text": texts[i]} if return_text else {})} for i, s in ranked])
+
+
+async def _tokenize(state: AppState, body) -> web.Response:
+    texts, add_special, prompt_name = api.parse_tokenize(body, state.limits)
+    tok = state.encoder.tokenizer.tokenizer
+    prompt = (request_prompt(state, api.EmbedRequest(texts, None, "truncate", prompt_name=prompt_name))
+              if state.encoder.head.kind in ("embedding", "sparse") else None)
+    texts = [prompt + t for t in texts] if prompt else texts
+
+    def tokens() -> bytes:  # per token Python objects: on a tokenizer thread
+        return orjson.dumps([
+            [
+                {"id": tid, "text": token if special else text[a:b], "special": bool(special),
+                 "start": None if special else a, "stop": None if special else b}
+                for tid, token, (a, b), special in zip(e.ids, e.tokens, e.offsets, e.special_tokens_mask)
+            ]
+            for text, e in zip(texts, tok.encode_batch(texts, add_special_tokens=add_special))
+        ])
+
+    return bytes_response(await on_tokenizer(state, lambda: tokenized(tokens)))
+
+
+async def _decode(state: AppState, body) -> web.Response:
+    ids, skip_special = api.parse_decode(body, state.limits, state.encoder.model_config.vocab_size)
+    tok = state.encoder.tokenizer.tokenizer
+    decode = lambda: tok.decode_batch(ids, skip_special_tokens=skip_special)
+    texts = await on_tokenizer(state, lambda: tokenized(decode))
+    return json_response(texts)
+
+
+HANDLERS = {"/embed": _embed, "/embed_all": _embed_all, "/embed_sparse": _embed_sparse, "/similarity": _similarity, "/predict": _predict,
+            "/rerank": _rerank, "/tokenize": _tokenize, "/decode": _decode}
+
+
+def route(handler):
+    async def handle(request: web.Request) -> web.Response:
+        state = request.app[STATE]
+        state.require_ready()
+        body = await json_body(request)
+        if handler in (_tokenize, _decode):  # no model run: no class
+            return await handler(state, body)
+        return await handler(state, body, ask_for(request, body))
+
+    return handle
+
+
+async def root(request: web.Request) -> web.Response:
+    """TEI's `POST /`: the model kind's own route."""
+    state = request.app[STATE]
+    state.require_ready()
+    body = await json_body(request)
+    model, ask = kind(state), ask_for(request, body)
+    if model == "classifier":
+        return await _predict(state, body, ask)
+    if model in ("reranker", "multivector"):
+        return await _rerank(state, body, ask)
+    if model == "sparse":
+        return await _embed_sparse(state, body, ask)
+    if isinstance(body, dict) and isinstance(body.get("inputs"), dict):
+        return await _similarity(state, body, ask)
+    return await _embed(state, body, ask)
+
+
+def add_routes(app: web.Application) -> None:
+    for path, handler in HANDLERS.items():
+        app.router.add_post(path, route(handler))
+    app.router.add_post("/", root)
+    app.router.add_post("/invocations", root)

@@ -1,0 +1,227 @@
+"""The HTTP service: the aiohttp app, its start-up, middleware (auth, limits, errors as JSON) and shutdown.
+
+Data flows one way: HTTP -> decode + validate (api.py) -> tokenize + pack
+into a job (a thread) -> batcher -> device pipeline (service.py, its own
+threads) -> scatter -> combine + encode the response (a thread); see
+`jaxserve.http.handling`. Routes: OpenAI's and vLLM's (`openai_routes`), TEI's
+(`tei_routes`), operations (`ops_routes`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+
+from aiohttp import web
+
+from jaxserve.encoder import Encoder
+from jaxserve.errors import InputError
+from jaxserve.http.api import ApiError
+from jaxserve.http.handling import json_response
+from jaxserve.http.routes import openai as openai_routes
+from jaxserve.http.routes import ops as ops_routes
+from jaxserve.http.routes import tei as tei_routes
+from jaxserve.http.state import (  # noqa: F401
+    API_KEY_CLASS,
+    BULK_DISPATCH_MS,
+    DRAIN_TIMEOUT_S,
+    MAX_BODY_BYTES,
+    MAX_CLIENT_BATCH,
+    MAX_CONCURRENT_REQUESTS,
+    MAX_INFLIGHT_BODY_BYTES,
+    MAX_INPUT_CHARS,
+    MAX_WAIT_MS,
+    REQUEST_TIMEOUT_S,
+    RETRY_AFTER_S,
+    STATE,
+    AppState,
+    ServerConfig,
+)
+from jaxserve.runtime import compiles, device, startup
+from jaxserve.runtime.buckets import BucketTable
+from jaxserve.scheduling.pipeline import Pipeline, server_classes
+
+log = logging.getLogger("jaxserve.http.server")
+
+
+# ---- start-up: load, warm, then serve ----
+
+def load_encoder(config: ServerConfig) -> Encoder:
+    return Encoder.from_pretrained(config.model, dtype=config.dtype, devices=config.devices,
+                                   attention=config.attention)
+
+
+def check_prompt(config: ServerConfig, encoder: Encoder) -> None:
+    """A --default-prompt-name must be one of the model's prompts (InputError naming them)."""
+    if config.default_prompt_name is not None:
+        encoder.embedding_config.prompt(config.default_prompt_name)
+
+
+def start_engine(state: AppState) -> BucketTable:
+    """Ready the engine (blocking; runs in a thread while /health says 503): from the warm artifact when one
+    matches, else compiled and timed, then saved. An encoder the caller warmed (tests, scripts) is used as is."""
+    enc, cfg = state.encoder, state.config
+    check_prompt(cfg, enc)
+    tokens = (cfg.embed_all and enc.head.kind == "embedding") or enc.head.kind == "multivector"
+    if enc.engine.table is not None and cfg.buckets == "auto":
+        state.startup.source = {"source": "given"}
+        if tokens and "tokens" not in enc.engine.tables:
+            enc.warmup_tokens(progress=True)
+        return enc.engine.table
+    spec = BucketTable.load(cfg.buckets) if cfg.buckets != "auto" else cfg.table_options
+    cache = startup.cache_root(cfg.cache_dir) if cfg.use_cache else None
+    table = startup.start(enc, spec, tokens, cache, state.startup, progress=True)
+    log.info("start-up: %s; table %s", state.startup.summary(), state.startup.source.get("source"))
+    return table
+
+
+async def lifecycle(app: web.Application):
+    state = app[STATE]
+    cfg = state.config
+    loop = asyncio.get_running_loop()
+
+    async def start():
+        try:
+            if state.encoder is None:
+                state.encoder = await loop.run_in_executor(None, load_encoder, cfg)
+            state.table = await loop.run_in_executor(None, start_engine, state)
+        except Exception as exc:
+            state.failed = f"warmup failed: {type(exc).__name__}: {exc}"
+            log.error(state.failed)
+            return
+        state.service = Pipeline(state.encoder.engine, state.table, cfg.max_wait_ms / 1000, cfg.max_queue_tokens,
+                                         state.metrics, max_inflight=cfg.max_inflight,
+                                         streams=cfg.streams or device.streams(),
+                                         classes=server_classes(cfg.bulk_dispatch_ms / 1000))
+        await state.service.start()
+        state.ready = True
+        state.startup.doing = "ready"
+        state.metrics.startup(state.startup.phases)
+        log.info("ready: %d buckets, %d XLA compiles so far", len(state.table.buckets), compiles.xla_compiles_total())
+
+    starting = asyncio.create_task(start())
+    yield
+    starting.cancel()
+    if state.service is not None:
+        await state.service.stop()
+    state.tokenizer_pool.shutdown(wait=False)
+    state.interactive_pool.shutdown(wait=False)
+    state.respond_pool.shutdown(wait=False)
+
+
+async def on_shutdown(app: web.Application) -> None:
+    """SIGTERM: the listening socket is closed already; finish what was accepted, refuse the rest."""
+    state = app[STATE]
+    if state.service is not None:
+        log.info("draining: %d requests being handled", state.active)
+        finished = await state.drain(DRAIN_TIMEOUT_S)
+        log.info("drained: %s", "all accepted requests finished" if finished else "timed out")
+
+
+# ---- middleware: errors as JSON, auth, metrics ----
+
+@web.middleware
+async def errors_middleware(request: web.Request, handler):
+    state = request.app[STATE]
+    route = request.match_info.route.resource.canonical if request.match_info.route.resource else "unmatched"
+    start = time.perf_counter()
+    model_route = request.method == "POST"
+    tei = request.path in tei_routes.PATHS
+    cfg = state.config
+    # A body without Content-Length may be as large as any body.
+    size = (request.content_length if request.content_length is not None else cfg.max_body_bytes) if model_route else 0
+    try:
+        request[API_KEY_CLASS] = _authorize(request, cfg.keys)
+        if model_route and state.active >= cfg.max_concurrent:
+            raise ApiError(429, f"{state.active} requests are being handled; the limit is "
+                                f"{cfg.max_concurrent}", "rate_limit_error", {"Retry-After": str(RETRY_AFTER_S)})
+        if model_route and state.active_bytes + size > cfg.max_inflight_bytes and state.active_bytes:
+            raise ApiError(429, f"{state.active_bytes} bytes of requests are being handled; {size} more would pass "
+                                f"the limit of {cfg.max_inflight_bytes}", "rate_limit_error",
+                           {"Retry-After": str(RETRY_AFTER_S)})
+        state.active += model_route
+        state.active_bytes += size
+        try:
+            response = await handler(request)
+        finally:
+            state.active -= model_route
+            state.active_bytes -= size
+    except ApiError as err:
+        response = _error(err, tei)
+    except InputError as err:  # the request's own fault wherever it was found (e.g. an unknown prompt_name)
+        response = _error(ApiError(400, str(err)), tei)
+    except web.HTTPException as exc:
+        kind = {404: "not_found_error", 405: "method_not_allowed", 413: "body_too_large"}.get(exc.status, "http_error")
+        message = {404: f"no route {request.method} {request.path}",
+                   405: f"method {request.method} is not allowed on {request.path}",
+                   413: f"request body over {state.config.max_body_bytes} bytes"}.get(exc.status, exc.reason)
+        response = _error(ApiError(exc.status, message, kind), tei)
+    except Exception as exc:  # a bug: say so without echoing the request
+        log.exception("unhandled error on %s", route)
+        response = _error(ApiError(500, f"internal error: {type(exc).__name__}", "server_error"), tei)
+    m = state.metrics
+    m.child(m.requests, route, str(response.status)).inc()
+    m.child(m.request_duration, route).observe(time.perf_counter() - start)
+    if response.status >= 400:
+        m.child(m.errors, getattr(response, "error_type", "http_error")).inc()
+    return response
+
+
+def _authorize(request: web.Request, keys: tuple[tuple[bytes, str | None], ...]) -> str | None:
+    """401 unless the request carries one of `keys` (none: no authentication); -> that key's class, if any.
+    Every key is compared, in constant time each, so the time taken does not say which one nearly matched."""
+    if not keys or request.path in ("/health", "/ping") or (request.path == "/" and request.method == "GET"):
+        return None
+    given = request.headers.get("Authorization", "")
+    scheme, _, token = given.partition(" ")
+    # aiohttp decodes header bytes that are not UTF-8 as lone surrogates: encode them back, do not fail on them
+    token = token.strip().encode("utf-8", "surrogateescape")
+    matched, cls = False, None
+    for key, key_cls in keys:
+        if hmac.compare_digest(token, key):
+            matched, cls = True, key_cls
+    if scheme.lower() != "bearer" or not matched:
+        raise ApiError(401, "missing or wrong API key (send `Authorization: Bearer KEY`)", "authentication_error",
+                       {"WWW-Authenticate": "Bearer"})
+    return cls
+
+
+def _error(err: ApiError, tei: bool) -> web.Response:
+    """The error in its route's shape: TEI's on TEI's routes, OpenAI's elsewhere."""
+    status, body = err.tei() if tei else (err.status, err.body())
+    response = json_response(body, status=status, headers=err.headers)
+    response.error_type = err.type
+    return response
+
+
+def create_app(config: ServerConfig, encoder: Encoder | None = None,
+               started: startup.Startup | None = None) -> web.Application:
+    """The aiohttp application. With `encoder` given (already loaded, maybe warmed), it is used as is;
+    `started` carries the phases timed before the app existed (import, weights)."""
+    # auto_decompress off: aiohttp would answer a body it cannot inflate with plain text, or fail mid-read and
+    # leave the connection broken; handling.json_body undoes Content-Encoding itself, with JSON errors.
+    app = web.Application(client_max_size=config.max_body_bytes, middlewares=[errors_middleware],
+                          handler_args={"auto_decompress": False})
+    app[STATE] = AppState(config, encoder, started)
+    app.cleanup_ctx.append(lifecycle)
+    app.on_shutdown.append(on_shutdown)
+    openai_routes.add_routes(app)
+    tei_routes.add_routes(app)
+    ops_routes.add_routes(app)
+    return app
+
+
+def serve(config: ServerConfig, host: str, port: int) -> None:
+    """Load the model (errors end the process at once), then serve; warmup runs while /health says 503."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    started = startup.Startup()
+    started.add("import", startup.since_process_start())
+    with started.phase("weights", "loading weights"):
+        encoder = load_encoder(config)
+    check_prompt(config, encoder)
+    log.info("loaded %s (%s, dim %d) in %s; warming up", encoder.path, encoder.model_config.model_type, encoder.dim,
+             started.summary())
+    web.run_app(create_app(config, encoder, started), host=host, port=port, handler_cancellation=True,
+                shutdown_timeout=DRAIN_TIMEOUT_S, print=lambda msg: log.info(msg))

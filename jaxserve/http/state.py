@@ -1,0 +1,163 @@
+"""What the HTTP handlers share: the server's configuration, its limits (each with its reason) and its state."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import functools
+import time
+
+from aiohttp import web
+
+from jaxserve.checkpoint import loader
+from jaxserve.encoder import Encoder
+from jaxserve.http.api import ApiError, Limits
+from jaxserve.http.metrics import ServerMetrics
+from jaxserve.runtime import host
+from jaxserve.runtime.buckets import BucketTable
+from jaxserve.runtime.derivation import TableOptions
+from jaxserve.runtime.startup import Startup
+from jaxserve.scheduling.batcher import CLASSES
+from jaxserve.scheduling.pipeline import BULK_DISPATCH_MS, MAX_INFLIGHT, Pipeline
+
+# Limits, each with its reason.
+MAX_BODY_BYTES = 16 * 2**20  # 1024 inputs of ~16 k characters; larger bodies are refused before parsing (413)
+MAX_CLIENT_BATCH = 1024  # inputs per request: a 100-document request with room to spare
+MAX_INPUT_CHARS = 100_000  # characters per input: ~25 k tokens, ~100 chunk windows at most
+# The queue is bounded in tokens (each row at its seqlen: device work); default `batcher.queue_tokens`: 2 s of the
+# device's measured best rate, clamped to [2**18, 2**24] tokens; past it, 429 (memory stays bounded)
+MAX_WAIT_MS = 5.0  # batch window: how long a partial batch may wait for company while the device is busy
+DRAIN_TIMEOUT_S = 30.0  # SIGTERM: how long accepted work may take to finish
+RETRY_AFTER_S = 1  # told to clients on 429/503
+MAX_CONCURRENT_REQUESTS = 512  # model requests being handled at once; past it, 429 (bounds tokenizer and queue work)
+MAX_INFLIGHT_BODY_BYTES = 256 * 2**20  # bytes of request bodies being handled at once; past it, 429 (bounds memory
+# before the queue: 16 full-size bodies, or thousands of ordinary ones)
+REQUEST_TIMEOUT_S = 60.0  # a model request still unanswered after this gets 503 and its waiting rows are dropped
+OFFLOAD_BODY_BYTES = 64 * 2**10  # bodies larger than this are decoded on a thread, not on the event loop
+OFFLOAD_FLOATS = 16_384  # responses with more floats than this are encoded on a thread
+TOKEN_ID_MODES = ("openai", "model")  # whose ids /v1/embeddings' token-id inputs are
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    model: str | None = None  # checkpoint dir or hub id; None = $JAXSERVE_MODEL, else bundled all-MiniLM-L6-v2
+    model_name: str | None = None  # name reported in responses (default: the model argument or directory name)
+    dtype: str = "auto"  # float32 on CPU, bfloat16 on accelerators
+    attention: str = "auto"  # attention implementation per bucket (jaxserve.models.attention.plan), with fallback
+    buckets: str = "auto"  # a bucket table JSON file, or auto (derived for this device)
+    ladder: str = "default"
+    layout: str = "packed"
+    max_wait_ms: float = MAX_WAIT_MS
+    max_queue_tokens: int | None = None  # tokens waiting before 429 (None: `batcher.queue_tokens` of the table)
+    max_client_batch: int = MAX_CLIENT_BATCH
+    max_input_chars: int = MAX_INPUT_CHARS
+    max_body_bytes: int = MAX_BODY_BYTES
+    long: str = "truncate"  # default for inputs over the model's limit
+    default_prompt_name: str | None = None  # for requests naming no prompt (default: the checkpoint's)
+    default_prompt: str | None = None  # ... or this text
+    api_key: str | None = None  # one key (JAXSERVE_API_KEY), no class of its own
+    api_keys: tuple[tuple[str, str | None], ...] = ()  # (key, its requests' class or None): --api-key KEY[=CLASS]
+    route_priority: tuple[tuple[str, str], ...] = ()  # (route path, class of its requests): --route-priority
+    max_concurrent: int = MAX_CONCURRENT_REQUESTS
+    max_inflight_bytes: int = MAX_INFLIGHT_BODY_BYTES
+    request_timeout_s: float = REQUEST_TIMEOUT_S
+    cache_dir: str | None = None  # where warm artifacts are (in warm/); None = $JAXSERVE_CACHE_DIR or ~/.cache/jaxserve
+    use_cache: bool = True  # start from a matching warm artifact, and save one after a cold start
+    max_inflight: int = MAX_INFLIGHT  # batches on the device at once
+    streams: int | None = None  # device threads each running a batch (None: the device's; 2 on a CPU, else 1)
+    devices: int | str = 1  # local devices sharing each batch (data parallel), or "all"
+    token_ids: str = "openai"  # token-id inputs on /v1/embeddings: OpenAI's tokenizer's (tiktoken), or the model's
+    default_priority: str = "auto"  # class of requests that ask for none: auto (by size), interactive or bulk
+    interactive_max_sequences: int = 8  # auto: requests of at most this many sequences are interactive
+    bulk_dispatch_ms: float = BULK_DISPATCH_MS  # while queries are likely, a bulk batch's predicted run at most this
+    tokenizer_threads: int | None = None  # decode/tokenize/pack pool (None: half the usable cores, at least 2)
+    respond_threads: int | None = None  # combine/normalise/encode pool (None: a quarter of the usable cores, at least 2)
+    embed_all: bool = True  # compile token outputs for TEI's /embed_all (one more shape per seqlen)
+    table: TableOptions | None = None  # all of the derivation's options (default: `ladder` and `layout`, else the device's)
+
+    @functools.cached_property
+    def keys(self) -> tuple[tuple[bytes, str | None], ...]:
+        """Every accepted API key (bytes, as compared) with its class; empty: no authentication. Once per config:
+        every request reads it."""
+        given = self.api_keys + (((self.api_key, None),) if self.api_key else ())
+        return tuple((k.encode("utf-8", "surrogateescape"), c) for k, c in given)
+
+    @functools.cached_property
+    def route_classes(self) -> dict[str, str]:
+        """`route_priority` by route path."""
+        return dict(self.route_priority)
+
+    @property
+    def table_options(self) -> TableOptions:
+        return self.table or TableOptions(ladder=self.ladder, layout=self.layout)
+
+    def __post_init__(self):
+        if self.token_ids not in TOKEN_ID_MODES:
+            raise ValueError(f"token_ids must be one of {', '.join(TOKEN_ID_MODES)}, not {self.token_ids!r}")
+        if self.default_prompt_name is not None and self.default_prompt is not None:
+            raise ValueError("give default_prompt_name or default_prompt, not both")
+        for what, cls in [("api key class", c) for _, c in self.api_keys if c is not None] + \
+                [(f"route {r}", c) for r, c in self.route_priority]:
+            if cls not in CLASSES:
+                raise ValueError(f"{what}: class must be one of {', '.join(CLASSES)}, not {cls!r}")
+        if self.max_queue_tokens is not None and self.max_queue_tokens < 1:
+            raise ValueError(f"max_queue_tokens must be positive, not {self.max_queue_tokens}")
+
+
+class AppState:
+    """Everything the handlers share; `ready` once the buckets are warm."""
+
+    def __init__(self, config: ServerConfig, encoder: Encoder | None, started: Startup | None = None):
+        self.config = config
+        self.encoder = encoder
+        self.startup = started or Startup()
+        self.metrics = ServerMetrics()
+        self.service: Pipeline | None = None
+        self.table: BucketTable | None = None
+        self.ready = False
+        self.failed: str | None = None
+        # Work that grows with the request, off the event loop: decoding, tokenizing, packing, explaining ...
+        self.pool_threads = host.pool_sizes(config.tokenizer_threads, config.respond_threads)
+        self.tokenizer_pool = concurrent.futures.ThreadPoolExecutor(self.pool_threads[0],
+                                                                    thread_name_prefix="jaxserve-tokenize")
+        # ... one more thread for requests that will likely be interactive, never behind a bulk request's
+        # thousand documents ...
+        self.interactive_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxserve-tokenize-q")
+        # ... and combining, normalising and encoding responses (its own threads: never behind tokenizing).
+        self.respond_pool = concurrent.futures.ThreadPoolExecutor(self.pool_threads[1],
+                                                                  thread_name_prefix="jaxserve-respond")
+        self.limits = Limits(config.max_client_batch, config.max_input_chars)
+        self.active = 0  # model requests being handled
+        self.active_bytes = 0  # bytes of their bodies
+
+    @property
+    def model_name(self) -> str:
+        return self.config.model_name or loader.named(self.config.model) or "sentence-transformers/all-MiniLM-L6-v2"
+
+    async def drain(self, timeout: float) -> bool:
+        """Refuse new requests; finish every request being handled, tokenizing ones included (each awaits its
+        job). True if all finished within `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        if not await self.service.drain(timeout):  # /health and require_ready refuse from here on
+            return False
+        while self.active:
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(0.01)
+        return True
+
+    def require_ready(self) -> None:
+        if self.service is not None and self.service.draining:
+            raise ApiError(503, "the server is draining; retry on another replica", "unavailable",
+                           {"Retry-After": str(RETRY_AFTER_S)})
+        if not self.ready:
+            raise ApiError(503, self.failed or "the model is warming up", "unavailable",
+                           {"Retry-After": str(RETRY_AFTER_S)})
+        if (why := self.service.healthy) is not None:
+            raise ApiError(503, f"this replica is unhealthy: {why}", "unavailable", {"Retry-After": str(RETRY_AFTER_S)})
+
+
+STATE = web.AppKey("state", AppState)
+# request[API_KEY_CLASS]: the class of the API key it was authorised with, or None (aiohttp < 3.14: a plain name)
+API_KEY_CLASS = web.RequestKey("api_key_class", str) if hasattr(web, "RequestKey") else "jaxserve.api_key_class"

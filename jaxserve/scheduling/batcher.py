@@ -1,0 +1,323 @@
+"""The batching queue: the one place batches are formed, a small state machine with no JAX, asyncio or HTTP.
+
+Jobs (one request's rows, packed by the planner) arrive with each row routed
+to the smallest seqlen that holds it. Rows wait per seqlen, as runs (a job's
+consecutive rows of one seqlen, split when a batch takes part of one). A
+dispatch leaves when
+
+- the oldest row of some seqlen has waited `max_wait_s` ("window"); the
+  oldest such row goes first, so no row waits behind a seqlen that is always
+  full for longer than the rows queued ahead of it take to run;
+- else a seqlen has rows for its largest batch ("full");
+- else the device is about to idle with work queued ("idle": never idle the
+  device waiting for a window).
+
+A dispatch takes the cheapest batch size from the seqlen's batch ladder for
+the rows it has (looked up, computed once per table), and its spare rows are
+filled with waiting rows of smaller seqlens (they fit, and spare rows are
+computed anyway). Ties go to the larger seqlen, whose spare rows can absorb
+smaller ones. The caller passes `now`.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import functools
+import math
+
+import numpy as np
+
+from jaxserve.runtime.buckets import Bucket, BucketTable, dispatch_s
+from jaxserve.scheduling.planner import cheapest_covers, cost_model
+
+INTERACTIVE, BULK = 0, 1  # request classes, in the order they are served
+CLASSES = ("interactive", "bulk")
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """Consecutive rows of one job at one seqlen, waiting together."""
+
+    job: int
+    rows: np.ndarray  # the job's row indices
+    docs: np.ndarray  # sequences in each of those rows
+    enqueued: float
+    cls: int = INTERACTIVE
+    deadline: float = math.inf  # when its request wants its answer (absolute); EDF within a class
+
+    def split(self, k: int) -> tuple[Run, Run]:
+        return (dataclasses.replace(self, rows=self.rows[:k], docs=self.docs[:k]),
+                dataclasses.replace(self, rows=self.rows[k:], docs=self.docs[k:]))
+
+    @property
+    def key(self) -> tuple[float, float, int]:
+        return (self.deadline, self.enqueued, self.job)
+
+
+@dataclasses.dataclass(frozen=True)
+class Dispatch:
+    bucket: Bucket
+    parts: tuple[tuple[int, np.ndarray], ...]  # (job, its row indices) in batch-row order
+    reason: str  # window, full or idle
+    oldest: float  # when its oldest row was queued
+    classes: tuple[int, ...] = (0,)  # the request classes of its rows
+    lead: int = 0  # the class whose queue it was formed for (INTERACTIVE for aged bulk rows): its rank on the device
+
+    @property
+    def rows(self) -> int:
+        return sum(len(r) for _, r in self.parts)
+
+    @property
+    def jobs(self) -> list[int]:
+        return list(dict.fromkeys(job for job, _ in self.parts))
+
+
+@functools.lru_cache(maxsize=32)
+def covers(table: BucketTable) -> dict[int, list[Bucket | None]]:
+    """Per seqlen, for 0..largest rows waiting: the batch size to dispatch (once per table: every
+    request's explain and every in-process run makes a batcher)."""
+    cost = cost_model(table)
+    return {s: cheapest_covers(table.at(s), cost, table.at(s)[-1].batch) for s in table.seqlens}
+
+
+class QueueFull(Exception):
+    """More tokens would wait than the queue allows; try again later."""
+
+
+class TooLarge(Exception):
+    """A job with more tokens than the whole queue holds: retrying cannot help."""
+
+
+QUEUE_DEVICE_S = 2.0  # the default queue: this many seconds of device work at the table's best measured rate
+MIN_QUEUE_TOKENS = 2**18  # ... but at least this many tokens (a full request of 1024 inputs of 256 tokens) ...
+MAX_QUEUE_TOKENS = 2**24  # ... and at most this many (16 bytes of inputs each: 256 MiB waiting)
+
+
+def queue_tokens(table: BucketTable, device_s: float = QUEUE_DEVICE_S) -> int:
+    """The default bound of the queue, in tokens: `device_s` of work at the table's fastest bucket (timed at
+    warmup, host cost per dispatch included), clamped to [MIN_QUEUE_TOKENS, MAX_QUEUE_TOKENS]. An untimed
+    table gets the minimum."""
+    rates = [b.tokens / dispatch_s(b, table.host_dispatch_s) for b in table.buckets if b.run_s is not None]
+    best = int(device_s * max(rates)) if rates else 0
+    return min(MAX_QUEUE_TOKENS, max(MIN_QUEUE_TOKENS, best))
+
+
+@dataclasses.dataclass(frozen=True)
+class Classes:
+    """How the batcher treats request classes (see docs/design.md, "Request classes").
+
+    `max_bulk_wait_s`: a bulk row that has waited this long is served as interactive (aging: nothing starves).
+    `likely_s`: after an interactive row arrived, this long counts as "interactive work likely" (bulk batches
+    are then cut to `bulk_dispatch_s`; the service hands a prepared interactive batch to the device before any
+    prepared bulk one).
+    `bulk_share`: the part of the queue (in tokens) bulk rows may fill; the rest is kept for interactive ones.
+    `bulk_dispatch_s`: while interactive work is likely, a batch of bulk rows is at most the largest of its
+    seqlen's batches predicted to run this long (a query arriving then waits for about one such dispatch, not
+    for the largest batch memory allows) ...
+    `bulk_efficiency`: ... unless that batch's tokens/s is below this share of the seqlen's best, when it is the
+    smallest batch that reaches it (bulk throughput is not traded away for the cap).
+    """
+
+    max_bulk_wait_s: float = 30.0
+    likely_s: float = 1.0
+    bulk_share: float = 1.0
+    bulk_dispatch_s: float = math.inf
+    bulk_efficiency: float = 0.9
+
+
+@functools.lru_cache(maxsize=32)
+def bulk_caps(table: BucketTable, dispatch_limit_s: float, efficiency: float) -> dict[int, int]:
+    """Per seqlen, the most rows a bulk-led batch takes while interactive work is likely (`Classes`); an untimed
+    seqlen keeps its largest batch."""
+    caps = {}
+    for s in table.seqlens:
+        ladder = table.at(s)
+        if any(b.run_s is None for b in ladder):
+            caps[s] = ladder[-1].batch
+            continue
+        rate = {b.batch: b.tokens / dispatch_s(b, table.host_dispatch_s) for b in ladder}
+        within = [b.batch for b in ladder if dispatch_s(b, table.host_dispatch_s) <= dispatch_limit_s]
+        cap = max(within, default=ladder[0].batch)
+        if rate[cap] < efficiency * max(rate.values()):  # too short to run efficiently: the first batch that does
+            cap = max(cap, min(b for b, r in rate.items() if r >= efficiency * max(rate.values())))
+        caps[s] = cap
+    return caps
+
+
+class Batcher:
+    def __init__(self, table: BucketTable, max_wait_s: float, max_queued: int, classes: Classes = Classes()):
+        self.table = table
+        self.max_wait_s = max_wait_s
+        # tokens waiting, counted as the device will run them: each row at its seqlen (padding in the row included),
+        # so the bound is an amount of device work, whatever the documents' lengths
+        self.max_queued = max_queued
+        self.classes = classes
+        # per class, per seqlen: runs in (deadline, enqueued) order
+        self._queues: list[dict[int, list[Run]]] = [{s: [] for s in table.seqlens} for _ in CLASSES]
+        self._rows = [dict.fromkeys(table.seqlens, 0) for _ in CLASSES]  # rows waiting per class, seqlen
+        self._largest = {s: table.at(s)[-1].batch for s in table.seqlens}
+        self._bulk_cap = bulk_caps(table, classes.bulk_dispatch_s, classes.bulk_efficiency)
+        self.covers = covers(table)
+        self.queued = 0  # tokens waiting
+        self.queued_by = [0, 0]  # tokens waiting per class (a promoted bulk row still counts as bulk)
+        self.last_interactive = -math.inf  # when an interactive job last arrived
+
+    @property
+    def queued_rows(self) -> int:
+        return sum(sum(r.values()) for r in self._rows)
+
+    def bulk_limit(self) -> int:
+        return max(1, int(self.max_queued * self.classes.bulk_share))
+
+    def submit(self, job: int, seqlens: np.ndarray, docs: np.ndarray, now: float, cls: int = BULK,
+               deadline: float = math.inf) -> None:
+        """Queue one job's rows (their seqlens and sequences per row), all or nothing."""
+        n = int(np.sum(seqlens))
+        if n > self.max_queued:
+            raise TooLarge(f"the request needs {n} tokens (its rows at their seqlens); the queue holds at most "
+                           f"{self.max_queued}")
+        if self.queued + n > self.max_queued:
+            raise QueueFull(f"{self.queued} tokens are waiting; {n} more would pass the limit of {self.max_queued}")
+        if cls == BULK and self.queued_by[BULK] + n > self.bulk_limit() and self.queued_by[BULK] > 0:
+            raise QueueFull(f"{self.queued_by[BULK]} bulk tokens are waiting; {n} more would pass the bulk "
+                            f"limit of {self.bulk_limit()} (the rest of the queue is kept for interactive requests)")
+        if cls == INTERACTIVE:
+            self.last_interactive = now
+        for s in np.unique(seqlens).tolist():
+            rows = np.flatnonzero(seqlens == s)
+            run = Run(job, rows, docs[rows], now, cls, deadline)
+            bisect.insort(self._queues[cls][s], run, key=lambda r: r.key)
+            self._rows[cls][s] += len(rows)
+        self.queued += n
+        self.queued_by[cls] += n
+
+    def cancel(self, job: int) -> int:
+        """Drop a job's waiting rows (its client went away); returns how many sequences were dropped."""
+        dropped = tokens = 0
+        for c, queues in enumerate(self._queues):
+            for s, q in queues.items():
+                gone = [r for r in q if r.job == job]
+                if gone:
+                    queues[s] = [r for r in q if r.job != job]
+                    self._rows[c][s] -= sum(len(r.rows) for r in gone)
+                    for r in gone:
+                        dropped += int(r.docs.sum())
+                        tokens += len(r.rows) * s
+                        self.queued_by[r.cls] -= len(r.rows) * s
+        self.queued -= tokens
+        return dropped
+
+    def backlog(self, cls: int | None = None) -> list[tuple[int, int]]:
+        """(seqlen, rows) waiting, per seqlen: of every class, or those a new `cls` row waits behind."""
+        classes = range(len(CLASSES)) if cls is None or cls == BULK else [INTERACTIVE]
+        rows = {s: sum(self._rows[c][s] for c in classes) for s in self.table.seqlens}
+        return [(s, n) for s, n in rows.items() if n]
+
+    def waiting(self) -> dict[str, int]:
+        """Tokens waiting per class."""
+        return dict(zip(CLASSES, self.queued_by))
+
+    def oldest(self) -> float | None:
+        """When the oldest waiting row was queued (None with nothing queued)."""
+        heads = [r.enqueued for queues in self._queues for q in queues.values() for r in q[:1]]
+        # a class's queue is in deadline order: its oldest run may not be first
+        heads += [min(r.enqueued for r in q) for queues in self._queues for q in queues.values() if len(q) > 1]
+        return min(heads) if heads else None
+
+    def next_wakeup(self) -> float | None:
+        """When the next thing changes without a new arrival: a window closes or a bulk row ages (None: idle)."""
+        oldest = self.oldest()
+        if oldest is None:
+            return None
+        times = [oldest + self.max_wait_s]
+        bulk = [r.enqueued for q in self._queues[BULK].values() for r in q]
+        if bulk:
+            times.append(min(bulk) + self.classes.max_bulk_wait_s)
+        return min(times)
+
+    def has_interactive(self) -> bool:
+        """Interactive rows waiting (a dispatch now would lead with them)."""
+        return any(self._rows[INTERACTIVE].values())
+
+    def interactive_likely(self, now: float) -> bool:
+        return self.has_interactive() or now - self.last_interactive < self.classes.likely_s
+
+    def _age(self, now: float) -> None:
+        """Bulk rows that waited `max_bulk_wait_s` join the interactive queue, due at once (no starvation)."""
+        for s, q in self._queues[BULK].items():
+            aged = [r for r in q if now - r.enqueued >= self.classes.max_bulk_wait_s]
+            if aged:
+                self._queues[BULK][s] = [r for r in q if now - r.enqueued < self.classes.max_bulk_wait_s]
+                for r in aged:
+                    r = dataclasses.replace(r, deadline=min(r.deadline, r.enqueued + self.classes.max_bulk_wait_s))
+                    bisect.insort(self._queues[INTERACTIVE][s], r, key=lambda r: r.key)
+                    self._rows[BULK][s] -= len(r.rows)
+                    self._rows[INTERACTIVE][s] += len(r.rows)
+
+    def next_dispatch(self, now: float, device_idle: bool) -> Dispatch | None:
+        """Interactive rows first, at once (earliest deadline first), their spare rows filled with bulk rows; bulk
+        rows alone by window, full or idle, and while interactive work is likely at most `Classes.bulk_dispatch_s` long."""
+        self._age(now)
+        first = lambda hs: min(hs, key=lambda h: (h[0], -h[1]))  # earliest; ties: larger seqlen
+        inter = [(q[0].key, s) for s, q in self._queues[INTERACTIVE].items() if q]
+        if inter:
+            # an interactive row never waits for a window: it is prepared for the next device slot at once
+            _, seqlen = first(inter)
+            return self._form(seqlen, INTERACTIVE, "interactive", now)
+        heads = [(q[0].enqueued, s) for s, q in self._queues[BULK].items() if q]
+        if not heads:
+            return None
+        most = self._bulk_cap if self.interactive_likely(now) else self._largest
+        expired = [h for h in heads if now - h[0] >= self.max_wait_s]
+        full = [h for h in heads if self._rows[BULK][h[1]] >= most[h[1]]]
+        if expired:
+            (_, seqlen), reason = first(expired), "window"
+        elif full:
+            (_, seqlen), reason = first(full), "full"
+        elif device_idle:
+            (_, seqlen), reason = first(heads), "idle"
+        else:
+            return None
+        return self._form(seqlen, BULK, reason, now, most[seqlen])
+
+    def _form(self, seqlen: int, cls: int, reason: str, now: float, most: int | None = None) -> Dispatch:
+        """A batch at `seqlen` led by class `cls`'s rows, of at most `most` rows (default: the largest batch);
+        spare rows from later classes and smaller seqlens."""
+        rows = sum(self._rows[c][seqlen] for c in range(cls, len(CLASSES)))
+        lead = self._rows[cls][seqlen]
+        most = self._largest[seqlen] if most is None else most
+        bucket = self.covers[seqlen][min(lead if cls == INTERACTIVE else rows, most)]
+        if bucket.batch > most:  # the cheapest cover of `most` rows may start with a larger batch
+            bucket = max((b for b in self.table.at(seqlen) if b.batch <= most), key=lambda b: b.batch)
+        parts: list[Run] = []
+        spare = bucket.batch
+        for c in range(cls, len(CLASSES)):
+            order = sorted((s for s in self._queues[c] if s <= seqlen and self._queues[c][s]),
+                           key=lambda s: (s != seqlen, self._queues[c][s][0].key, -s))
+            for s in order:
+                if spare == 0:
+                    break
+                taken = self._take(c, s, spare, bucket.slots)
+                spare -= sum(len(r.rows) for r in taken)
+                parts += taken
+                for r in taken:
+                    self.queued -= len(r.rows) * s
+                    self.queued_by[r.cls] -= len(r.rows) * s
+        oldest = min(r.enqueued for r in parts)
+        return Dispatch(bucket, tuple((r.job, r.rows) for r in parts), reason, oldest,
+                        tuple(sorted({r.cls for r in parts})), cls)
+
+    def _take(self, cls: int, seqlen: int, most: int, slots: int) -> list[Run]:
+        """Up to `most` rows from the head of one class's seqlen queue, whole runs first, the last one split."""
+        q = self._queues[cls][seqlen]
+        taken = []
+        while q and most > 0 and q[0].docs.max() <= slots:
+            run = q.pop(0)
+            if len(run.rows) > most:
+                run, rest = run.split(most)
+                q.insert(0, rest)
+            taken.append(run)
+            most -= len(run.rows)
+            self._rows[cls][seqlen] -= len(run.rows)
+        return taken

@@ -1,0 +1,124 @@
+"""A request's work as the batches see it, and the two copies between jobs and batches. Pure numpy.
+
+Glossary (one meaning each, everywhere):
+- document: one input of a request (a text, or a pair for classifiers);
+- sequence: one model input cut from a document (the document, or one
+  window of a long one), special tokens included;
+- row: one or more sequences side by side in one row of a batch, each in its
+  own slot (segment ids 1..K, positions restarting per sequence);
+- job: one request's sequences packed into rows (`planner.pack`), laid out
+  flat here so that batches are filled without per-sequence Python;
+- batch (a dispatch): rows of one or more jobs at one bucket shape.
+
+`assemble` copies a dispatch's rows out of their jobs into one [4, B, S]
+int32 array (token ids, segment ids, positions, type ids: one host-to-device
+transfer); `scatter` copies the [B, k, D] output (the slots the batch fills)
+back into each job's per-sequence output, in input order.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jaxserve.runtime.buckets import Bucket
+from jaxserve.scheduling.planner import Rows
+
+
+def ragged_arange(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """concatenate([arange(s, s + c) for s, c in zip(starts, counts)]), without a Python loop."""
+    counts = np.asarray(counts, np.int64)
+    total = int(counts.sum())
+    if total == 0:
+        return np.zeros(0, np.int64)
+    ends = np.cumsum(counts)
+    return np.repeat(np.asarray(starts, np.int64) - (ends - counts), counts) + np.arange(total)
+
+
+class Job:
+    """One request's sequences packed into rows, flat; its output fills in as its rows finish.
+
+    `ids` [T] holds every sequence's token ids back to back (`offsets` [P + 1]),
+    `types` the token type ids alike (sentence pairs) or None for zeros.
+    `output`: `pooled` fills `out` [P, D], one vector per sequence; `tokens`
+    fills `out` [T, D], one per token (TEI's /embed_all), in row order:
+    `token_vectors(p)` gives sequence p's.
+    """
+
+    def __init__(self, rows: Rows, ids: np.ndarray, offsets: np.ndarray, types: np.ndarray | None, out_dim: int,
+                 output: str = "pooled"):
+        self.rows = rows
+        self.output = output
+        lengths = np.diff(offsets)
+        order = rows.members  # sequences in row order
+        src = ragged_arange(offsets[order], lengths[order])  # each token's place in `ids`, row after row
+        self.flat = np.empty((4, len(src)), np.int32)  # [4, T] in row order
+        self.flat[0] = ids[src]
+        docs = rows.docs
+        slot = np.arange(len(order)) - np.repeat(rows.starts[:-1], docs)  # each sequence's slot in its row
+        self.flat[1] = np.repeat(slot + 1, lengths[order])
+        self.flat[2] = np.arange(len(src)) - np.repeat(np.cumsum(lengths[order]) - lengths[order], lengths[order])
+        self.flat[3] = 0 if types is None else types[src]
+        self.row_start = np.concatenate([[0], np.cumsum(rows.tokens)])  # [R + 1] each row's tokens in `flat`
+        self.seq_start = np.empty(len(lengths), np.int64)  # each sequence's first token in `flat`
+        self.seq_start[order] = np.cumsum(lengths[order]) - lengths[order]
+        self.lengths = lengths
+        size = len(src) if output == "tokens" else len(lengths)
+        self.out = np.zeros((size, out_dim), np.float32)  # [P, D] per sequence, or [T, D] per token
+        self.remaining = len(lengths)  # sequences not yet done
+
+    def token_vectors(self, p: int) -> np.ndarray:
+        """[L, D] sequence p's token vectors (a `tokens` job)."""
+        return self.out[self.seq_start[p] : self.seq_start[p] + self.lengths[p]]
+
+
+def assemble(bucket: Bucket, parts, jobs: dict[int, Job]) -> tuple[np.ndarray, int]:
+    """([4, B, S] int32, real tokens): each part's rows (job, row indices) in consecutive batch rows; the rest zeros.
+
+    Rows of jobs no longer in `jobs` (cancelled) stay padding."""
+    b, s = bucket.shape
+    out = np.zeros((4, b * s), np.int32)
+    first = real = 0
+    for job_id, rows in parts:
+        job = jobs.get(job_id)
+        if job is not None:
+            counts = job.row_start[rows + 1] - job.row_start[rows]
+            src = ragged_arange(job.row_start[rows], counts)
+            dst = ragged_arange((first + np.arange(len(rows))) * s, counts)
+            out[:, dst] = job.flat[:, src]
+            real += len(src)
+        first += len(rows)
+    return out.reshape(4, b, s), real
+
+
+def most_per_row(parts, jobs: dict[int, Job]) -> int:
+    """The most sequences any of a dispatch's rows holds (0: all its jobs are gone): the output slots to copy back."""
+    return max((int(job.rows.docs[rows].max()) for job_id, rows in parts
+                if (job := jobs.get(job_id)) is not None and len(rows)), default=0)
+
+
+def scatter(parts, result: np.ndarray, jobs: dict[int, Job]) -> list[int]:
+    """Copy a batch's outputs to its jobs: [B, k, D] per sequence (k at least the sequences of its fullest row),
+    or [B, S, D] per token for `tokens` jobs.
+
+    Returns the jobs now complete (in order, once each)."""
+    done = []
+    first = 0
+    for job_id, rows in parts:
+        job = jobs.get(job_id)
+        if job is not None:
+            r = job.rows
+            counts = r.starts[rows + 1] - r.starts[rows]
+            if job.output == "tokens":
+                s = result.shape[1]
+                tokens = job.row_start[rows + 1] - job.row_start[rows]
+                dst = ragged_arange((first + np.arange(len(rows))) * s, tokens)
+                job.out[ragged_arange(job.row_start[rows], tokens)] = result.reshape(-1, result.shape[-1])[dst]
+            else:
+                seq = r.members[ragged_arange(r.starts[rows], counts)]
+                slot = ragged_arange(np.zeros(len(rows), np.int64), counts)
+                job.out[seq] = result[np.repeat(first + np.arange(len(rows)), counts), slot]
+            job.remaining -= int(counts.sum())
+            if job.remaining == 0:
+                done.append(job_id)
+        first += len(rows)
+    return done

@@ -1,0 +1,489 @@
+"""The device pipeline: the batcher's dispatches assembled, copied, launched and scattered, the device never idle.
+
+Three threads, one stage each, with bounded hand-offs between them
+(JetStream's shape), so the event loop only submits jobs and awaits them:
+
+- prepare: asks the batcher for the next dispatch, assembles its [4, B, S]
+  inputs from the jobs' flat rows and copies them to the device (one
+  transfer); at most one prepared batch waits for the device;
+- device: launches prepared batches, at most `max_inflight` on the device at
+  once. JAX dispatch is asynchronous, so batch i+1 is queued on the device
+  before anyone waits for batch i. On a CPU, batches launched from one thread
+  run one after another, but two threads that each launch and wait overlap
+  (XLA's CPU fusions leave cores idle): there `streams` device threads each
+  run their batch to the end;
+- respond: waits for each launched batch in order, copies its output to the
+  host, scatters it into its jobs, and hands finished jobs to the event loop
+  (`call_soon_threadsafe`).
+
+The batcher and the jobs are shared with the event loop (submit, cancel)
+under one lock, held only for bookkeeping. `run_jobs` runs the same steps in
+the caller's thread for the Python API. See `jaxserve.scheduling.jobs` for the glossary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import dataclasses
+import functools
+import itertools
+import logging
+import math
+import queue
+import threading
+import time
+
+import numpy as np
+
+from jaxserve.runtime.buckets import BucketTable
+from jaxserve.runtime.engine import Engine
+from jaxserve.scheduling.batcher import BULK, CLASSES, Batcher, Classes, Dispatch, queue_tokens
+from jaxserve.scheduling.explain import LiveTimings
+from jaxserve.scheduling.jobs import Job, assemble, most_per_row, scatter
+
+log = logging.getLogger("jaxserve.scheduling.pipeline")
+
+MAX_INFLIGHT = 2  # batches on the device at once: one running, the next already queued behind it
+BULK_DISPATCH_MS = 100.0  # while queries are likely, bulk batches this long at most: a query waits for about one
+
+
+def server_classes(bulk_dispatch_s: float = BULK_DISPATCH_MS / 1000) -> Classes:
+    """The server's classes: a quarter of the queue kept for interactive requests, short bulk batches while
+    they are likely: for 10 s after one arrived (users pause for seconds; a query that found a full-size bulk
+    batch ahead would otherwise make the next one find another)."""
+    return Classes(bulk_share=0.75, bulk_dispatch_s=bulk_dispatch_s, likely_s=10.0)
+
+
+SERVER_CLASSES = server_classes()
+MAX_CONSECUTIVE_FAILURES = 3  # device steps failing in a row before the service calls itself unhealthy
+
+
+class Draining(Exception):
+    """The service is shutting down (or broken) and takes no new work."""
+
+
+class DeviceError(Exception):
+    """The batch holding some of this request's rows failed on the device."""
+
+
+@dataclasses.dataclass
+class RequestTiming:
+    """Where one request's time went (seconds, monotonic clock)."""
+
+    submitted: float
+    first_dispatch: float | None = None
+    done: float | None = None
+    batches: list = dataclasses.field(default_factory=list)  # (bucket shape, rows of this request, reason, device s)
+    cls: int = BULK  # its request class (batcher.CLASSES)
+    deadline_s: float | None = None  # its latency budget, if it gave one
+    behind: dict | None = None  # tokens waiting per class when it was queued (what it waited behind)
+
+    @property
+    def queue_s(self) -> float:
+        return (self.first_dispatch or self.submitted) - self.submitted
+
+    @property
+    def total_s(self) -> float:
+        return (self.done or self.submitted) - self.submitted
+
+
+class Metrics:
+    """What the service reports, O(1) per dispatch; the server's Prometheus metrics implement it."""
+
+    def dispatched(self, d: Dispatch, real_tokens: int, oldest_wait_s: float) -> None: ...
+
+    def phase(self, name: str, seconds: float) -> None: ...
+
+    def sequences(self, outcome: str, n: int) -> None:
+        """Every sequence submitted is, in the end, dispatched (with its job still waiting for it) or dropped
+        (its client left while it waited): submitted = dispatched + dropped + waiting."""
+
+    def queue_depth(self, sequences: int) -> None: ...
+
+    def class_sequences(self, cls: int, n: int) -> None:
+        """`n` sequences of class `cls` dispatched: a class's goodput (bulk docs/s) is the rate of these."""
+
+    def dispatch_time(self, cls: int, seconds: float) -> None:
+        """One batch's device time, by the class that led it (`Dispatch.lead`): what a query may wait behind."""
+
+    def finished(self, timing: RequestTiming) -> None:
+        """A request answered: its class's queue wait, latency and whether it met its deadline."""
+
+
+@dataclasses.dataclass
+class _Entry:
+    job: Job
+    future: asyncio.Future
+    timing: RequestTiming
+
+
+class Pipeline:
+    """The device pipeline a server runs every model request through (embeddings, classifier logits, SPLADE
+    weights, token outputs alike): the batchers, then prepare, device and respond threads (module docstring)."""
+
+    def __init__(self, engine: Engine, table: BucketTable, max_wait_s: float, max_queued: int | None,
+                 metrics: Metrics | None = None, max_inflight: int = MAX_INFLIGHT,
+                 max_failures: int = MAX_CONSECUTIVE_FAILURES, streams: int = 1, classes: Classes = SERVER_CLASSES):
+        self.engine = engine
+        # One batcher per output: pooled vectors, and token vectors (/embed_all) where the engine has them;
+        # each queue holds `max_queued` tokens (None: `queue_tokens` of its table, a few seconds of device work).
+        tables = {"pooled": table, **({"tokens": engine.tables["tokens"]} if "tokens" in engine.tables else {})}
+        self.batchers = {lane: Batcher(t, max_wait_s, queue_tokens(t) if max_queued is None else max_queued, classes)
+                         for lane, t in tables.items()}
+        self.timings = LiveTimings(table)  # refreshed from every device step
+        self.metrics = metrics or Metrics()
+        self.max_inflight = max_inflight
+        self.streams = streams  # device threads: 1 launches for the device; >1 each runs its batch (CPU)
+        self.max_failures = max_failures
+        self._lock = threading.Condition()
+        self._entries: dict[int, _Entry] = {}  # jobs submitted and not yet answered (guarded by _lock)
+        self._ids = itertools.count()
+        self._pipeline = 0  # batches being prepared, prepared, or on the device (guarded by _lock)
+        # prepared batches, interactive-led first (bounded by _pipeline): a device slot that frees takes the best one
+        self._ready: queue.PriorityQueue = queue.PriorityQueue()
+        self._handed = itertools.count()  # FIFO within a class
+        self._launched: queue.Queue = queue.Queue()  # bounded by _on_device
+        self._on_device = threading.Semaphore(max_inflight)
+        self._threads: list[threading.Thread] = []
+        self._stopping = False
+        self._draining = False
+        self.failures = 0  # device steps failed in a row
+        self.broken: str | None = None  # why a pipeline thread died
+        self.device_batches = 0
+
+    # ---- lifecycle ----
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        stages = [self._prepare_loop] + [self._device_loop] * self.streams + [self._respond_loop]
+        self._threads = [threading.Thread(target=self._guard, args=(f,), name=f"jaxserve-{f.__name__[1:]}", daemon=True)
+                         for f in stages]
+        for t in self._threads:
+            t.start()
+
+    async def drain(self, timeout: float) -> bool:
+        """Say so on /health; wait for every accepted job (batches in flight included). True if all finished.
+
+        Jobs still arrive while draining: the HTTP layer refuses new requests, but one it accepted before may be
+        tokenizing still, and is owed its answer."""
+        self._draining = True
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return True
+        except TimeoutError:
+            return False
+
+    async def stop(self) -> None:
+        """Stop the threads (each passes the stop on to the next stage) without blocking the event loop;
+        fail what is still waiting."""
+        with self._lock:
+            self._stopping = True
+            self._lock.notify_all()
+        loop = asyncio.get_running_loop()
+        for t in self._threads:
+            await loop.run_in_executor(None, t.join, 5.0)
+        for entry in list(self._entries.values()):
+            if not entry.future.done():
+                entry.future.set_exception(Draining("the server stopped before this request finished"))
+        self._entries.clear()
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    @property
+    def healthy(self) -> str | None:
+        """None when serving; else why not (a dead pipeline thread, or a device failing every step)."""
+        if self.broken:
+            return self.broken
+        if self._threads and not all(t.is_alive() for t in self._threads):
+            return "a device pipeline thread stopped"
+        if self.failures >= self.max_failures:
+            return f"the last {self.failures} device steps failed"
+        return None
+
+    @property
+    def batcher(self) -> Batcher:
+        """The batcher of pooled outputs (every route but /embed_all)."""
+        return self.batchers["pooled"]
+
+    @property
+    def queued(self) -> int:
+        """Tokens waiting (rows at their seqlens), all outputs."""
+        return sum(b.queued for b in self.batchers.values())
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._entries)
+
+    @property
+    def batches_in_flight(self) -> int:
+        """Batches on the device or prepared for it."""
+        return self._pipeline
+
+    # ---- requests (event loop) ----
+
+    async def run(self, job: Job, cls: int = BULK, deadline_s: float | None = None) -> tuple[np.ndarray, RequestTiming]:
+        """Run one request's job -> ([P, D] per sequence, timing). Raises QueueFull, TooLarge, Draining, DeviceError.
+
+        `cls`: its request class; `deadline_s`: its latency budget (earliest deadline first within a class).
+
+        If the caller is cancelled (client gone, timeout), the job's waiting rows are dropped."""
+        now = time.monotonic()
+        timing = RequestTiming(submitted=now, cls=cls, deadline_s=deadline_s)
+        if self._stopping:
+            raise Draining("the server stopped and takes no new requests")
+        if job.remaining == 0:
+            timing.done = now
+            return job.out, timing
+        if job.output not in self.batchers:
+            raise ValueError(f"this server computes no {job.output} outputs")
+        future = self._loop.create_future()
+        with self._lock:
+            jid = next(self._ids)
+            batcher = self.batchers[job.output]
+            timing.behind = {c: n for c, n in batcher.waiting().items() if c == CLASSES[0] or cls == BULK}
+            batcher.submit(jid, job.rows.seqlen, job.rows.docs, now, cls,
+                           math.inf if deadline_s is None else now + deadline_s)
+            self._entries[jid] = _Entry(job, future, timing)
+            self._lock.notify()
+        self.metrics.sequences("submitted", job.remaining)
+        self._idle.clear()
+        self.metrics.queue_depth(self.queued)
+        try:
+            await future
+        finally:
+            if jid in self._entries:  # not answered: the caller went away
+                self.cancel(jid)
+        return job.out, timing
+
+    def cancel(self, jid: int) -> None:
+        """Drop a job: its waiting rows never reach the device; rows already prepared or launched still run (as real
+        rows of their batch), and their outputs are discarded when the batch returns."""
+        with self._lock:
+            dropped = sum(b.cancel(jid) for b in self.batchers.values())
+            self._entries.pop(jid, None)
+        self.metrics.sequences("dropped", dropped)
+        self.metrics.queue_depth(self.queued)
+        self._check_idle()
+
+    def _answer(self, jid: int, exc: Exception | None = None) -> None:
+        """On the loop: resolve a finished (or failed) job's future."""
+        with self._lock:
+            entry = self._entries.pop(jid, None)
+        if entry is not None and not entry.future.done():
+            entry.timing.done = time.monotonic()
+            if exc is None:
+                entry.future.set_result(None)
+                self.metrics.finished(entry.timing)
+            else:
+                entry.future.set_exception(exc)
+        self._check_idle()
+
+    def _check_idle(self) -> None:
+        if not self._entries:
+            self._idle.set()
+
+    # ---- the three threads ----
+
+    def _guard(self, loop_fn) -> None:
+        """A pipeline thread that dies makes the service unhealthy and fails what is waiting."""
+        try:
+            loop_fn()
+        except BaseException as exc:
+            self.broken = f"the {loop_fn.__name__[1:]} thread died: {type(exc).__name__}: {exc}"
+            log.exception(self.broken)
+            with self._lock:
+                jids = list(self._entries)
+            for jid in jids:
+                self._loop.call_soon_threadsafe(self._answer, jid, Draining(self.broken))
+            self._pass_stop_on(loop_fn)
+
+    def _pass_stop_on(self, loop_fn) -> None:
+        """A dead stage still ends its stream, so the stages after it stop too and `stop` need not wait them out."""
+        if loop_fn == self._prepare_loop:
+            self._end_ready()
+        elif loop_fn == self._device_loop:
+            self._launched.put(None)
+        else:  # the respond thread: device threads may wait for a slot it would have freed
+            for _ in range(self.streams):
+                self._on_device.release()
+
+    def _dispatch(self, now: float, interactive_only: bool = False) -> tuple[str, Dispatch] | None:
+        """The next dispatch of any output, the batcher with the oldest waiting row asked first (`interactive_only`:
+        of the batchers with interactive rows waiting, which lead with them)."""
+        waiting = sorted((t, lane) for lane, b in self.batchers.items()
+                         if (t := b.oldest()) is not None and (b.has_interactive() or not interactive_only))
+        for _, lane in waiting:
+            d = self.batchers[lane].next_dispatch(now, device_idle=self._pipeline < self.max_inflight)
+            if d is not None:
+                return lane, d
+        return None
+
+    def _next(self) -> tuple[str, Dispatch, dict[int, Job]] | None:
+        """Block until a batcher gives a dispatch the pipeline has room for (None: stopping)."""
+        with self._lock:
+            while not self._stopping:
+                now = time.monotonic()
+                # room on the device, or for one batch ready behind it; and one more for interactive rows, so a
+                # query is prepared at once and takes the next device slot ahead of the bulk batch prepared
+                room = self._pipeline <= self.max_inflight
+                if room or self._pipeline <= self.max_inflight + 1:
+                    picked = self._dispatch(now, interactive_only=not room)
+                    if picked is not None:
+                        lane, d = picked
+                        self._pipeline += 1
+                        jobs, sequences = {}, [0] * len(CLASSES)
+                        for jid, rows in d.parts:
+                            if (entry := self._entries.get(jid)) is not None:
+                                jobs[jid] = entry.job
+                                sequences[entry.timing.cls] += int(entry.job.rows.docs[rows].sum())
+                                if entry.timing.first_dispatch is None:
+                                    entry.timing.first_dispatch = now
+                        self.metrics.sequences("dispatched", sum(sequences))
+                        for cls, n in enumerate(sequences):
+                            if n:
+                                self.metrics.class_sequences(cls, n)
+                        return lane, d, jobs
+                    deadlines = [t for b in self.batchers.values() if (t := b.next_wakeup()) is not None]
+                    # without room only an arrival (submit) or a finished batch (respond) changes anything
+                    timeout = max(0.0, min(deadlines) - now) if deadlines and room else None
+                else:
+                    timeout = None
+                self._lock.wait(timeout)
+        return None
+
+    def _prepare_loop(self) -> None:
+        while (nxt := self._next()) is not None:
+            lane, d, jobs = nxt
+            self.metrics.queue_depth(self.queued)
+            start = time.perf_counter()
+            inputs, real_tokens = assemble(d.bucket, d.parts, jobs)
+            assembled = time.perf_counter()
+            try:
+                prepared = self.engine.put(d.bucket, inputs, lane, most_per_row(d.parts, jobs))
+            except Exception as exc:
+                self._fail(d, jobs, exc)
+                continue
+            copied = time.perf_counter()
+            self.metrics.phase("assemble", assembled - start)
+            self.metrics.phase("copy", copied - assembled)
+            self.metrics.dispatched(d, real_tokens, time.monotonic() - d.oldest)
+            self._ready.put((d.lead, next(self._handed), (d, jobs, prepared)))
+        self._end_ready()
+
+    def _end_ready(self) -> None:
+        """One stop per device thread, after every prepared batch (those still run)."""
+        for _ in range(self.streams):
+            self._ready.put((len(CLASSES), next(self._handed), None))
+
+    def _device_loop(self) -> None:
+        while True:
+            self._on_device.acquire()  # a slot first, then the best prepared batch at that moment
+            if (item := self._ready.get()[2]) is None:
+                self._on_device.release()
+                break
+            d, jobs, prepared = item
+            launched = time.perf_counter()
+            try:
+                result, error = self.engine.launch(prepared), None
+                if self.streams > 1:
+                    result = self.engine.fetch(result)
+            except Exception as exc:
+                result, error = None, exc
+            self._launched.put((d, jobs, result, error, launched))
+        self._launched.put(None)
+
+    def _respond_loop(self) -> None:
+        previous_done = 0.0
+        running = self.streams  # device threads not yet stopped: each ends its stream with None
+        while running:
+            if (item := self._launched.get()) is None:
+                running -= 1
+                continue
+            d, jobs, result, error, launched = item
+            try:
+                if error is not None:
+                    raise error
+                # waits for the device, then copies to the host (device threads that ran their batch fetched it)
+                out = self.engine.fetch(result) if self.streams == 1 else result
+            except Exception as exc:
+                self._on_device.release()
+                self._fail(d, jobs, exc)
+                continue
+            self._on_device.release()
+            done = time.perf_counter()
+            device_s = done - max(launched, previous_done)  # batches run one after another
+            previous_done = done
+            with self._lock:
+                self._pipeline -= 1
+                self._lock.notify()
+            self.failures = 0
+            self.device_batches += 1
+            self.timings.observe(d.bucket, device_s)
+            self.metrics.phase("device", device_s)
+            self.metrics.dispatch_time(d.lead, device_s)
+            finished = scatter(d.parts, out, jobs)
+            self.metrics.phase("scatter", time.perf_counter() - done)
+            for jid, rows in d.parts:
+                if (entry := self._entries.get(jid)) is not None:
+                    entry.timing.batches.append((d.bucket.shape, len(rows), d.reason, device_s))
+            for jid in finished:
+                self._loop.call_soon_threadsafe(self._answer, jid)
+
+    def _fail(self, d: Dispatch, jobs: dict[int, Job], exc: Exception) -> None:
+        """Fail exactly the requests with rows in this batch; everyone else carries on."""
+        log.error("device step failed for a batch at %s: %s: %s", d.bucket.shape, type(exc).__name__, exc)
+        self.failures += 1
+        with self._lock:
+            self._pipeline -= 1
+            for jid in jobs:
+                for b in self.batchers.values():
+                    b.cancel(jid)
+            self._lock.notify()
+        error = DeviceError(f"the batch at {d.bucket.shape} failed: {type(exc).__name__}: {exc}")
+        for jid in jobs:
+            self._loop.call_soon_threadsafe(self._answer, jid, error)
+
+
+def run_jobs(engine: Engine, table: BucketTable, jobs: list[Job], max_inflight: int = MAX_INFLIGHT,
+             streams: int = 1) -> list[Dispatch]:
+    """Run jobs (of one output, on its `table`) to completion, through a batcher of their own; returns the
+    dispatches that ran.
+
+    The same steps as the server's pipeline: batch i+1 is assembled and
+    launched before batch i is waited on; with `streams` > 1 (a CPU) that many
+    threads each run a batch to the end, as the server's device threads do."""
+    output = jobs[0].output if jobs else "pooled"
+    batcher = Batcher(table, math.inf, max(1, sum(int(j.rows.seqlen.sum()) for j in jobs)))
+    by_id = dict(enumerate(jobs))
+    for jid, job in by_id.items():
+        batcher.submit(jid, job.rows.seqlen, job.rows.docs, 0.0)
+    inflight: collections.deque = collections.deque()
+    ran = []
+    pool = _stream_pool(streams)
+    run = lambda prepared: engine.fetch(engine.launch(prepared))
+    # with threads of their own, one batch more than they run waits ready, so none idles while this one scatters
+    most = streams + 1 if pool else max_inflight
+    while True:
+        d = batcher.next_dispatch(0.0, device_idle=True) if len(inflight) < most else None
+        if d is not None:
+            inputs, _ = assemble(d.bucket, d.parts, by_id)
+            prepared = engine.put(d.bucket, inputs, output, most_per_row(d.parts, by_id))
+            inflight.append((d, pool.submit(run, prepared) if pool else engine.launch(prepared)))
+            ran.append(d)
+        elif inflight:
+            done, result = inflight.popleft()
+            scatter(done.parts, result.result() if pool else engine.fetch(result), by_id)
+        else:
+            return ran
+
+
+@functools.cache
+def _stream_pool(streams: int) -> concurrent.futures.ThreadPoolExecutor | None:
+    """Threads that each run a batch to the end (made once per count; None for one stream)."""
+    return concurrent.futures.ThreadPoolExecutor(streams, thread_name_prefix="jaxserve-stream") if streams > 1 else None
