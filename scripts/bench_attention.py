@@ -34,7 +34,6 @@ process grows by ~1.6 GiB). `--block` sets the blockwise block for `--what atten
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
@@ -42,7 +41,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.buckets import slots_for
+import harness
+
+from jaxserve.runtime.buckets import slots_for
 from jaxserve.models import attention, bert
 from jaxserve.models.attention import Kernel, Masks, Spec
 
@@ -166,9 +167,10 @@ def kernels_main(args) -> None:
             best = min(timed, key=timed.get) if timed else "-"
             print(f"{h:>8} {seqlen:>6} {case['batch']:>5} {case['slots']:>5} {' '.join(cells)}  {best}", flush=True)
             if args.out:  # written after every case: a run cut short keeps what it finished
-                write_json(args.out, dict(what="kernels", dtype="bfloat16", spec=str(spec), tokens=tokens, heads=heads,
-                                          runs=runs, platform=dev.platform, device_kind=dev.device_kind,
-                                          jax=jax.__version__, dry_run=args.dry_run, cases=cases))
+                harness.write_result(args.out, dict(what="kernels", dtype="bfloat16", spec=str(spec), tokens=tokens, heads=heads,
+                                                    runs=runs, platform=dev.platform, device_kind=dev.device_kind,
+                                                    jax=jax.__version__, dry_run=args.dry_run, cases=cases),
+                                     quiet=True)
     for case in cases:
         for i, r in case["results"].items():
             if r.get("error"):
@@ -219,17 +221,21 @@ def one_kernel_case(args, impls, spec, h, seqlen, tokens, heads, runs) -> dict:
             exes[impl] = exe
         except Exception as exc:
             r["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ''}"
-    times = {i: [] for i in exes}
-    for _ in range(runs):  # alternating, so drift and other load hit every implementation alike
-        for impl, exe in exes.items():
+    def launch(impl, exe):
+        def run() -> float | None:
             try:
                 start = time.perf_counter()
                 exe(q, k, v, seg_d, pos_d).block_until_ready()
-                times[impl].append(time.perf_counter() - start)
+                return time.perf_counter() - start
             except Exception as exc:
                 case["results"][impl]["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                return None
+        return run
+
+    # interleaved, so drift and other load hit every implementation alike
+    times = harness.rounds({impl: launch(impl, exe) for impl, exe in exes.items()}, runs)
     for impl, ts in times.items():
-        if len(ts) == runs:
+        if None not in ts:
             ms = 1e3 * statistics.median(ts)
             case["results"][impl].update(ms=ms, times_ms=[1e3 * t for t in ts], tflops=flops / (ms * 1e-3) / 1e12)
     return case
@@ -245,11 +251,6 @@ def spin(seconds: float) -> None:
     while time.perf_counter() < end:
         x = f(x)
         x.block_until_ready()
-
-
-def write_json(path: str, raw: dict) -> None:
-    with open(path, "w") as f:
-        json.dump(raw, f, indent=1)
 
 
 def main():
@@ -271,14 +272,15 @@ def main():
     ap.add_argument("--dense-max", type=int, default=4096, help="layer: skip dense above this seqlen (its S^2 memory)")
     ap.add_argument("--out", "--json", dest="out", help="write the raw numbers here (JSON)")
     args = ap.parse_args()
-    if args.what == "kernels":
-        if args.dry_run:
-            args.spin_s = min(args.spin_s, 0.2)
-        return kernels_main(args)
-    args.seqlens = args.seqlens or "256,512,1024,2048,4096"
-    args.tokens = args.tokens or 8192
-    args.impls = args.impls or "dense,blockwise"
-    layer_main(args)
+    with harness.bench_lock():
+        if args.what == "kernels":
+            if args.dry_run:
+                args.spin_s = min(args.spin_s, 0.2)
+            return kernels_main(args)
+        args.seqlens = args.seqlens or "256,512,1024,2048,4096"
+        args.tokens = args.tokens or 8192
+        args.impls = args.impls or "dense,blockwise"
+        layer_main(args)
 
 
 def layer_main(args):
@@ -295,13 +297,11 @@ def layer_main(args):
             if impl == "dense" and seqlen > args.dense_max:
                 continue
             exe, temp, compile_s, run = measure(args.what, impl, spec, args.block, batch, seqlen, args.runs)
-            found[impl] = dict(temp_bytes=temp, compile_s=compile_s, run=run, times=[])
-        for _ in range(args.runs):  # alternate, so load from other processes hits both alike
-            for r in found.values():
-                r["times"].append(r["run"]())
-        for r in found.values():
-            r["ms"] = 1e3 * statistics.median(r.pop("times"))
-            del r["run"]
+            found[impl] = dict(temp_bytes=temp, compile_s=compile_s, run=run)
+        # interleaved, so load from other processes hits both alike
+        times = harness.rounds({impl: r.pop("run") for impl, r in found.items()}, args.runs)
+        for impl, r in found.items():
+            r["ms"] = 1e3 * statistics.median(times[impl])
         cells = " ".join(f"{found[i]['temp_bytes'] / 2**20:>14.1f} {found[i]['ms']:>13.1f}" if i in found
                          else f"{'-':>14} {'-':>13}" for i in impls)
         ratio = (f"{found['blockwise']['ms'] / found['dense']['ms']:>15.2f}"
@@ -309,7 +309,8 @@ def layer_main(args):
         print(f"{seqlen:>7} {batch:>5} {cells} {ratio}", flush=True)
         rows.append(dict(seqlen=seqlen, batch=batch, **{i: found[i] for i in found}))
     if args.out:
-        write_json(args.out, dict(what=args.what, spec=str(spec), tokens=args.tokens, block=args.block, rows=rows))
+        harness.write_result(args.out, dict(what=args.what, spec=str(spec), tokens=args.tokens, block=args.block,
+                                            rows=rows), quiet=True)
 
 
 if __name__ == "__main__":

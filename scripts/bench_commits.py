@@ -16,21 +16,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import functools
-import inspect
 import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import numpy as np
+import harness
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-
-import corpus  # noqa: E402
+ROOT = harness.ROOT
 
 WORKER = """
 import sys, time, json
@@ -51,7 +47,8 @@ class Worker:
     """`Encoder.embed` in a process of its own, loaded from one source tree, timed on request."""
 
     def __init__(self, path: Path, table: str, texts: dict):
-        self.proc = subprocess.Popen([sys.executable, "-c", WORKER, table], cwd=path, env=_env(path), text=True,
+        self.proc = subprocess.Popen([sys.executable, "-c", WORKER, table], cwd=path, text=True,
+                                     env={**os.environ, "PYTHONPATH": str(path)},
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         self.proc.stdin.write(json.dumps(texts) + "\n")
         self.proc.stdin.flush()
@@ -67,77 +64,46 @@ class Worker:
         self.proc.wait(timeout=60)
 
 
-def _env(path: Path) -> dict:
-    return {**os.environ, "PYTHONPATH": str(path)}
+def paired(timers: dict, n: int) -> dict:
+    """`n` rounds, each timing both trees once (a timer returns seconds), alternating which goes first; the
+    per-pair speed ratio after/before."""
+    seconds = harness.rounds(timers, n)
+    return {"seconds": seconds, **harness.ratios(seconds["before"], seconds["after"])}
 
 
-async def http_seconds(session, url: str, texts: list[str], per_request: int = 100, in_flight: int = 2) -> float:
-    sem = asyncio.Semaphore(in_flight)
-
-    async def one(chunk):
-        async with sem, session.post(url + "/v1/embeddings", json={"input": chunk}) as r:
-            assert r.status == 200, await r.text()
-            await r.read()
-
-    start = time.perf_counter()
-    await asyncio.gather(*(one(texts[i : i + per_request]) for i in range(0, len(texts), per_request)))
-    return time.perf_counter() - start
-
-
-async def paired(timers: dict, n: int) -> dict:
-    """`n` rounds, each timing every tree once (a timer returns seconds, or an awaitable of them), alternating the order; per-pair speed ratio after/before."""
-    seconds = {name: [] for name in timers}
-    for r in range(n):
-        for name in (list(timers) if r % 2 == 0 else list(timers)[::-1]):
-            value = timers[name]()
-            seconds[name].append(await value if inspect.isawaitable(value) else value)
-    ratios = np.array(seconds["before"]) / np.array(seconds["after"])
-    return {"seconds": seconds, "median_ratio": float(np.median(ratios)), "min_ratio": float(ratios.min()),
-            "max_ratio": float(ratios.max())}
-
-
-async def in_process(trees: dict, table: str, texts: dict, n: int) -> dict:
+def in_process(trees: dict, table: str, texts: dict, n: int) -> dict:
     """Both trees' workers loaded at once (nothing else running), each workload in pairs."""
     workers = {name: Worker(path, table, texts) for name, path in trees.items()}
     try:
-        report = {}
-        for workload in texts:
-            timers = {name: functools.partial(w.seconds, workload) for name, w in workers.items()}
-            report[f"{workload}, in-process"] = await paired(timers, n)
-        return report
+        return {f"{workload}, in-process": paired({name: functools.partial(w.seconds, workload)
+                                                   for name, w in workers.items()}, n) for workload in texts}
     finally:
         for w in workers.values():
             w.close()
 
 
-async def over_http(trees: dict, table: str, texts: dict, n: int) -> dict:
+def over_http(trees: dict, table: str, texts: dict, n: int) -> dict:
     """Both trees' `jaxserve serve` up at once, each workload in pairs (requests of 100, 2 in flight)."""
+    with contextlib.ExitStack() as stack:
+        urls = {name: stack.enter_context(harness.server("--buckets", table, tree=path, timeout_s=300)).url
+                for name, path in trees.items()}
+        run = stack.enter_context(asyncio.Runner()).run
+        session = run(_session())
+        stack.callback(run, session.close())
+        report = {}
+        for workload, docs in texts.items():
+            for url in urls.values():  # warm each server's caches once
+                run(harness.post_all(session, url, docs))
+            timers = {name: (lambda url=url, docs=docs: run(harness.post_all(session, url, docs)))
+                      for name, url in urls.items()}
+            report[f"{workload}, HTTP"] = paired(timers, n)
+        return report
+
+
+async def _session():
     import aiohttp
 
-    from jaxserve.launch import free_port, wait_ready
-
-    urls, servers = {}, []
-    for name, path in trees.items():
-        port = free_port()
-        servers.append(subprocess.Popen([sys.executable, "-m", "jaxserve.cli", "serve", "--port", str(port),
-                                         "--buckets", table], cwd=path, env=_env(path),
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        urls[name] = f"http://127.0.0.1:{port}"
-    try:
-        async with aiohttp.ClientSession() as s:
-            for url in urls.values():
-                await wait_ready(s, url, timeout_s=300)
-            report = {}
-            for workload, docs in texts.items():
-                for url in urls.values():  # warm each server's caches once
-                    await http_seconds(s, url, docs)
-                timers = {name: (lambda url=url: http_seconds(s, url, docs)) for name, url in urls.items()}
-                report[f"{workload}, HTTP"] = await paired(timers, n)
-            return report
-    finally:
-        for p in servers:
-            p.terminate()
-            p.wait(timeout=60)
+    return aiohttp.ClientSession()  # made on the runner's loop, which every timed request then runs on
 
 
 def main() -> None:
@@ -150,23 +116,21 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "results" / "commits.json"))
     args = ap.parse_args()
 
-    texts = {"short": corpus.sample("paragraphs", args.n),
-             "long": corpus.sample("docstrings", args.n, min_chars=1500)}
+    texts = {"short": harness.sample("paragraphs", args.n),
+             "long": harness.sample("docstrings", args.n, min_chars=1500)}
     trees = {"before": Path(args.before).resolve(), "after": ROOT}
-    report = asyncio.run(in_process(trees, args.buckets, texts, args.rounds))
-    if not args.no_http:
-        report.update(asyncio.run(over_http(trees, args.buckets, texts, args.rounds)))
-    commit = lambda p: subprocess.run(["git", "-C", str(p), "rev-parse", "--short", "HEAD"], capture_output=True,
-                                      text=True).stdout.strip()
+    with harness.bench_lock():
+        report = in_process(trees, args.buckets, texts, args.rounds)
+        if not args.no_http:
+            report.update(over_http(trees, args.buckets, texts, args.rounds))
+    before, after = harness.commit(trees["before"]), harness.commit(ROOT)
     print(f"{args.rounds} alternating pairs, {args.n} documents per workload, table {Path(args.buckets).name}")
-    print(f"before: {args.before} ({commit(args.before)}); after: {ROOT} ({commit(ROOT)}, plus any uncommitted)")
-    print(f"{'workload':22} {'before best s':>14} {'after best s':>13} {'after/before speed':>19}  range")
-    for name, r in report.items():
-        print(f"{name:22} {min(r['seconds']['before']):14.2f} {min(r['seconds']['after']):13.2f} "
-              f"{r['median_ratio']:18.2f}x  {r['min_ratio']:.2f}-{r['max_ratio']:.2f}x")
-    Path(args.out).write_text(json.dumps({"before": commit(args.before), "after": commit(ROOT), "n": args.n,
-                                          "rounds": args.rounds, "workloads": report}, indent=1))
-    print(f"wrote {args.out}")
+    print(f"before: {args.before} ({before}); after: {ROOT} ({after})")
+    harness.print_table(["workload", "before best s", "after best s", "after/before speed", "range"],
+                        [[name, f"{min(r['seconds']['before']):.2f}", f"{min(r['seconds']['after']):.2f}",
+                          f"{r['median']:.2f}x", f"{r['min']:.2f}-{r['max']:.2f}x"] for name, r in report.items()])
+    harness.write_result(args.out, {"before": before, "after": after, "n": args.n, "rounds": args.rounds,
+                                    "workloads": report})
 
 
 if __name__ == "__main__":

@@ -12,10 +12,8 @@ where it beats float32 here by a wide margin.
 from __future__ import annotations
 
 import argparse
-import json
-import time
-from pathlib import Path
 
+import harness
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -45,26 +43,21 @@ def main() -> None:
 
     m, k, n = SHAPE
     runs = {}
-    for name, (a, b, acc) in operands(m, k, n).items():
-        f = jax.jit(lambda a, b, acc=acc: jnp.dot(a, b, preferred_element_type=acc))
-        a, b = jax.device_put(a), jax.device_put(b)
-        f(a, b).block_until_ready()
-        runs[name] = (f, a, b)
-    rates = {name: [] for name in runs}
-    for _ in range(args.rounds):
-        for name, (f, a, b) in runs.items():
-            start = time.perf_counter()
-            for _ in range(args.reps):
-                f(a, b).block_until_ready()
-            rates[name].append(2 * m * k * n * args.reps / (time.perf_counter() - start) / 1e9)
+    with harness.bench_lock():
+        for name, (a, b, acc) in operands(m, k, n).items():
+            f = jax.jit(lambda a, b, acc=acc: jnp.dot(a, b, preferred_element_type=acc))
+            a, b = jax.device_put(a), jax.device_put(b)
+            f(a, b).block_until_ready()
+            runs[name] = harness.timed(lambda f=f, a=a, b=b: [f(a, b).block_until_ready() for _ in range(args.reps)])
+        seconds = harness.rounds(runs, args.rounds)  # interleaved: drift hits every dtype alike
+    rates = {name: [2 * m * k * n * args.reps / t / 1e9 for t in ts] for name, ts in seconds.items()}
     base = np.median(rates["float32"])
     print(f"XLA matmul {m} x {k} x {n}, {args.rounds} interleaved rounds of {args.reps}")
-    print(f"{'dtype':30} {'median GOP/s':>12} {'range':>12} {'vs float32':>10}")
-    for name, r in rates.items():
-        print(f"{name:30} {np.median(r):>12.1f} {min(r):>5.0f}-{max(r):<6.0f} {np.median(r) / base:>10.2f}x")
+    harness.print_table(["dtype", "median GOP/s", "range", "vs float32"],
+                        [[name, f"{np.median(r):.1f}", f"{min(r):.0f}-{max(r):.0f}", f"{np.median(r) / base:.2f}x"]
+                         for name, r in rates.items()])
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"shape": SHAPE, "gops": rates}, indent=1) + "\n")
+        harness.write_result(args.out, {"shape": SHAPE, "gops": rates})
 
 
 if __name__ == "__main__":

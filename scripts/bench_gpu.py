@@ -40,11 +40,13 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "scripts"), str(ROOT / "tests"), str(ROOT)]
+
+import harness
 
 # Modules jaxserve imports at run time (pyproject's dependencies), and those the peers column needs.
 REQUIRED = ["jax", "jaxlib", "flax", "numpy", "transformers", "tokenizers", "safetensors", "huggingface_hub",
@@ -172,9 +174,9 @@ def stage_preflight(args, sizes: Sizes) -> dict:
 def minilm_dir(args) -> Path:
     if args.minilm:
         return Path(args.minilm)
-    from jaxserve import checkpoint
+    from jaxserve.checkpoint import loader
 
-    return checkpoint.bundled_default()
+    return loader.bundled_default()
 
 
 def shrunk(cfg: dict) -> dict:
@@ -238,18 +240,12 @@ def model_dirs(args, sizes: Sizes, names: list[str]) -> dict[str, Path]:
     return dirs
 
 
-# ---- FLOPs -----------------------------------------------------------------------------------
+def dims_child(path: str) -> dict:
+    """The model's dimensions, from its family's `dims()` (bfloat16): what the FLOP counter needs."""
+    from jaxserve.models import family_of
 
-def flops_per_token(cfg: dict, doc_tokens: list[int]) -> float:
-    """Model FLOPs per real token: every projection (2 per multiply-add), attention within its document."""
-    d, f, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
-    heads = cfg["num_attention_heads"]
-    kv = cfg.get("num_key_value_heads", heads)
-    hd = cfg.get("head_dim") or d // heads
-    gated = cfg["model_type"] not in ("bert", "mpnet", "distilbert", "roberta", "xlm-roberta")
-    per_layer = d * hd * (heads + 2 * kv) + heads * hd * d + d * f * (3 if gated else 2)
-    total = sum(n * 2 * layers * per_layer + 4 * layers * heads * hd * n * n for n in doc_tokens)
-    return total / max(1, sum(doc_tokens))
+    raw = json.loads((Path(path) / "config.json").read_text())
+    return asdict(family_of(raw).configure(raw).dims(2))
 
 
 # ---- nvidia-smi ------------------------------------------------------------------------------
@@ -370,30 +366,10 @@ def summarize(results: list, seconds: float, tokens_per_doc: float, fpt: float, 
 
 # ---- a model's stage -------------------------------------------------------------------------
 
-def start_server(args, sizes: Sizes, path: Path, cache: Path, port: int):
-    """`jaxserve serve` on loopback; (process, seconds to /health 200, /info)."""
-    import aiohttp
-
-    from jaxserve.launch import wait_ready  # stdlib + aiohttp: no jax in the driver
-
-    async def ready_info(url: str, proc) -> dict:
-        async with aiohttp.ClientSession() as session:
-            await wait_ready(session, url, timeout_s=sizes.start_timeout_s, poll_s=0.05, proc=proc)
-            ready = time.perf_counter() - begin
-            async with session.get(url + "/info") as r:
-                return ready, await r.json()
-
-    cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--port", str(port), "--model", str(path),
-           "--cache-dir", str(cache), *sizes.serve_flags]
-    logf = open(args.work / f"serve-{path.name}.log", "ab")
-    begin = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT)
-    try:
-        ready, info = asyncio.run(ready_info(f"http://127.0.0.1:{port}", proc))
-    except (RuntimeError, TimeoutError) as exc:
-        stop(proc)
-        raise RuntimeError(f"{exc} (log: {logf.name})") from exc
-    return proc, ready, info
+def start_server(args, sizes: Sizes, path: Path, cache: Path):
+    """`jaxserve serve` of the model on loopback, its output appended to WORK/serve-MODEL.log."""
+    return harness.server("--model", str(path), "--cache-dir", str(cache), *sizes.serve_flags,
+                          log=args.work / f"serve-{path.name}.log", timeout_s=sizes.start_timeout_s, poll_s=0.05)
 
 
 def out_of_time(args, sizes: Sizes, began: float) -> str:
@@ -406,18 +382,13 @@ def out_of_time(args, sizes: Sizes, began: float) -> str:
     return ""
 
 
-def stop(proc) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-
-
-def start_record(ready_s: float, info: dict) -> dict:
-    return {"ready_s": ready_s, "xla_compiles": info.get("xla_compiles_total"), "startup": info.get("startup"),
-            "device": info.get("device"), "dtype": info.get("model_dtype"),
-            "table": [[b["batch"], b["seqlen"], b.get("slots", 1), b.get("run_s")] for b in info["buckets"]["buckets"]]}
+def start_record(srv) -> tuple[dict, dict]:
+    """A started server's /info, and the record of its start: seconds to ready, compiles, the table."""
+    info = json.loads(harness.get(srv.url, "/info"))
+    return info, {"ready_s": srv.ready_s, "xla_compiles": info.get("xla_compiles_total"),
+                  "startup": info.get("startup"), "device": info.get("device"), "dtype": info.get("model_dtype"),
+                  "table": [[b["batch"], b["seqlen"], b.get("slots", 1), b.get("run_s")]
+                            for b in info["buckets"]["buckets"]]}
 
 
 def doc_tokens(path: Path, docs: list[str], max_len: int) -> list[int]:
@@ -430,36 +401,32 @@ def doc_tokens(path: Path, docs: list[str], max_len: int) -> list[int]:
 
 
 def stage_model(args, sizes: Sizes, name: str, path: Path, pre: dict, sampler: Sampler) -> dict:
-    import corpus
-    from jaxserve.launch import free_port
-
     began = time.monotonic()
-    cfg = json.loads((path / "config.json").read_text())
+    dims = harness.ModelDims(**child("dims", {"path": str(path)}, timeout=300))
     cache = args.work / "cache" / name
     shutil.rmtree(cache, ignore_errors=True)
     real = MODELS[name].real and not sizes.shrink
     rec: dict = {"model": name, "config": MODELS[name].config, "weights": "real" if real else "random"}
-    port = free_port()
-    proc, ready, info = start_server(args, sizes, path, cache, port)
-    rec["cold"] = start_record(ready, info)
-    stop(proc)
-    log(f"{name}: cold start {ready:.1f} s, {info.get('xla_compiles_total')} compiles, {len(info['buckets']['buckets'])} buckets")
-    proc, ready, info = start_server(args, sizes, path, cache, port)
-    rec["warm"] = start_record(ready, info)
-    log(f"{name}: warm start {ready:.1f} s, {info.get('xla_compiles_total')} compiles")
-    url = f"http://127.0.0.1:{port}"
-    table_file = args.work / f"{name}-table.json"
-    table_file.write_text(json.dumps(info["buckets"]))
-    docs = corpus.documents(sizes.corpus, seed=1)
-    lengths = doc_tokens(path, docs, info.get("max_input_length") or MODELS[name].max_seq_length)
-    tokens_per_doc = statistics.mean(lengths)
-    fpt = flops_per_token(cfg, lengths)
-    kind = pre.get("device_kind") or ""
-    peak = args.peak_tflops * 1e12 if args.peak_tflops else next((v for k, v in PEAK_BF16.items() if k in kind), None)
-    rec.update(tokens_per_doc=tokens_per_doc, flops_per_token=fpt, peak_flops=peak, device_kind=kind)
-    procs = max(1, min(4, len(os.sched_getaffinity(0)) // 4))
-    ctx = multiprocessing.get_context("spawn")
-    try:
+    with start_server(args, sizes, path, cache) as srv:
+        info, rec["cold"] = start_record(srv)
+    log(f"{name}: cold start {srv.ready_s:.1f} s, {info.get('xla_compiles_total')} compiles, "
+        f"{len(info['buckets']['buckets'])} buckets")
+    with start_server(args, sizes, path, cache) as srv:
+        info, rec["warm"] = start_record(srv)
+        log(f"{name}: warm start {srv.ready_s:.1f} s, {info.get('xla_compiles_total')} compiles")
+        url = srv.url
+        table_file = args.work / f"{name}-table.json"
+        table_file.write_text(json.dumps(info["buckets"]))
+        docs = harness.documents(sizes.corpus, seed=1)
+        lengths = doc_tokens(path, docs, info.get("max_input_length") or MODELS[name].max_seq_length)
+        tokens_per_doc = statistics.mean(lengths)
+        fpt = dims.forward_flops(lengths) / sum(lengths)  # model FLOPs per real token
+        kind = pre.get("device_kind") or ""
+        peak = (args.peak_tflops * 1e12 if args.peak_tflops
+                else next((v for k, v in PEAK_BF16.items() if k in kind), None))
+        rec.update(tokens_per_doc=tokens_per_doc, flops_per_token=fpt, peak_flops=peak, device_kind=kind)
+        procs = max(1, min(4, len(os.sched_getaffinity(0)) // 4))
+        ctx = multiprocessing.get_context("spawn")
         with ctx.Pool(procs) as pool:
             run_level(pool, procs, url, "closed", procs, min(2.0, sizes.level_s), docs, [sizes.docs_per_request])
             rec["saturation"], best = [], None
@@ -468,11 +435,13 @@ def stage_model(args, sizes: Sizes, name: str, path: Path, pre: dict, sampler: S
                     rec["cut"] = f"saturation stopped at concurrency {c}: {out_of_time(args, sizes, began)}"
                     break
                 t0 = time.monotonic()
-                res = run_level(pool, procs, url, "closed", max(c, procs), sizes.level_s, docs, [sizes.docs_per_request])
+                res = run_level(pool, procs, url, "closed", max(c, procs), sizes.level_s, docs,
+                                [sizes.docs_per_request])
                 row = {"concurrency": max(c, procs), **summarize(res, sizes.level_s, tokens_per_doc, fpt, peak),
                        "gpu": sampler.window(t0, time.monotonic())}
                 rec["saturation"].append(row)
-                log(f"{name}: closed loop x{row['concurrency']}: {row['docs_per_s']:.0f} docs/s, p50 {fmt(row['p50_ms'])} ms")
+                log(f"{name}: closed loop x{row['concurrency']}: {row['docs_per_s']:.0f} docs/s, "
+                    f"p50 {fmt(row['p50_ms'])} ms")
                 if best and row["docs_per_s"] < 1.05 * best["docs_per_s"]:
                     break
                 best = row if not best or row["docs_per_s"] > best["docs_per_s"] else best
@@ -488,7 +457,8 @@ def stage_model(args, sizes: Sizes, name: str, path: Path, pre: dict, sampler: S
                 rate = frac * sat["docs_per_s"] / statistics.mean(mix)
                 t0 = time.monotonic()
                 res = run_level(pool, procs, url, "open", rate, sizes.level_s, docs, mix)
-                row = {"fraction": frac, "offered_rps": rate, **summarize(res, sizes.level_s, tokens_per_doc, fpt, peak),
+                row = {"fraction": frac, "offered_rps": rate,
+                       **summarize(res, sizes.level_s, tokens_per_doc, fpt, peak),
                        "gpu": sampler.window(t0, time.monotonic())}
                 rec["load"].append(row)
                 log(f"{name}: {rate:.0f} req/s ({frac:g} x sat): p50 {fmt(row['p50_ms'])} p99 {fmt(row['p99_ms'])} ms, "
@@ -499,8 +469,6 @@ def stage_model(args, sizes: Sizes, name: str, path: Path, pre: dict, sampler: S
                     rec["p99_breaks_at"], rec["breaks_because"] = frac, broken
                     log(f"{name}: breaks at {frac:g} x saturation: {', '.join(broken)}")
                     break
-    finally:
-        stop(proc)
     if not pre.get("missing_peers") and not out_of_time(args, sizes, began):
         rec["peers"] = peers(args, sizes, path, docs[: sizes.peer_docs], name)
     elif pre.get("missing_peers"):
@@ -571,7 +539,7 @@ def jaxserve_peer_child(path: str, docs: list[str], flags: list[str], cache: str
 
     args = build_parser().parse_args(["serve", "--model", path, *flags])
     enc = Encoder.from_pretrained(path, dtype=args.dtype)
-    enc.warm_start(table_options(args), cache=cache, tokens=args.embed_all)
+    enc.start(table_options(args), cache=cache, tokens=args.embed_all)
     enc.embed(docs)
     t = time.perf_counter()
     vecs = enc.embed(docs)
@@ -607,8 +575,8 @@ def stage_attention(args, sizes: Sizes, pre: dict, sampler: Sampler) -> dict:
 
 # ---- children --------------------------------------------------------------------------------
 
-CHILDREN = {"preflight": preflight_child, "make-models": make_models_child, "st-peer": st_peer_child,
-            "jaxserve-peer": jaxserve_peer_child}
+CHILDREN = {"preflight": preflight_child, "make-models": make_models_child, "dims": dims_child,
+            "st-peer": st_peer_child, "jaxserve-peer": jaxserve_peer_child}
 
 
 def child(kind: str, kwargs: dict, timeout: float) -> dict:
@@ -650,11 +618,19 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     args.work.mkdir(parents=True, exist_ok=True)
     pre = stage_preflight(args, sizes)
-    (args.out / "preflight.json").write_text(json.dumps(pre, indent=1))
+    harness.write_result(args.out / "preflight.json", pre, quiet=True)
     log("preflight:", json.dumps({k: pre.get(k) for k in ("versions", "devices", "pool_bytes", "cpus")}))
     if pre["problems"]:
         log("PREFLIGHT FAILED:\n  " + "\n  ".join(pre["problems"]))
         return 2
+    with harness.bench_lock():
+        failed = run_stages(args, sizes, stages, pre)
+    log(f"## done   ({time.strftime('%H:%M:%S')}), {failed} stage(s) failed")
+    return 1 if failed else 0
+
+
+def run_stages(args, sizes: Sizes, stages: list[str], pre: dict) -> int:
+    """Each stage after the preflight, its record written as it ends; how many failed."""
     sampler = Sampler()
     failed = 0
     try:
@@ -681,11 +657,10 @@ def main() -> int:
                 failed += 1
                 rec = {"error": f"{type(exc).__name__}: {exc}"}
                 log(f"## {stage} failed: {rec['error']}")
-            (args.out / f"{stage}.json").write_text(json.dumps(rec, indent=1, default=float))
+            harness.write_result(args.out / f"{stage}.json", rec, quiet=True)
     finally:
         sampler.close()
-    log(f"## done   ({time.strftime('%H:%M:%S')}), {failed} stage(s) failed")
-    return 1 if failed else 0
+    return failed
 
 
 if __name__ == "__main__":

@@ -36,10 +36,10 @@ import threading
 import time
 from pathlib import Path
 
+import harness
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
+ROOT = harness.ROOT
 
 H200_BF16_DENSE_TFLOPS = 989  # NVIDIA's H200 SXM datasheet, dense bfloat16
 DEFAULT_TFLOPS = 400  # achieved: ~40% of that peak, a good figure for a large-batch encoder forward
@@ -48,10 +48,15 @@ DEFAULT_D2H_GBPS = 25  # device-to-host copy of a batch's output (PCIe Gen5 x16,
 MAX_REQUESTS = 20_000  # hard bound on what one run sends
 
 
-def forward_flops(batch: int, seqlen: int, hidden: int, intermediate: int, layers: int) -> float:
-    """Matmul FLOPs of one encoder forward at (batch, seqlen): QKV, output, MLP, and attention's two matmuls."""
-    per_token_layer = 2 * (4 * hidden * hidden + 2 * hidden * intermediate) + 4 * seqlen * hidden
-    return float(batch * seqlen * layers * per_token_layer)
+def sim_dims(hidden: int, intermediate: int, layers: int):
+    """A BERT-shaped model of these sizes in this tree's `ModelDims` (whatever jaxserve the server imports);
+    one head of `hidden` width: the FLOPs only see heads x head_dim."""
+    return harness.ModelDims(hidden, intermediate, heads=1, layers=layers)
+
+
+def step_seconds(dims, bucket, rate_flops: float, overhead_s: float) -> float:
+    """The simulated device's time for one step at `bucket`: its padded forward's FLOPs at `rate_flops`."""
+    return overhead_s + dims.forward_flops([bucket.seqlen] * bucket.batch) / rate_flops
 
 
 class SimDevice:
@@ -79,7 +84,7 @@ class SimEngine:
     It speaks both engine interfaces: `put`/`launch`/`fetch` (this tree) and
     `put`/`execute` (the commit before the pipeline rewrite, edcd6b3), so the
     same script measures both. Its output is the real engine's: the slot chunks
-    that hold the batch's sequences (`jaxserve.output_chunks`), joined on the
+    that hold the batch's sequences (`jaxserve.runtime.output_chunks`), joined on the
     host; each arrives `bytes / d2h_bps` after its step ends (the copy overlaps
     the next step, as `copy_to_host_async` does). With `full_slots`, or under
     a server that does not say how full its rows are (a commit before output
@@ -90,7 +95,7 @@ class SimEngine:
         self._real = real
         self._d2h_bps = d2h_bps
         try:
-            from jaxserve import output_chunks
+            from jaxserve.runtime import output_chunks
         except ImportError:  # a commit before output chunks
             output_chunks = None
         self._chunks = None if full_slots else output_chunks  # None: every batch ships its K slots
@@ -99,7 +104,7 @@ class SimEngine:
         self.devices = 1
         self.params = real.params
         self.weights_bytes = real.weights_bytes
-        self._step_s = {b.shape: overhead_s + forward_flops(*b.shape, *dims) / rate_flops for b in table.buckets}
+        self._step_s = {b.shape: step_seconds(dims, b, rate_flops, overhead_s) for b in table.buckets}
         from dataclasses import replace
 
         self.table = replace(table, buckets=tuple(replace(b, run_s=self._step_s[b.shape], compile_s=0.0)
@@ -144,7 +149,7 @@ def gpu_table(enc, step_s, knee: bool = True):
     `knee=False`: not cut, as where throughput still grows with the batch, which a step linear in FLOPs never shows)."""
     import dataclasses
 
-    from jaxserve import buckets
+    from jaxserve.runtime import buckets
 
     uncapped = 2**40
     table = buckets.derive(
@@ -157,14 +162,14 @@ def gpu_table(enc, step_s, knee: bool = True):
 
 
 def serve(port: int, rate_flops: float, overhead_s: float, table_file: str | None, real: bool = False,
-          default_priority: str = "auto", dims: tuple[int, int, int] | None = None, knee: bool = True,
+          default_priority: str = "auto", sizes: tuple[int, int, int] | None = None, knee: bool = True,
           d2h_bps: float = DEFAULT_D2H_GBPS * 1e9, full_slots: bool = False) -> None:
     """The server process: the real app over a SimEngine (or, `real`, over the real engine and device).
-    `dims` (hidden, intermediate, layers): step times of another model's size (default: the bundled model's)."""
+    `sizes` (hidden, intermediate, layers): step times of another model's size (default: the bundled model's)."""
     from aiohttp import web
 
     from jaxserve.encoder import Encoder
-    from jaxserve.server import ServerConfig, create_app
+    from jaxserve.http.server import ServerConfig, create_app
 
     enc = Encoder.from_pretrained(None)
     if real:  # the device's own derived table, warmed by the server; busy time from its metrics
@@ -173,10 +178,10 @@ def serve(port: int, rate_flops: float, overhead_s: float, table_file: str | Non
                     host="127.0.0.1", port=port, print=None, handler_cancellation=True)
         return
     c = enc.model_config
-    dims = dims or (c.hidden_size, c.intermediate_size, c.num_layers)
-    step_s = lambda b: overhead_s + forward_flops(*b.shape, *dims) / rate_flops
+    dims = sim_dims(*(sizes or (c.hidden_size, c.intermediate_size, c.num_layers)))
+    step_s = lambda b: step_seconds(dims, b, rate_flops, overhead_s)
     if table_file:  # the same shapes for another commit's server
-        from jaxserve.buckets import BucketTable
+        from jaxserve.runtime.buckets import BucketTable
 
         table = BucketTable.load(table_file)
     else:
@@ -296,9 +301,9 @@ def floor_ms(bodies: list[bytes], fmt: str, repeats: int = 5) -> dict:
     import orjson
     from tokenizers import Tokenizer
 
-    from jaxserve import checkpoint
+    from jaxserve.checkpoint import loader
 
-    tok = Tokenizer.from_file(str(checkpoint.resolve(None) / "tokenizer.json"))  # $JAXSERVE_MODEL when carried
+    tok = Tokenizer.from_file(str(loader.resolve(None) / "tokenizer.json"))  # $JAXSERVE_MODEL when carried
     tok.no_padding()
     tok.enable_truncation(256)
     vectors = np.random.default_rng(0).standard_normal((DOCS, 384)).astype(np.float32)
@@ -406,19 +411,17 @@ def main() -> None:
     ap.add_argument("--no-knee", action="store_true", help=argparse.SUPPRESS)  # internal: the memory-bound table
     args = ap.parse_args()
     if args.serve:
-        dims = tuple(int(x) for x in args.sim_dims.split(",")) if args.sim_dims else None
+        sizes = tuple(int(x) for x in args.sim_dims.split(",")) if args.sim_dims else None
         serve(args.serve, args.tflops * 1e12, args.step_overhead_us * 1e-6, args.table, args.engine == "real",
-              args.default_priority, dims, not args.no_knee, args.d2h_gbps * 1e9, args.full_slots)
+              args.default_priority, sizes, not args.no_knee, args.d2h_gbps * 1e9, args.full_slots)
         return
     DOCS = args.docs
-    import subprocess
+    with harness.bench_lock():
+        measure(args)
 
-    import aiohttp
 
-    import corpus
-    from jaxserve.launch import free_port, wait_ready
-
-    docs = corpus.documents(4000, seed=0)
+def measure(args) -> None:
+    docs = harness.documents(4000, seed=0)
     bodies = [json.dumps({"input": docs[i * DOCS % len(docs):][:DOCS], "model": "m", "encoding_format": args.format})
               .encode() for i in range(40)]
     if args.engine == "sim":
@@ -430,27 +433,20 @@ def main() -> None:
     floor = floor_ms(bodies, args.format)
     print(f"floor: CPU per request of {DOCS} documents (decode + tokenize + encode): "
           f"{floor['decode']:.2f} + {floor['tokenize']:.2f} + {floor['encode']:.2f} = {floor['total']:.2f} ms", flush=True)
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, __file__, "--serve", str(port), "--tflops", str(args.tflops),
+    command = lambda port: ([sys.executable, __file__, "--serve", str(port), "--tflops", str(args.tflops),
                              "--step-overhead-us", str(args.step_overhead_us), "--engine", args.engine,
                              "--d2h-gbps", str(args.d2h_gbps)]
                             + (["--table", args.table] if args.table else [])
                             + (["--full-slots"] if args.full_slots else []))
-    url = f"http://127.0.0.1:{port}"
     rows, probe = [], None
-    try:
-        async def ready():
-            async with aiohttp.ClientSession() as s:
-                await wait_ready(s, url, timeout_s=300)
-                async with s.get(url + "/info") as r:
-                    return (await r.json())["buckets"]
-
-        table = asyncio.run(ready())
+    with harness.server(command=command, quiet=False, timeout_s=300) as srv:
+        url = srv.url
+        table = json.loads(harness.get(url, "/info"))["buckets"]
         if args.save_table:
             Path(args.save_table).write_text(json.dumps(table, indent=1) + "\n")
         print("table: " + ", ".join(f"{b['batch']}x{b['seqlen']}" for b in table["buckets"]), flush=True)
         for c in [int(x) for x in args.concurrency.split(",")]:
-            r = asyncio.run(run_level(url, proc.pid, bodies, c, args.seconds, args.engine == "sim"))
+            r = asyncio.run(run_level(url, srv.proc.pid, bodies, c, args.seconds, args.engine == "sim"))
             rows.append(r)
             phases = r["phase_ms_per_request"]
             print(f"concurrency {c:>3}: {r['requests']} requests, {r['errors']} errors, device busy "
@@ -465,17 +461,9 @@ def main() -> None:
             print(f"/health during {probe['clients']} concurrent requests of {probe['documents']} documents (float): "
                   f"{probe['probes']} probes, p50 {probe['health_p50_ms']:.1f} ms, p99 {probe['health_p99_ms']:.1f} ms, "
                   f"max {probe['health_max_ms']:.1f} ms", flush=True)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"command": " ".join(sys.argv), "label": args.label,
-                                          "simulated": args.engine == "sim",
-                                          "tflops": args.tflops, "step_overhead_us": args.step_overhead_us,
-                                          "docs": DOCS, "format": args.format, "floor_ms": floor, "rows": rows,
-                                          "health_probe": probe},
-                                         indent=1) + "\n")
-    print(f"wrote {args.out}")
+    harness.write_result(args.out, {"label": args.label, "simulated": args.engine == "sim", "tflops": args.tflops,
+                                    "step_overhead_us": args.step_overhead_us, "docs": DOCS, "format": args.format,
+                                    "floor_ms": floor, "rows": rows, "health_probe": probe})
 
 
 if __name__ == "__main__":

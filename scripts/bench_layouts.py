@@ -20,17 +20,13 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
+import harness
 
-import corpus  # noqa: E402
-from paired import paired_rounds  # noqa: E402
+ROOT = harness.ROOT
 
 # (name, ladder, batch ladder): "fine" keeps one batch per seqlen to stay at 16 shapes.
 LADDERS = [("max", "max", False), ("pow2", "pow2", True), ("fine", "fine", False), ("default", "default", True)]
@@ -39,8 +35,9 @@ LADDERS = [("max", "max", False), ("pow2", "pow2", True), ("fine", "fine", False
 def warm(name: str, layout: str):
     """A fresh encoder ($JAXSERVE_MODEL or the bundled model), warmed on this ladder and layout:
     (encoder, table, warmup s, compiles)."""
-    from jaxserve import Encoder, compiles
+    from jaxserve import Encoder
 
+    from jaxserve.runtime import compiles
     ladder, batch_ladder = next((lad, bl) for n, lad, bl in LADDERS if n == name)
     enc = Encoder.from_pretrained(None)
     before = compiles.xla_compiles_total()
@@ -67,11 +64,11 @@ def compare(a: str, b: str, requests: list[list[str]], rounds: int, out: Path) -
     encoders = {name: warm(name, "packed")[0] for name in (a, b)}
     for enc in encoders.values():
         enc.embed(requests[0])
-    result = paired_rounds(lambda: run_requests(encoders[a], requests), lambda: run_requests(encoders[b], requests), rounds)
+    result = harness.paired_rounds(lambda: run_requests(encoders[a], requests),
+                                   lambda: run_requests(encoders[b], requests), rounds)
     print(f"packed {b} runs {result['median']:.3f}x as fast as packed {a} (time {a} / time {b}; median of "
           f"{rounds} alternating pairs over {len(requests)} requests of 100; range {result['min']:.3f}-{result['max']:.3f})")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"paired-{a}-{b}.json").write_text(json.dumps(dict(result, reference=a, candidate=b), indent=1) + "\n")
+    harness.write_result(out / f"paired-{a}-{b}.json", dict(result, reference=a, candidate=b))
 
 
 def main() -> None:
@@ -83,15 +80,18 @@ def main() -> None:
                     help="only compare two ladders (packed) in alternating pairs, e.g. default,pow2")
     ap.add_argument("--rounds", type=int, default=6, help="pairs for --paired")
     args = ap.parse_args()
+    names = [n for n, _, _ in LADDERS]
+    if args.paired and (len(args.paired.split(",")) != 2 or not set(args.paired.split(",")) <= set(names)):
+        ap.error(f"--paired takes two of {', '.join(names)}, comma-separated")
+    with harness.bench_lock():
+        measure(args)
 
-    docs = corpus.documents(100 * args.requests, seed=2)
+
+def measure(args) -> None:
+    docs = harness.documents(100 * args.requests, seed=2)
     requests = [docs[i : i + 100] for i in range(0, len(docs), 100)]
     if args.paired:
-        pair = args.paired.split(",")
-        names = [n for n, _, _ in LADDERS]
-        if len(pair) != 2 or not set(pair) <= set(names):
-            ap.error(f"--paired takes two of {', '.join(names)}, comma-separated")
-        compare(*pair, requests, args.rounds, Path(args.out))
+        compare(*args.paired.split(","), requests, args.rounds, Path(args.out))
         return
     rows = []
     for name, _, _ in LADDERS:
@@ -118,7 +118,7 @@ def main() -> None:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
-    (out / "layouts.json").write_text(json.dumps({"documents": len(docs), "rows": rows}, indent=1) + "\n")
+    harness.write_result(out / "layouts.json", {"documents": len(docs), "rows": rows}, quiet=True)
     if args.no_plot:
         return
     try:

@@ -4,7 +4,7 @@
 
 Requests arrive as a Poisson process at each of `--rates` per second, whatever
 the server's speed (open loop), with a mix of sizes (70% 1 document, 20% 10,
-10% 100) from scripts/corpus.py. For each `--max-wait-ms` in `--waits` a fresh
+10% 100) from the corpus (scripts/harness.py). For each `--max-wait-ms` in `--waits` a fresh
 server is started and every rate runs against it in turn; reported:
 throughput (documents/s), p50/p90/p99 latency, goodput (requests within the
 SLO per second), errors, and a table of all points.
@@ -14,20 +14,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
-import sys
 import time
-from pathlib import Path
 
 import aiohttp
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
+import harness
 
-import corpus  # noqa: E402
-
-from jaxserve.launch import free_port, served, wait_ready  # noqa: E402
+ROOT = harness.ROOT
 
 SIZES = [(1, 0.7), (10, 0.2), (100, 0.1)]
 MAX_REQUESTS = 2000  # hard bound on what one run sends
@@ -35,9 +29,8 @@ MAX_REQUESTS = 2000  # hard bound on what one run sends
 
 async def run_point(url: str, rate: float, seconds: float, slo_s: float, seed: int) -> dict:
     rng = random.Random(seed)
-    docs = corpus.documents(2000, seed=seed)
+    docs = harness.documents(2000, seed=seed)
     async with aiohttp.ClientSession() as s:
-        await wait_ready(s, url)
         results: list[tuple[int, int, float]] = []
 
         async def one(n):
@@ -77,23 +70,21 @@ def main() -> None:
     args = ap.parse_args()
     rates = [float(r) for r in args.rates.split(",")]
     rows = []
-    for wait in [float(w) for w in args.waits.split(",")]:
-        with served(free_port(), "--buckets", args.buckets, "--max-wait-ms", str(wait)) as (url, _):
-            for rate in rates:
-                r = {"max_wait_ms": wait, "rate": rate,
-                     **asyncio.run(run_point(url, rate, args.seconds, args.slo_ms / 1000, 0))}
-                rows.append(r)
-                print(f"max_wait_ms {wait:>5}, {rate}/s: {r['requests']} requests, {r['errors']} errors, "
-                      f"{r['docs_per_s']} docs/s, p50 {r['p50_ms']} ms, p99 {r['p99_ms']} ms", flush=True)
-    print(f"\n{'rate/s':>6} {'wait ms':>7} {'requests':>8} {'errors':>6} {'docs/s':>7} {'p50 ms':>7} {'p90 ms':>7} "
-          f"{'p99 ms':>7} {'goodput':>8}")
-    for r in sorted(rows, key=lambda r: (r["rate"], r["max_wait_ms"])):
-        print(f"{r['rate']:6g} {r['max_wait_ms']:7g} {r['requests']:8d} {r['errors']:6d} {r['docs_per_s']:7.1f} "
-              f"{r['p50_ms']:7.1f} {r['p90_ms']:7.1f} {r['p99_ms']:7.1f} {r['goodput_rps']:8.2f}")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"command": " ".join(sys.argv), "seconds": args.seconds, "sizes": SIZES,
-                                          "slo_ms": args.slo_ms, "rows": rows}, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    with harness.bench_lock():
+        for wait in [float(w) for w in args.waits.split(",")]:
+            with harness.server("--buckets", args.buckets, "--max-wait-ms", str(wait)) as srv:
+                for rate in rates:
+                    r = {"max_wait_ms": wait, "rate": rate,
+                         **asyncio.run(run_point(srv.url, rate, args.seconds, args.slo_ms / 1000, 0))}
+                    rows.append(r)
+                    print(f"max_wait_ms {wait:>5}, {rate}/s: {r['requests']} requests, {r['errors']} errors, "
+                          f"{r['docs_per_s']} docs/s, p50 {r['p50_ms']} ms, p99 {r['p99_ms']} ms", flush=True)
+    print()
+    harness.print_table(["rate/s", "wait ms", "requests", "errors", "docs/s", "p50 ms", "p90 ms", "p99 ms", "goodput"],
+                        [[f"{r['rate']:g}", f"{r['max_wait_ms']:g}", r["requests"], r["errors"], r["docs_per_s"],
+                          r["p50_ms"], r["p90_ms"], r["p99_ms"], f"{r['goodput_rps']:.2f}"]
+                         for r in sorted(rows, key=lambda r: (r["rate"], r["max_wait_ms"]))])
+    harness.write_result(args.out, {"seconds": args.seconds, "sizes": SIZES, "slo_ms": args.slo_ms, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ request bulk). Modes alternate within one invocation (the host is shared and dri
 Bulk docs/s is the rate of sequences dispatched for bulk requests (`jaxserve_class_sequences_total`), so a
 1000-document request half done at the end of the window still counts; the median bulk dispatch is read off
 `jaxserve_dispatch_seconds{class="bulk"}` over the loaded window. The target (issue 26): query p99 at most
-max(250 ms, 2 x the median bulk dispatch). Run it under `flock /tmp/jaxserve-bench.lock`:
+max(250 ms, 2 x the median bulk dispatch). It runs under the bench lock (scripts/harness.py):
 
     python scripts/bench_mixed.py --engine real --bulk-clients 2 --bulk-docs 1000 --seconds 30 --rounds 2
 """
@@ -22,20 +22,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
-import subprocess
 import sys
 import time
-from pathlib import Path
 
 import aiohttp
+import harness
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
-from jaxserve.launch import free_port, wait_ready
-
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = harness.ROOT
 QUERY = {"input": "how do I reset my password"}
 SCALES = {"minilm": None, "8b": "4096,12288,36"}  # hidden, intermediate, layers (buckets/configs/qwen3-embedding-8b)
 TARGET_FLOOR_MS = 250.0
@@ -133,6 +131,7 @@ async def measure(url: str, bulk_clients: int, bulk_docs: int, seconds: float, e
 
 
 def server_command(args, priority: str, port: int) -> list[str]:
+    """`jaxserve serve` (real) or bench_host.py's simulated server, with `--default-priority priority`."""
     if args.engine == "real":
         return [sys.executable, "-m", "jaxserve.cli", "serve", "--port", str(port), "--default-priority", priority,
                 "--no-embed-all"] + args.serve_args
@@ -142,19 +141,15 @@ def server_command(args, priority: str, port: int) -> list[str]:
             + (["--no-knee"] if args.sim_table == "memory" else []))
 
 
-async def one_mode(args, priority: str) -> dict:
-    port = free_port()
-    proc = subprocess.Popen(server_command(args, priority, port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        async with aiohttp.ClientSession() as session:
-            await wait_ready(session, url, timeout_s=600, poll_s=0.25, proc=proc)
-        idle = await measure(url, 0, args.bulk_docs, args.idle_seconds, args.every_s)
-        loaded = await measure(url, args.bulk_clients, args.bulk_docs, args.seconds, args.every_s)
-    finally:
-        proc.terminate()
-        proc.wait(60)
-    return {"idle": idle, "loaded": loaded}
+def one_mode(args, mode: str, priority: str, results: list) -> None:
+    """A fresh server with `--default-priority priority`: queries idle, then under bulk load."""
+    with harness.server(command=functools.partial(server_command, args, priority), timeout_s=600, poll_s=0.25) as srv:
+        idle = asyncio.run(measure(srv.url, 0, args.bulk_docs, args.idle_seconds, args.every_s))
+        loaded = asyncio.run(measure(srv.url, args.bulk_clients, args.bulk_docs, args.seconds, args.every_s))
+    res = {"idle": idle, "loaded": loaded, "mode": mode, "round": sum(r["mode"] == mode for r in results),
+           "engine": args.engine, "scale": args.scale, "sim_table": args.sim_table}
+    results.append(res)
+    print(json.dumps(res), flush=True)
 
 
 def summary(results: list[dict]) -> list[str]:
@@ -202,16 +197,12 @@ def main() -> None:
     ap.add_argument("serve_args", nargs="*", help="real: more `jaxserve serve` flags (after --)")
     args = ap.parse_args()
     results = []
-    for r in range(args.rounds):
-        for mode, priority in (("fifo", "bulk"), ("classes", "auto")):
-            res = asyncio.run(one_mode(args, priority))
-            res.update(mode=mode, round=r, engine=args.engine, scale=args.scale, sim_table=args.sim_table)
-            results.append(res)
-            print(json.dumps(res), flush=True)
+    with harness.bench_lock():
+        harness.rounds({mode: functools.partial(one_mode, args, mode, priority, results)
+                        for mode, priority in (("fifo", "bulk"), ("classes", "auto"))}, args.rounds)
     print("\n".join(summary(results)))
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+        harness.write_result(args.out, {"results": results})
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
     pip install -e '.[bench]'   # CPU torch + sentence-transformers, for the reference column
     python scripts/bench_peers.py [--n 512] [--rounds 4] [--out results/peers.json] [--no-http]
 
-Workloads (scripts/corpus.py): short paragraphs, and long documents (docstrings
+Workloads (the corpus, scripts/harness.py): short paragraphs, and long documents (docstrings
 over 1500 characters, truncated at the model's 256 tokens). Columns:
 
 - sentence-transformers `encode` at its best batch size (of 16, 32, 64, 128);
@@ -30,20 +30,13 @@ speed-up target is reachable on the machine at hand.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
-import sys
 import time
 from pathlib import Path
 
+import harness
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-
-import corpus  # noqa: E402
-from paired import paired_rounds  # noqa: E402
+ROOT = harness.ROOT
 
 
 CEILING_SHAPES = [(4096, 384, 1536), (4096, 1536, 384), (4096, 384, 1152), (2048, 2048, 2048)]  # model-like and square
@@ -95,14 +88,6 @@ def _best_gflops(matmul, operands, reps: int = 10) -> float:
     return best
 
 
-def useful_flops(lengths: list[int], cfg) -> float:
-    """Matmul FLOPs on real tokens: dense layers per token, attention within each document."""
-    d, f, layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
-    per_token = 2 * layers * (4 * d * d + 2 * d * f)
-    attention = sum(2 * layers * 2 * n * n * d for n in lengths)
-    return float(per_token * sum(lengths) + attention)
-
-
 def timed(fn, repeats: int = 2) -> float:
     """Best of `repeats` runs (the first also warms caches)."""
     best = float("inf")
@@ -120,9 +105,9 @@ def load_sentence_transformer():
         from sentence_transformers import SentenceTransformer
     except ImportError:
         return None
-    from jaxserve import checkpoint
+    from jaxserve.checkpoint import loader
 
-    return SentenceTransformer(str(checkpoint.resolve(None)), device=torch_device())
+    return SentenceTransformer(str(loader.resolve(None)), device=torch_device())
 
 
 def bench_sentence_transformers(model, texts: list[str]) -> dict:
@@ -141,8 +126,8 @@ def bench_plain_jit(enc, seqs: list[np.ndarray], batch: int = 32) -> dict:
     """Sorted by length, batches padded to their longest: one compile per new shape."""
     import jax
 
-    from jaxserve import compiles
-    from jaxserve.encoder import embed_forward
+    from jaxserve.heads.forwards import embed_forward
+    from jaxserve.runtime import compiles
 
     fn = jax.jit(lambda params, b: embed_forward(enc.module, enc.embedding_config, 1, params, b))
     order = np.argsort([len(s) for s in seqs])
@@ -173,28 +158,12 @@ def bench_http(texts: list[str], table_file: Path, per_request: int = 100, in_fl
 
     import aiohttp
 
-    from jaxserve.launch import free_port, served, wait_ready
-
     async def main(url):
         async with aiohttp.ClientSession() as s:
-            await wait_ready(s, url)
-            chunks = [texts[i : i + per_request] for i in range(0, len(texts), per_request)]
-            sem = asyncio.Semaphore(in_flight)
+            return min([await harness.post_all(s, url, texts, per_request, in_flight) for _ in range(2)])
 
-            async def one(chunk):
-                async with sem, s.post(url + "/v1/embeddings", json={"input": chunk}) as r:
-                    assert r.status == 200, await r.text()
-                    await r.read()
-
-            best = float("inf")
-            for _ in range(2):
-                start = time.perf_counter()
-                await asyncio.gather(*(one(c) for c in chunks))
-                best = min(best, time.perf_counter() - start)
-            return best
-
-    with served(free_port(), "--buckets", str(table_file)) as (url, _):
-        seconds = asyncio.run(main(url))
+    with harness.server("--buckets", str(table_file)) as srv:
+        seconds = asyncio.run(main(srv.url))
     return {"seconds": seconds, "note": f"requests of {per_request}, {in_flight} in flight, loopback"}
 
 
@@ -207,7 +176,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4,
                     help="paired rounds of sentence-transformers against jaxserve in-process (0: none)")
     args = ap.parse_args()
+    with harness.bench_lock():
+        measure(args)
 
+
+def measure(args) -> None:
     import jax
 
     from jaxserve import Encoder
@@ -216,20 +189,19 @@ def main() -> None:
     st_model = load_sentence_transformer()
     ceiling, torch_ceiling = matmul_ceiling(), torch_matmul_ceiling()
     workloads = {
-        "short paragraphs": corpus.sample("paragraphs", args.n),
-        "long documents": corpus.sample("docstrings", args.n, min_chars=1500),
+        "short paragraphs": harness.sample("paragraphs", args.n),
+        "long documents": harness.sample("docstrings", args.n, min_chars=1500),
     }
     device = jax.devices()[0]
     xla_device = device.platform if device.device_kind == device.platform else f"{device.platform}, {device.device_kind}"
-    report = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
-              "jax_device": xla_device,
+    report = {"jax_device": xla_device,
               "matmul_ceiling_gflops": ceiling, "torch_matmul_ceiling_gflops": torch_ceiling, "workloads": {}}
     print(f"float32 matmul ceiling (XLA {xla_device}): {ceiling:.1f} GFLOP/s"
           + (f"; torch's: {torch_ceiling:.1f} GFLOP/s" if torch_ceiling else ""))
     for name, texts in workloads.items():
         seqs = enc.tokenizer.encode(texts)
         lengths = [len(s) for s in seqs]
-        tokens, flops = sum(lengths), useful_flops(lengths, enc.model_config)
+        tokens, flops = sum(lengths), enc.dims.forward_flops(lengths)  # real tokens only, attention per document
         rows = {
             "sentence-transformers": bench_sentence_transformers(st_model, texts) if st_model else None,
             "plain jax.jit (no buckets)": bench_plain_jit(enc, seqs),
@@ -257,16 +229,16 @@ def main() -> None:
                   "at the ceiling")
         paired = None
         if ref and args.rounds > 0:
-            paired = paired_rounds(lambda: st_model.encode(texts, batch_size=ref["batch_size"], normalize_embeddings=True),
-                                   lambda: enc.embed(texts), args.rounds)
+            paired = harness.paired_rounds(
+                lambda: st_model.encode(texts, batch_size=ref["batch_size"], normalize_embeddings=True),
+                lambda: enc.embed(texts), args.rounds)
             print(f"{'paired rounds':28} jaxserve in-process {paired['median']:.2f}x sentence-transformers "
                   f"(median of {paired['rounds']} alternating pairs; range {paired['min']:.2f}-{paired['max']:.2f}x)")
         report["workloads"][name] = {"documents": len(texts), "tokens": tokens, "useful_gflop": flops / 1e9,
                                      "bound_vs_sentence_transformers": bound, "paired_in_process": paired,
                                      "results": rows}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=1, default=str) + "\n")
-    print(f"\nwrote {args.out}")
+    print()
+    harness.write_result(args.out, report)
 
 
 if __name__ == "__main__":

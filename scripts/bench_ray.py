@@ -11,26 +11,23 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import aiohttp
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
+import harness
 
-import corpus  # noqa: E402
+ROOT = harness.ROOT
 
 
 async def latencies(url: str, bodies: dict, repeats: int) -> dict:
-    from jaxserve.launch import wait_ready
+    from jaxserve.integrations.launch import wait_ready
 
     out = {}
     async with aiohttp.ClientSession() as s:
-        await wait_ready(s, url, 600)
+        await wait_ready(s, url, 600)  # Ray's proxy (a server started by harness.server is ready already)
         for name, body in bodies.items():
             times = []
             for i in range(repeats + 1):
@@ -51,20 +48,24 @@ def main() -> int:
     ap.add_argument("--buckets", default=str(ROOT / "buckets" / "minilm-cpu-default.json"))
     ap.add_argument("--out", default=str(ROOT / "results" / "ray.json"))
     args = ap.parse_args()
-    docs = corpus.documents(args.docs)
+    with harness.bench_lock():
+        rows = measure(args)
+    harness.write_result(args.out, {"rows": rows})
+    return 0
+
+
+def measure(args) -> list[dict]:
+    docs = harness.documents(args.docs)
     bodies = {f"{args.docs} documents": {"input": docs}, "1 short document": {"input": ["a short query"]}}
-
-    from jaxserve.launch import free_port, served
-
-    port = free_port()
-    with served(port, "--buckets", args.buckets) as (url, _):
-        direct = asyncio.run(latencies(url, bodies, args.repeats))
+    with harness.server("--buckets", args.buckets, timeout_s=600) as srv:
+        direct = asyncio.run(latencies(srv.url, bodies, args.repeats))
 
     import ray
     from ray import serve
 
-    from jaxserve.ray_serve import deployment
-    from jaxserve.server import ServerConfig
+    from jaxserve.http.server import ServerConfig
+    from jaxserve.integrations.launch import free_port
+    from jaxserve.integrations.ray_serve import deployment
 
     ray.init(include_dashboard=False, log_to_driver=False)
     port = free_port()
@@ -74,14 +75,12 @@ def main() -> int:
     serve.shutdown()
     ray.shutdown()
 
-    print(f"{'request':<20} {'direct p50 ms':>14} {'Ray p50 ms':>11} {'added ms':>9} {'ratio':>6}")
-    rows = []
+    table = []
     for name in bodies:
         d, r = direct[name]["p50_ms"], via_ray[name]["p50_ms"]
-        print(f"{name:<20} {d:14.1f} {r:11.1f} {r - d:9.1f} {r / d:6.2f}")
-        rows.append({"request": name, "direct": direct[name], "ray": via_ray[name]})
-    Path(args.out).write_text(json.dumps({"command": " ".join(sys.argv), "rows": rows}, indent=2) + "\n")
-    return 0
+        table.append([name, f"{d:.1f}", f"{r:.1f}", f"{r - d:.1f}", f"{r / d:.2f}"])
+    harness.print_table(["request", "direct p50 ms", "Ray p50 ms", "added ms", "ratio"], table)
+    return [{"request": name, "direct": direct[name], "ray": via_ray[name]} for name in bodies]
 
 
 if __name__ == "__main__":

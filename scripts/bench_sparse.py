@@ -5,20 +5,21 @@ vocabulary and tokenizer) with a masked-LM head, randomly initialised by
 transformers and saved by sentence-transformers' SparseEncoder; its decoder
 bias is shifted down so that, like a trained SPLADE model, a text activates a
 few hundred vocabulary entries. `--one-block` also compiles the head as a single
-vocabulary block (the [B, S, vocab] tensor the blocking avoids) for comparison.
+vocabulary block (the [B, S, vocab] tensor the blocking avoids) for comparison. Runs under the bench lock.
 
-    flock /tmp/jaxserve-bench.lock python scripts/bench_sparse.py --batch 8 --seqlen 128 --texts 128 --rounds 3 --one-block
+    python scripts/bench_sparse.py --batch 8 --seqlen 128 --texts 128 --rounds 3 --one-block
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import shutil
 import tempfile
-import time
 from pathlib import Path
 
+import harness
 import numpy as np
 
 
@@ -29,7 +30,7 @@ def splade_checkpoint(root: Path, bias: float) -> Path:
     from sentence_transformers.base.modules.transformer import Transformer
     from sentence_transformers.sparse_encoder.modules import SpladePooling
 
-    from jaxserve.checkpoint import bundled_default
+    from jaxserve.checkpoint.loader import bundled_default
 
     minilm = bundled_default()
     raw = json.loads((minilm / "config.json").read_text())
@@ -64,9 +65,14 @@ def main() -> None:
     ap.add_argument("--bias", type=float, default=-1.5)  # ~180 non-zeros per 128-token text
     ap.add_argument("--one-block", action="store_true")
     args = ap.parse_args()
+    with harness.bench_lock():
+        measure(args)
 
-    from jaxserve import Encoder, sparse
-    from jaxserve.buckets import fixed
+
+def measure(args) -> None:
+    from jaxserve import Encoder
+    from jaxserve.heads import sparse
+    from jaxserve.runtime.buckets import fixed
 
     table = fixed([(args.batch, args.seqlen), (args.batch, 256)], layout="padded")  # 256: MiniLM's max_seq_length
     root = Path(tempfile.mkdtemp(prefix="bench_sparse_"))
@@ -79,18 +85,15 @@ def main() -> None:
     docs = texts(args.texts, args.seqlen)
     calls = {name: (enc.embed_sparse if enc.head.kind == "sparse" else enc.embed) for name, enc in models.items()}
     nnz = [len(w) for w in models["SPLADE (MiniLM-shaped)"].embed_sparse(docs)]
-    times = {name: [] for name in models}
-    for _ in range(args.rounds):  # alternating, so drift on a shared host hits each alike
-        for name, call in calls.items():
-            start = time.perf_counter()
-            call(docs)
-            times[name].append(time.perf_counter() - start)
+    # interleaved, so drift on a shared host hits each alike
+    times = harness.rounds({name: harness.timed(functools.partial(call, docs)) for name, call in calls.items()},
+                           args.rounds)
     print(f"bucket ({args.batch}, {args.seqlen}) padded; {args.texts} texts of {args.seqlen} tokens; "
           f"{args.rounds} alternating rounds; non-zeros per text: median {int(np.median(nnz))}, max {max(nnz)}")
     print("| model | XLA bytes of the bucket | bytes shipped per sequence | texts/s (median) |")
     print("|---|---|---|---|")
     for name, enc in models.items():
-        bucket = enc.table.at(args.seqlen)[0]
+        bucket = enc.warm_table().at(args.seqlen)[0]
         print(f"| {name} | {bucket.compiled_bytes / 2**20:.1f} MiB | {enc.out_dim * 4:,} | "
               f"{args.texts / float(np.median(times[name])):.0f} |")
     shutil.rmtree(root)

@@ -3,8 +3,8 @@
     .venv/bin/python scripts/bench_startup.py [--starts 3] [--models minilm,bert,mpnet,...] [--out FILE]
 
 Per model, `--starts` cold starts (each on an empty cache directory) and as
-many warm starts (on the artifact the first cold start saved), each a fresh
-`jaxserve serve` process on loopback with the default table. Reports the
+many warm starts (on the artifact the first cold start saved), alternating,
+each a fresh `jaxserve serve` process on loopback with the default table. Reports the
 median and range of seconds to /health 200, the XLA compiles the start made
 (`jaxserve_xla_compiles_total`) and its phases (`jaxserve_startup_seconds`).
 The bundled MiniLM, and a tiny random checkpoint of each other family, written
@@ -14,22 +14,17 @@ by transformers (tests/hf_tiny.py; needs the test extra).
 from __future__ import annotations
 
 import argparse
-import asyncio
+import itertools
 import json
-import os
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import aiohttp
+import harness
 
-from jaxserve.launch import wait_ready
-
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = harness.ROOT
 sys.path.insert(0, str(ROOT / "tests"))
 FAMILIES = ("minilm", "bert", "mpnet", "distilbert", "modernbert", "qwen3", "embeddinggemma")
 
@@ -62,28 +57,28 @@ def write_model(name: str, directory: Path) -> str | None:
     raise ValueError(f"unknown model {name!r}; choose from {', '.join(FAMILIES)}")
 
 
-async def start_once(model: str | None, cache: Path, port: int, tree: Path = ROOT) -> dict:
-    flags = ["--port", str(port), "--cache-dir", str(cache)] + (["--model", model] if model else [])
-    begin = time.perf_counter()
-    env = {**os.environ, "PYTHONPATH": str(tree)}
-    proc = subprocess.Popen([sys.executable, "-m", "jaxserve.cli", "serve", *flags], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, cwd=tree, env=env)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        async with aiohttp.ClientSession() as session:
-            await wait_ready(session, url, timeout_s=600, poll_s=0.02, proc=proc)
-            ready = time.perf_counter() - begin
-            async with session.get(url + "/metrics") as r:
-                text = await r.text()
-            async with session.get(url + "/info") as r:
-                info = await r.json()
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
+def start_once(model: str | None, cache: Path, tree: Path = ROOT) -> dict:
+    flags = ["--cache-dir", str(cache)] + (["--model", model] if model else [])
+    with harness.server(*flags, tree=tree, timeout_s=600, poll_s=0.02) as srv:
+        ready = srv.ready_s
+        text, info = harness.get(srv.url, "/metrics"), json.loads(harness.get(srv.url, "/info"))
     phases = {m[0]: float(m[1]) for m in re.findall(r'jaxserve_startup_seconds\{phase="(\w+)"\} ([\d.e+-]+)', text)}
     compiles = float(re.search(r"^jaxserve_xla_compiles_total ([\d.e+-]+)", text, re.M).group(1))
     return {"ready_s": ready, "compiles": int(compiles), "phases": phases,
             "source": info.get("startup", {}).get("table", {}).get("source", "?"), "buckets": len(info["buckets"]["buckets"])}
+
+
+def starts(model: str | None, name: str, tmp: Path, tree: Path, n: int) -> tuple[list[dict], list[dict]]:
+    """`n` cold and `n` warm starts, alternating; round 0 starts cold, and that start's cache (the warm
+    artifact it saves) is the one the warm starts use; every other cold start has an empty one."""
+    colds = itertools.count()
+
+    def cold():
+        i = next(colds)
+        return start_once(model, tmp / (f"cache-{name}" if i == 0 else f"cold-{name}-{i}"), tree)
+
+    runs = harness.rounds({"cold": cold, "warm": lambda: start_once(model, tmp / f"cache-{name}", tree)}, n)
+    return runs["cold"], runs["warm"]
 
 
 def summary(runs: list[dict]) -> dict:
@@ -102,18 +97,13 @@ def main() -> None:
                     "checkout: `git worktree add /tmp/before COMMIT`); its warm start is whatever that tree has")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
-    from jaxserve.launch import free_port
-
     results = {}
-    with tempfile.TemporaryDirectory() as tmp:
+    with harness.bench_lock(), tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         print(f"{'model':>15} {'start':>5} {'median s':>9} {'range s':>12} {'compiles':>9} {'buckets':>8}  phases (median s)")
         for name in args.models.split(","):
             model = write_model(name, tmp / "models")
-            warm_cache = tmp / f"cache-{name}"
-            cold = [asyncio.run(start_once(model, warm_cache if i == 0 else tmp / f"cold-{name}-{i}", free_port(),
-                                           args.tree)) for i in range(args.starts)]
-            warm = [asyncio.run(start_once(model, warm_cache, free_port(), args.tree)) for _ in range(args.starts)]
+            cold, warm = starts(model, name, tmp, args.tree, args.starts)
             results[name] = {"cold": summary(cold), "warm": summary(warm), "runs": {"cold": cold, "warm": warm}}
             for kind in ("cold", "warm"):
                 s = results[name][kind]
@@ -122,7 +112,8 @@ def main() -> None:
                       f"{'/'.join(map(str, s['compiles'])):>9} {'/'.join(map(str, s['buckets'])):>8}  {phases}",
                       flush=True)
     if args.out:
-        args.out.write_text(json.dumps(results, indent=1) + "\n")
+        harness.write_result(args.out, {"tree": str(args.tree), "tree_commit": harness.commit(args.tree),
+                                        "models": results})
 
 
 if __name__ == "__main__":

@@ -61,8 +61,9 @@ def make(root: Path, attend: bool) -> None:
 
 
 def compare(root: Path) -> None:
-    from jaxserve import Encoder, multivector
-    from jaxserve.buckets import fixed
+    from jaxserve import Encoder
+    from jaxserve.heads import multivector
+    from jaxserve.runtime.buckets import fixed
 
     ref = np.load(root / "ref.npz")
     ref = [ref[f"arr_{i}"] for i in range(len(ref.files))]

@@ -24,11 +24,11 @@ HALF = "model.f16.safetensors"
 
 def pack(model: Path, out: Path) -> None:
     """Every file but the weights as is; the weights (one file or shards) as one float16 file."""
-    from jaxserve import checkpoint
+    from jaxserve.checkpoint import loader
 
     shutil.copytree(model, out, dirs_exist_ok=True,
                     ignore=shutil.ignore_patterns("*.safetensors", "model.safetensors.index.json"))
-    tensors = checkpoint.read_tensors(model)
+    tensors = loader.read_tensors(model)
     save_file({k: v.astype(np.float16) if v.dtype == np.float32 else v for k, v in tensors.items()}, out / HALF)
 
 
@@ -50,9 +50,9 @@ def main() -> None:
     u.add_argument("out", type=Path)
     args = ap.parse_args()
     if args.command == "pack":
-        from jaxserve import checkpoint
+        from jaxserve.checkpoint import loader
 
-        pack(checkpoint.resolve(args.model), args.out)
+        pack(loader.resolve(args.model), args.out)
     else:
         unpack(args.packed, args.out)
     print(f"wrote {args.out}")

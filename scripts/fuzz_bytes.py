@@ -59,7 +59,6 @@ import json
 import os
 import random
 import re
-import subprocess
 import sys
 import tempfile
 import time
@@ -67,9 +66,10 @@ import zlib
 from pathlib import Path
 
 import aiohttp
+import harness
 import orjson
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = harness.ROOT
 
 POST_ROUTES = ("/", "/invocations", "/v1/embeddings", "/v1/plan", "/embed", "/embed_all", "/similarity", "/predict",
                "/rerank", "/tokenize", "/decode", "/classify")
@@ -818,7 +818,7 @@ def tiny_model(kind: str, root: Path) -> tuple[Path, Path]:
     sys.path.insert(0, str(ROOT / "tests"))
     import tiny
 
-    from jaxserve.buckets import fixed
+    from jaxserve.runtime.buckets import fixed
 
     path = tiny.write_checkpoint(root / kind, num_labels=MODEL_KINDS[kind])
     table = root / "table.json"
@@ -847,27 +847,6 @@ def offline_tiktoken_env() -> dict:
     return env
 
 
-@contextlib.contextmanager
-def tiny_server(kind: str, root: Path, port: int, *flags: str):
-    """`jaxserve serve` of a tiny `kind` model on 127.0.0.1:`port`, its log in root/KIND.log; yields (url, log)."""
-    path, table = tiny_model(kind, root)
-    log = root / f"{kind}.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "jaxserve.cli", "serve", "--port", str(port), "--model",
-                                 str(path), "--buckets", str(table), "--no-cache", *flags],
-                                stdout=out, stderr=subprocess.STDOUT, env=offline_tiktoken_env())
-        try:
-            yield f"http://127.0.0.1:{port}", log
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-            if proc.returncode not in (0, -15):
-                log.write_text(log.read_text() + f"\nexit status {proc.returncode}\n")
-
-
 def unhandled(log: Path) -> list[str]:
     """The server's own 'unhandled error' lines and the exception lines after them."""
     text = log.read_text(errors="replace")
@@ -876,16 +855,17 @@ def unhandled(log: Path) -> list[str]:
     return [f"{n} x {line}" for line, n in found.most_common(20)]
 
 
-async def fuzz_served(kind: str, root: Path, seed: int, bodies: int, concurrency: int, max_seconds: float,
-                      flags: tuple = (), classes=CLASSES, api_key: str | None = "fuzz-key") -> dict:
-    """Serve a tiny `kind` model (behind `api_key`, which the fuzz sends unless a case changes it) and fuzz it."""
-    from jaxserve.launch import free_port, wait_ready
-
+def fuzz_served(kind: str, root: Path, seed: int, bodies: int, concurrency: int, max_seconds: float,
+                flags: tuple = (), classes=CLASSES, api_key: str | None = "fuzz-key") -> dict:
+    """Serve a tiny `kind` model (behind `api_key`, which the fuzz sends unless a case changes it; its log in
+    root/KIND.log) and fuzz it."""
     flags = (*flags, "--api-key", api_key) if api_key else flags
-    with tiny_server(kind, root, free_port(), *flags) as (url, log):
-        async with aiohttp.ClientSession() as s:
-            await wait_ready(s, url, timeout_s=180)
-        result = await fuzz(url, seed, bodies, concurrency, max_seconds, classes, api_key)
+    path, table = tiny_model(kind, root)
+    log = root / f"{kind}.log"
+    log.unlink(missing_ok=True)
+    with harness.server("--model", str(path), "--buckets", str(table), "--no-cache", *flags,
+                        env=offline_tiktoken_env(), log=log, timeout_s=180) as srv:
+        result = asyncio.run(fuzz(srv.url, seed, bodies, concurrency, max_seconds, classes, api_key))
     result.update(model=kind, server_flags=list(flags), unhandled_in_log=unhandled(log))
     return result
 
@@ -955,13 +935,12 @@ def main(argv=None) -> int:
               tempfile.TemporaryDirectory(prefix="jaxserve-fuzz-")) as tmp:
             Path(tmp).mkdir(parents=True, exist_ok=True)
             for kind in args.models.split(","):
-                results.append(asyncio.run(fuzz_served(kind, Path(tmp), args.seed, args.bodies, args.concurrency,
-                                                       args.max_seconds, flags, classes)))
+                results.append(fuzz_served(kind, Path(tmp), args.seed, args.bodies, args.concurrency,
+                                           args.max_seconds, flags, classes))
                 print(table(results[-1]), flush=True)
     out = {"command": "python scripts/fuzz_bytes.py " + " ".join(sys.argv[1:] if argv is None else argv),
            "clean": all(clean(r) for r in results), "runs": results}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=1, ensure_ascii=True) + "\n")
+    harness.write_result(args.out, out, quiet=True)
     print(f"wrote {args.out}; {'clean' if out['clean'] else 'NOT CLEAN'}")
     return 0 if out["clean"] else 1
 

@@ -6,14 +6,14 @@
 The config is a checkpoint's config.json (a path, or the JSON itself inline);
 the weights are abstract (`jax.ShapeDtypeStruct`s from the family's
 `param_shapes`), so nothing is downloaded and no memory is used for them. For
-each device size the table comes from `jaxserve.buckets.derive`, the same
+each device size the table comes from `jaxserve.runtime.buckets.derive`, the same
 derivation the server runs, with XLA's memory analysis of each compiled
 candidate bucket (this machine's compiler: the CPU's here) as the check. As
-on an accelerator (`jaxserve.device`), no token or row cap: memory alone stops
+on an accelerator (`jaxserve.runtime.device`), no token or row cap: memory alone stops
 each seqlen's batch. The script prints each table and, per seqlen, the batch
 memory allows.
 
-What is compiled (`forward`): the family's encoder and `jaxserve.pooling.pool`
+What is compiled (`forward`): the family's encoder and `jaxserve.heads.pooling.pool`
 on a dict of four [B, S] int32 arrays, as the engine runs it.
 
 With `--target gpu` (the default) three things make the CPU compiler's figure
@@ -50,7 +50,7 @@ PROBE = (1, 16)  # (batch, seqlen) whose temporaries are the compiler's own fixe
 
 def forward(module, pooling: str, slots: int, params, batch: dict):
     """What one bucket runs: four [B, S] int32 inputs -> [B, K, D] pooled float32 vectors."""
-    from jaxserve.pooling import pool
+    from jaxserve.heads.pooling import pool
 
     hidden = module.apply({"params": params}, batch["token_ids"], batch["segment_ids"], batch["positions"],
                           batch["type_ids"], packed=slots > 1)  # [B, S, D]
@@ -84,7 +84,7 @@ class Compiled:
         if cache and cache.exists():
             self.seen = {tuple(int(x) for x in k.split(",")): v for k, v in json.loads(cache.read_text()).items()}
         # The compiler's own fixed temporaries (XLA CPU's float32 weight copies), taken off for a GPU.
-        from jaxserve.buckets import slots_for
+        from jaxserve.runtime.buckets import slots_for
 
         probe = self.analysis(*PROBE, slots_for(PROBE[1], layout))["temp"]
         self.taken_off = probe if target == "gpu" else 0
@@ -108,7 +108,7 @@ class Compiled:
                 self.cache.write_text(json.dumps({",".join(map(str, k)): v for k, v in self.seen.items()}))
         return self.seen[key]
 
-    def measure(self, batch: int, seqlen: int, slots: int) -> int:
+    def bucket_bytes(self, batch: int, seqlen: int, slots: int) -> int:
         """Arguments (weights included) + outputs + temporaries, as the engine counts a bucket,
         less the compiler's own fixed temporaries where they stand for a GPU."""
         a = self.analysis(batch, seqlen, slots)
@@ -143,9 +143,9 @@ def main():
     import jax
     import jax.numpy as jnp
 
-    from jaxserve import buckets
-    from jaxserve.buckets import format_table
-    from jaxserve.device import DEFAULT_HEADROOM, UNCAPPED
+    from jaxserve.runtime import buckets
+    from jaxserve.runtime.buckets import format_table
+    from jaxserve.runtime.device import DEFAULT_HEADROOM, UNCAPPED
     from jaxserve.models import family_of
 
     raw = read_config(args.config)
@@ -167,7 +167,7 @@ def main():
         label = label or f"{memory // 10**9}gb"
         table = buckets.derive(
             seqlens, cfg.dims(dtype.itemsize), compiled.weights_bytes,
-            int((args.headroom or DEFAULT_HEADROOM) * memory), compiled.measure,
+            int((args.headroom or DEFAULT_HEADROOM) * memory), compiled.bucket_bytes,
             max_batch_tokens=args.max_batch_tokens or UNCAPPED, max_batch=args.max_batch or UNCAPPED,
             multiple=args.batch_multiple, layout=args.layout, ladder="custom" if args.seqlens else args.ladder,
             device=f"{args.target} ({label}, {memory} bytes) from the {compiler} compiler's analysis less "

@@ -2,7 +2,7 @@
 
     .venv/bin/python scripts/plan_stats.py [--docs 1000] [--request 100]
 
-Plans the corpus of scripts/corpus.py in requests of `--request` documents
+Plans the corpus of scripts/harness.py in requests of `--request` documents
 with the bundled MiniLM's tokenizer, for each seqlen ladder, padded and
 packed, with and without the batch ladder. The tables are derived as on this
 CPU (token cap 4096 per dispatch) from the analytic estimate alone: planning
@@ -13,20 +13,15 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
+import harness
 
-import corpus  # noqa: E402
-
-from jaxserve import checkpoint  # noqa: E402
-from jaxserve.buckets import derive, ladder  # noqa: E402
-from jaxserve.config import EmbeddingConfig, read_model_config  # noqa: E402
-from jaxserve.explain import simulate  # noqa: E402
-from jaxserve.planner import pack  # noqa: E402
-from jaxserve.tokenize import TextTokenizer  # noqa: E402
+from jaxserve.checkpoint import loader
+from jaxserve.checkpoint.config import EmbeddingConfig, read_model_config
+from jaxserve.checkpoint.tokenize import TextTokenizer
+from jaxserve.runtime.buckets import derive, ladder
+from jaxserve.scheduling.explain import simulate
+from jaxserve.scheduling.planner import pack
 
 
 def main() -> None:
@@ -34,12 +29,12 @@ def main() -> None:
     ap.add_argument("--docs", type=int, default=1000)
     ap.add_argument("--request", type=int, default=100)
     args = ap.parse_args()
-    path = checkpoint.bundled_default()
+    path = loader.bundled_default()
     _, cfg = read_model_config(path)
     emb = EmbeddingConfig.from_checkpoint(path, cfg)
     dims = cfg.dims(4)
     tok = TextTokenizer.from_dir(path, emb.max_seq_length)
-    docs = corpus.documents(args.docs)
+    docs = harness.documents(args.docs)
     lengths = [len(s) for s in tok.encode(docs)]
     over = sum(len(b) + tok.num_special > emb.max_seq_length for b in tok.encode_bodies(docs))
     print(f"corpus: {len(docs)} documents, {sum(lengths)} tokens after truncation, "
@@ -57,7 +52,8 @@ def main() -> None:
             padded, dispatches = padded + sum(d.bucket.tokens for d in ran), dispatches + len(ran)
         print(f"{name:>8} {'ladder' if batch_ladder else 'max':>8} {layout:>7} {len(table.buckets):>6} "
               f"{1 - real / padded:>8.1%} {dispatches:>10} {padded:>10} {real:>9}")
-    time_packing(tok, docs, table)
+    with harness.bench_lock():
+        time_packing(tok, docs, table)
 
 
 def time_packing(tok, docs: list[str], table) -> None:
@@ -65,7 +61,7 @@ def time_packing(tok, docs: list[str], table) -> None:
     import statistics
     import time
 
-    from jaxserve.jobs import Job
+    from jaxserve.scheduling.jobs import Job
 
     pieces = tok.documents((docs * 2)[:1024])
     pack_s, job_s = [], []

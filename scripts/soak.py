@@ -19,20 +19,15 @@ import asyncio
 import json
 import random
 import re
-import sys
 import time
-from pathlib import Path
 
 import aiohttp
 import numpy as np
 import psutil
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
+import harness
 
-import corpus  # noqa: E402
-
-from jaxserve.launch import free_port, served, wait_ready  # noqa: E402
+ROOT = harness.ROOT
 
 MAX_REQUESTS = 100_000
 BAD_BODIES = [b"{not json", b'{"input": []}', b'{"input": 5}', b'{"input": ["ok", null]}', b'{"inputs": ["x"]}',
@@ -50,7 +45,6 @@ async def soak(url: str, pid: int, seconds: float, clients: int, docs: list[str]
     stats = {"good": 0, "good_wrong": 0, "bad": 0, "bad_wrong_status": 0, "abandoned": 0, "errors": 0}
     proc = psutil.Process(pid)
     async with aiohttp.ClientSession() as s:
-        await wait_ready(s, url)
         for _ in range(3):  # settle allocator and caches before the RSS baseline
             async with s.post(url + "/v1/embeddings", json={"input": docs[:40]}) as r:
                 await r.read()
@@ -103,14 +97,14 @@ async def soak(url: str, pid: int, seconds: float, clients: int, docs: list[str]
                    for k in ("submitted", "dispatched", "dropped")})
 
 
-def run(model: str | None, buckets: str, seconds: float, clients: int, port: int) -> dict:
+def run(model: str | None, buckets: str, seconds: float, clients: int, port: int | None = None) -> dict:
     from jaxserve import Encoder
 
-    docs = corpus.documents(300, seed=3)
+    docs = harness.documents(300, seed=3)
     expected = Encoder.from_pretrained(model, buckets=buckets).embed(docs)
     flags = ["--buckets", buckets] + (["--model", model] if model else [])
-    with served(port, *flags) as (url, proc):
-        return asyncio.run(soak(url, proc.pid, seconds, clients, docs, expected))
+    with harness.server(*flags, port=port) as srv:
+        return asyncio.run(soak(srv.url, srv.proc.pid, seconds, clients, docs, expected))
 
 
 def main() -> None:
@@ -121,9 +115,10 @@ def main() -> None:
     ap.add_argument("--buckets", default=str(ROOT / "buckets" / "minilm-cpu-default.json"))
     ap.add_argument("--out", default=str(ROOT / "results" / "soak.json"))
     args = ap.parse_args()
-    result = run(args.model, args.buckets, args.seconds, args.clients, free_port())
+    with harness.bench_lock():
+        result = run(args.model, args.buckets, args.seconds, args.clients)
     print(json.dumps(result, indent=1))
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    harness.write_result(args.out, result)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ knee comes from its own timings.
 - before: the previous derivation compiled every bucket of the memory-filling
   ladder (`buckets.derive` with no token cap: largest batch and 1, 4, 16, ...
   below it) plus its probe of each seqlen's largest batch, all before timing.
-- after: `jaxserve.derivation` climbs each ladder (token cap
+- after: `jaxserve.runtime.derivation` climbs each ladder (token cap
   `ACCELERATOR_MAX_BATCH_TOKENS`) and stops one step past the knee.
 Both add one token-output executable per seqlen (/embed_all).
 """
@@ -21,10 +21,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
+import harness
 
 # The longest input each model's sentence-transformers config serves (else its positions, at most 32768).
 MAX_SEQ_LENGTH = {"all-minilm-l6-v2": 256, "bge-base-en-v1.5": 512, "embeddinggemma-300m": 2048}
@@ -40,12 +39,12 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
 
-    from bench_host import DEFAULT_STEP_OVERHEAD_US, forward_flops
-    from jaxserve import buckets, derivation
-    from jaxserve.device import ACCELERATOR_MAX_BATCH_TOKENS, DEFAULT_HEADROOM, UNCAPPED
+    from bench_host import DEFAULT_STEP_OVERHEAD_US, step_seconds
+    from jaxserve.runtime import buckets, derivation, device
+    from jaxserve.runtime.device import ACCELERATOR_MAX_BATCH_TOKENS, UNCAPPED
     from jaxserve.models import family_of
 
-    budget = int(DEFAULT_HEADROOM * args.device_memory)
+    budget = device.budget_bytes(args.device_memory)
     rows = []
     print(f"device memory {args.device_memory / 1e9:.1f} GB (budget {budget / 1e9:.1f} GB), simulated "
           f"{args.tflops:g} TFLOP/s, bf16")
@@ -62,10 +61,7 @@ def main() -> None:
                              multiple=8, layout="packed", batch_ladder=True)
         before = len(old.buckets) + len(old.seqlens) + len(old.seqlens)  # ladder, probes, token outputs
 
-        def step_s(bucket):
-            flops = forward_flops(bucket.batch, bucket.seqlen, cfg.hidden_size, dims.intermediate, cfg.num_layers)
-            return DEFAULT_STEP_OVERHEAD_US * 1e-6 + flops / (args.tflops * 1e12)
-
+        step_s = lambda bucket: step_seconds(dims, bucket, args.tflops * 1e12, DEFAULT_STEP_OVERHEAD_US * 1e-6)
         ladders = derivation.climbs(seqlens, dims, weights, budget, ACCELERATOR_MAX_BATCH_TOKENS, UNCAPPED,
                                     multiple=8, layout="packed")
         derivation.climb(ladders, lambda shapes: [weights + dims.activation_bytes(*s) for s in shapes], step_s)
@@ -78,8 +74,7 @@ def main() -> None:
         print(f"{row['model']:>22} {row['seqlens']:>7} {before:>7} {after:>6} {row['kept']:>5} "
               f"{biggest(old):>15,} {biggest(new):>14,}")
     if args.out:
-        args.out.write_text(json.dumps({"device_memory": args.device_memory, "tflops": args.tflops, "rows": rows},
-                                       indent=1) + "\n")
+        harness.write_result(args.out, {"device_memory": args.device_memory, "tflops": args.tflops, "rows": rows})
 
 
 def _param_count(cfg, family):

@@ -9,6 +9,7 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
 
 from conftest import TINY_TABLE  # noqa: E402
 from device_model import pack, unpack  # noqa: E402
+
 from jaxserve import Encoder  # noqa: E402
 
 

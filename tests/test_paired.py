@@ -1,4 +1,4 @@
-"""scripts/paired.py, the benchmarks' paired rounds: alternating order, one ratio per pair."""
+"""scripts/harness.py's paired rounds, the benchmarks' way to compare: alternating order, one ratio per pair."""
 
 import sys
 import time
@@ -6,7 +6,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
 
-from paired import paired_rounds  # noqa: E402
+from harness import paired_rounds  # noqa: E402
 
 
 def test_paired_rounds_alternate_which_runs_first_and_ratio_each_pair():

@@ -1,0 +1,318 @@
+"""What every benchmark script shares: a server, a corpus, paired rounds, the bench lock, result files, FLOPs.
+
+- `server(...)`: `jaxserve serve` (or a given command, another tree) on loopback, ready; always stopped.
+  `get` reads a route of it; `post_all` sends it texts in requests of 100, 2 in flight.
+- `documents`, `sample`: a real mixed-length corpus (Python's docstrings); `scripts/corpus.py` writes it out.
+- `rounds`, `timed`, `ratios`, `paired_rounds`: configurations timed in interleaved rounds, order rotated.
+- `bench_lock()`: one benchmark at a time on this machine (`fcntl.flock` on /tmp/jaxserve-bench.lock).
+- `write_result`, `print_table`: a result JSON with the command, commit and machine; an aligned table.
+- `ModelDims`: THIS tree's `jaxserve/dims.py`, loaded by path, whose `forward_flops` is the one FLOP counter
+  (a process running another commit's jaxserve costs its buckets the same way).
+
+Nothing here imports jax or jaxserve at import time (bench_host's server imports this under older trees).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import importlib
+import importlib.metadata
+import importlib.util
+import inspect
+import json
+import os
+import platform
+import random
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+LOCK_PATH = Path("/tmp/jaxserve-bench.lock")
+STOP_S = 60.0  # a server gets this long to exit after SIGTERM, then SIGKILL
+
+
+def _this_trees_dims():
+    """`jaxserve/dims.py` of the tree this file is in (it imports nothing from jaxserve)."""
+    spec = importlib.util.spec_from_file_location("jaxserve_dims_of_harness", ROOT / "jaxserve" / "dims.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module.ModelDims
+
+
+ModelDims = _this_trees_dims()
+
+
+# ---- a server ----------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Server:
+    """A started server."""
+
+    url: str
+    proc: subprocess.Popen
+    ready_s: float  # from starting the process to /health 200
+
+
+@contextlib.contextmanager
+def server(*flags: str, command: Callable[[int], list[str]] | None = None, port: int | None = None,
+           tree: Path | None = None, env: dict | None = None, log: Path | None = None, quiet: bool = True,
+           timeout_s: float = 120.0, poll_s: float = 0.1):
+    """`jaxserve serve --port PORT *flags` (or `command(port)`) on 127.0.0.1, waited for until /health says 200
+    (failing at once if it exits); yields a `Server`; on exit SIGTERM, then SIGKILL after STOP_S.
+
+    `tree`: run another source tree (its directory as cwd and PYTHONPATH). Output: appended to `log` (with
+    its exit status when it did not end on SIGTERM), else dropped (`quiet`) or inherited."""
+    from jaxserve.integrations.launch import free_port  # stdlib and aiohttp: no jax in a driver process
+
+    port = port or free_port()
+    cmd = command(port) if command else [sys.executable, "-m", "jaxserve.cli", "serve", "--port", str(port), *flags]
+    env = dict(env or os.environ)
+    if tree is not None:
+        env["PYTHONPATH"] = str(tree)
+    with contextlib.ExitStack() as stack:
+        out = stack.enter_context(open(log, "ab")) if log else subprocess.DEVNULL if quiet else None
+        begin = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if log else out, cwd=tree, env=env)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            _wait(url, proc, timeout_s, poll_s, log)
+            yield Server(url, proc, time.perf_counter() - begin)
+        finally:
+            stop(proc)
+            if log and proc.returncode not in (0, -signal.SIGTERM):
+                out.write(f"\nexit status {proc.returncode}\n".encode())
+
+
+def _wait(url: str, proc: subprocess.Popen, timeout_s: float, poll_s: float, log: Path | None) -> None:
+    import asyncio
+
+    import aiohttp
+
+    from jaxserve.integrations.launch import wait_ready
+
+    async def ready():
+        async with aiohttp.ClientSession() as session:
+            await wait_ready(session, url, timeout_s=timeout_s, poll_s=poll_s, proc=proc)
+
+    try:
+        asyncio.run(ready())
+    except (RuntimeError, TimeoutError) as exc:
+        raise type(exc)(f"{exc} (log: {log})" if log else str(exc)) from exc
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL after STOP_S."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=STOP_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+async def post_all(session, url: str, texts: list[str], per_request: int = 100, in_flight: int = 2) -> float:
+    """Seconds to embed `texts` through /v1/embeddings in requests of `per_request`, `in_flight` at a time."""
+    import asyncio
+
+    sem = asyncio.Semaphore(in_flight)
+
+    async def one(chunk):
+        async with sem, session.post(url + "/v1/embeddings", json={"input": chunk}) as r:
+            assert r.status == 200, await r.text()
+            await r.read()
+
+    start = time.perf_counter()
+    await asyncio.gather(*(one(texts[i : i + per_request]) for i in range(0, len(texts), per_request)))
+    return time.perf_counter() - start
+
+
+def get(url: str, path: str, timeout_s: float = 60.0) -> str:
+    """GET url + path; the body as text."""
+    with urllib.request.urlopen(url + path, timeout=timeout_s) as r:
+        return r.read().decode()
+
+
+# ---- the corpus --------------------------------------------------------------------------------
+
+MODULES = [
+    "argparse", "asyncio", "collections", "contextlib", "csv", "dataclasses", "datetime", "decimal", "email",
+    "functools", "heapq", "http.client", "inspect", "itertools", "json", "logging", "os", "pathlib", "pickle",
+    "random", "re", "shutil", "socket", "sqlite3", "statistics", "string", "subprocess", "tarfile", "textwrap",
+    "threading", "typing", "unittest", "urllib.parse", "uuid", "zipfile",
+]
+
+
+def docstrings() -> list[str]:
+    """Docstrings of the standard library's MODULES and their classes and functions (deterministic for a
+    given Python version)."""
+    out = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name in MODULES:
+            mod = importlib.import_module(name)
+            for obj in [mod] + [v for _, v in sorted(vars(mod).items()) if inspect.isclass(v) or inspect.isfunction(v)]:
+                doc = inspect.getdoc(obj)
+                if doc and len(doc) > 40 and doc not in out:
+                    out.append(doc)
+    return out
+
+
+def pools() -> dict[str, list[str]]:
+    """The corpus's three kinds of document: sentences, paragraphs, whole docstrings."""
+    docs = docstrings()
+    paragraphs = [p.strip() for d in docs for p in d.split("\n\n") if len(p.strip()) > 30]
+    sentences = [s.strip() for p in paragraphs for s in re.split(r"(?<=[.!?])\s+", p) if len(s.strip()) > 15]
+    return {"sentences": sentences, "paragraphs": paragraphs, "docstrings": docs}
+
+
+def documents(n: int, seed: int = 0) -> list[str]:
+    """`n` documents: about 40% sentences, 40% paragraphs, 20% whole docstrings (often over 256 tokens)."""
+    rng = random.Random(seed)
+    p = pools()
+    out = []
+    for _ in range(n):
+        r = rng.random()
+        pool = p["sentences"] if r < 0.4 else p["paragraphs"] if r < 0.8 else p["docstrings"]
+        out.append(" ".join(rng.choice(pool).split()))
+    return out
+
+
+def sample(kind: str, n: int, min_chars: int = 0, seed: int = 0) -> list[str]:
+    """`n` documents of one kind (with replacement), at least `min_chars` long."""
+    rng = random.Random(seed)
+    pool = [" ".join(d.split()) for d in pools()[kind] if len(d) >= min_chars]
+    return [rng.choice(pool) for _ in range(n)]
+
+
+# ---- paired rounds -----------------------------------------------------------------------------
+
+def rounds(runs: dict[str, Callable], n: int) -> dict[str, list]:
+    """`n` rounds, each calling every run once, the order rotated a step per round (two runs: alternating
+    which goes first), so a shared machine's drift hits each alike. What each call returned, per run."""
+    names = list(runs)
+    out = {name: [] for name in names}
+    for r in range(n):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            out[name].append(runs[name]())
+    return out
+
+
+def timed(fn: Callable) -> Callable[[], float]:
+    """`fn` as a run that returns the wall seconds it took."""
+    def run() -> float:
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+    return run
+
+
+def ratios(reference: list[float], candidate: list[float]) -> dict:
+    """Per-round ratios reference / candidate (of seconds: > 1, the candidate is faster) and their median
+    and range: drift between rounds cancels within each."""
+    each = [r / c for r, c in zip(reference, candidate)]
+    return {"median": statistics.median(each), "min": min(each), "max": max(each), "ratios": each}
+
+
+def paired_rounds(reference: Callable, candidate: Callable, n: int) -> dict:
+    """Time `reference()` and `candidate()` in `n` alternating pairs; the per-pair ratios."""
+    seconds = rounds({"ref": timed(reference), "cand": timed(candidate)}, n)
+    return {"rounds": n, **ratios(seconds["ref"], seconds["cand"])}
+
+
+# ---- the bench lock ----------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def bench_lock(path: Path = LOCK_PATH):
+    """Hold the machine's bench lock for the timed part: benchmarks wait for each other (2 cores).
+    Held already by a process this one runs under (`flock /tmp/jaxserve-bench.lock python ...`, or
+    bench_gpu.py running bench_latency.py), it goes on under that hold."""
+    fd = os.open(path, os.O_RDONLY | os.O_CREAT, 0o666)  # as flock(1) opens it: any user may lock it
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if not _held_by_ancestor(path):
+                print(f"waiting for {path} (another benchmark is running)", file=sys.stderr, flush=True)
+                fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _held_by_ancestor(path: Path) -> bool:
+    """Whether a flock on `path` belongs to this process's parent, grandparent, ... (from /proc/locks)."""
+    st = path.stat()
+    file_id = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    try:
+        holders = {int(f[4]) for f in (line.split() for line in Path("/proc/locks").read_text().splitlines())
+                   if len(f) > 5 and f[1] == "FLOCK" and f[5] == file_id}
+    except OSError:
+        return False
+    pid = os.getppid()
+    while pid > 1:
+        if pid in holders:
+            return True
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            return False
+    return False
+
+
+# ---- result files ------------------------------------------------------------------------------
+
+def commit(tree: Path = ROOT) -> str | None:
+    """The tree's short commit, `+dirty` with uncommitted changes to tracked files; None outside git."""
+    git = lambda *a: subprocess.run(["git", "-C", str(tree), *a], capture_output=True, text=True, check=False)
+    head = git("rev-parse", "--short", "HEAD")
+    if head.returncode:
+        return None
+    return head.stdout.strip() + ("+dirty" if git("diff", "--quiet", "HEAD").returncode else "")
+
+
+def machine() -> dict:
+    """CPU model, cores, Python and the installed jax (read from its metadata: nothing is imported)."""
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                   if line.startswith("model name"))
+    except (OSError, StopIteration):
+        cpu = platform.processor() or platform.machine()
+    versions = {}
+    for dist in ("jax", "jaxlib"):
+        try:
+            versions[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            versions[dist] = None
+    return {"cpu": cpu, "cores": os.cpu_count(), "usable_cores": len(os.sched_getaffinity(0)),
+            "python": platform.python_version(), **versions}
+
+
+def write_result(path, result: dict, quiet: bool = False) -> None:
+    """`result` as JSON at `path` (directories made), after the command line (unless `result` says its own),
+    the commit and the machine."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    head = {"command": " ".join(sys.argv), "commit": commit(), "machine": machine()}
+    plain = lambda v: v.item() if hasattr(v, "item") else str(v)  # numpy scalars as numbers, the rest as text
+    path.write_text(json.dumps({**head, **result}, indent=1, default=plain, ensure_ascii=True) + "\n")
+    if not quiet:
+        print(f"wrote {path}")
+
+
+def print_table(header: list[str], rows: list[list]) -> None:
+    """Columns as wide as their widest cell; the first left-aligned, the rest right-aligned."""
+    cells = [[str(c) for c in row] for row in [header, *rows]]
+    widths = [max(len(row[i]) for row in cells if i < len(row)) for i in range(len(header))]
+    for row in cells:
+        print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip())
