@@ -50,7 +50,9 @@ async def test_disconnected_client_has_none_of_its_rows_dispatched(make_server, 
         doomed = asyncio.create_task(other.post(client.make_url("/v1/embeddings"),
                                                 json={"input": ["a query"] * 4, "priority": "bulk"}))
         await until(lambda: service.batcher.queued > 0, "the third request queued")
-        assert service.batcher.queued == 32 and service.batcher.queued_rows == 1  # 4 short documents: one row of 32
+        # all its rows, as the planner packs them at this table (the packing width follows the table's timings)
+        _, rows = tiny_enc.prepare(["a query"] * 4)
+        assert service.batcher.queued == int(rows.seqlen.sum()) and service.batcher.queued_rows == rows.count
         doomed.cancel()
     await until(lambda: service.batcher.queued == 0, "the disconnected request's rows dropped")
     assert watched.engine.held == 1 and len(watched.engine.seen) == 2  # dropped while the device was still busy

@@ -4,12 +4,14 @@ import asyncio
 import dataclasses
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 import tiny
-from conftest import TINY_TABLE, SlowEngine, warm_encoder
+from conftest import TINY_TABLE, SlowEngine, until, warm_encoder
 
+from jaxserve.http.state import STATE
 from jaxserve.integrations.launch import free_port, served
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
@@ -72,12 +74,13 @@ def tiny_enc(tiny_files):
 
 
 async def test_concurrency_limit_gives_429(make_server, tiny_enc):
-    slow = dataclasses.replace(tiny_enc, engine=SlowEngine(tiny_enc.engine, delay=0.5))
-    client = await make_server(slow, max_concurrent=2)
+    engine = SlowEngine(tiny_enc.engine, gate=threading.Event())  # holds each batch until the test opens it
+    client = await make_server(dataclasses.replace(tiny_enc, engine=engine), max_concurrent=2)
     first = [asyncio.create_task(client.post("/v1/embeddings", json={"input": ["the model"]})) for _ in range(2)]
-    await asyncio.sleep(0.1)
+    await until(lambda: engine.held >= 1 and client.app[STATE].service.in_flight == 2, "both requests being handled")
     over = await client.post("/v1/embeddings", json={"input": ["the model"]})
     assert over.status == 429 and "limit is 2" in (await over.json())["error"]["message"]
+    engine.gate.set()
     assert [(await t).status for t in first] == [200, 200]
     assert (await client.get("/health")).status == 200  # GETs are not counted
     assert (await client.post("/v1/embeddings", json={"input": ["the model"]})).status == 200

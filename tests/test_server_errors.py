@@ -9,11 +9,12 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 
 import aiohttp
 import pytest
 import tiny
-from conftest import TINY_TABLE, SlowEngine, warm_encoder
+from conftest import TINY_TABLE, SlowEngine, until, warm_encoder
 
 from jaxserve.http.state import STATE
 
@@ -109,21 +110,21 @@ async def test_error_messages_do_not_echo_documents(make_server, tiny_enc):
 
 
 async def test_overload_gives_429_with_retry_after_then_recovers(make_server, tiny_enc):
-    slow = dataclasses.replace(tiny_enc, engine=SlowEngine(tiny_enc.engine, delay=1.0))
-    client = await make_server(slow, max_queue_tokens=64, max_client_batch=8, max_wait_ms=0, max_inflight=1)
+    engine = SlowEngine(tiny_enc.engine, gate=threading.Event())  # holds each batch until the test opens it
+    client = await make_server(dataclasses.replace(tiny_enc, engine=engine), max_queue_tokens=64, max_client_batch=8,
+                               max_wait_ms=0, max_inflight=1)
     batch = {"input": [f"the model {i}" for i in range(8)], "priority": "bulk"}  # queued, not prepared ahead
-    accepted = []
-    for _ in range(3):  # onto the device, prepared next (prefetch depth 1), waiting in the queue
-        accepted.append(asyncio.create_task(client.post("/v1/embeddings", json=batch)))
-        await asyncio.sleep(0.1)
     service = client.app[STATE].service
-    for _ in range(200):  # a busy host may tokenize slowly: wait for the state, not for a time
-        if service.batches_in_flight == 2 and service.batcher.queued == 64:  # the third: 8 short documents, 64 tokens
-            break
-        await asyncio.sleep(0.05)
+    accepted = []
+    states = [lambda: engine.held == 1, lambda: service.batches_in_flight == 2,
+              lambda: service.batches_in_flight == 2 and service.batcher.queued == 64]
+    for where, state in zip(("on the device", "prepared next (prefetch depth 1)", "waiting in the queue"), states):
+        accepted.append(asyncio.create_task(client.post("/v1/embeddings", json=batch)))
+        await until(state, f"request {len(accepted)} {where}")  # the third: 8 short documents, 64 tokens
     rejected = await client.post("/v1/embeddings", json=GOOD)
     assert rejected.status == 429 and rejected.headers["Retry-After"] == "1"
     assert (await rejected.json())["error"]["type"] == "rate_limit_error"
+    engine.gate.set()
     assert [(await t).status for t in accepted] == [200, 200, 200]
     await assert_good(client)
 
@@ -199,13 +200,13 @@ def test_sigterm_finishes_accepted_requests_then_exits(tiny_path, tmp_path):
 
 async def test_device_fault_fails_only_that_batchs_requests(make_server, tiny_enc):
     query = int(tiny_enc.tokenizer.encode_bodies(["query"])[0][0])
-    faulty = dataclasses.replace(tiny_enc, engine=SlowEngine(tiny_enc.engine, delay=0.2,
-                                                             fail_when=lambda ids: (ids == query).any()))
-    client = await make_server(faulty, max_wait_ms=0)
+    engine = SlowEngine(tiny_enc.engine, gate=threading.Event(), fail_when=lambda ids: (ids == query).any())
+    client = await make_server(dataclasses.replace(tiny_enc, engine=engine), max_wait_ms=0)
     before = asyncio.create_task(client.post("/v1/embeddings", json={"input": ["the model"]}))
-    while faulty.engine.steps == 0:  # its batch is on the device
-        await asyncio.sleep(0.01)
+    await until(lambda: engine.held == 1, "the first request's batch on the device")
     doomed = asyncio.create_task(client.post("/v1/embeddings", json={"input": ["a query", "the jax"]}))
+    await until(lambda: len(engine.seen) == 2, "the second request in a batch of its own")
+    engine.gate.set()
     resp = await doomed
     assert resp.status == 500
     err = (await resp.json())["error"]
