@@ -16,7 +16,7 @@ from conftest import cosine_rows, warm_encoder
 from jaxserve.errors import InputError
 from jaxserve.runtime.buckets import fixed
 
-TABLE = fixed([(2, 16), (4, 16), (2, 32), (4, 32), (2, 64), (4, 64)], layout="packed")
+TABLE = fixed([(2, 16), (4, 16), (2, 64), (4, 64)], layout="packed")  # two seqlens, each with a batch ladder
 TEXTS = ["the model", "a batch of jax documents is the query and the query is long", "x", "hello, world! 42",
          "the " * 80]  # the last one is over the 64-token limit
 PROMPTS = {"query": "query: the ", "document": "a document: "}
