@@ -86,13 +86,14 @@ def warm_encoder(path, table, **kw):
 
 @pytest.fixture(scope="session")
 def minilm():
-    """The bundled MiniLM with its default derived table, started as the server starts: the first worker to
-    get here warms it and saves the warm artifact in the run's cache, the others load that artifact."""
+    """The bundled MiniLM with its default derived table and token outputs (/embed_all), started as the server
+    starts: the first worker to get here warms it and saves the warm artifact in the run's cache, the others load
+    that artifact."""
     from jaxserve import Encoder
 
     enc = Encoder.from_pretrained(None)
     with run_lock("minilm"):
-        enc.start()
+        enc.start(tokens=True)
     return enc
 
 
