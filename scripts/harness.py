@@ -38,7 +38,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 LOCK_PATH = Path("/tmp/jaxserve-bench.lock")
-STOP_S = 60.0  # a server gets this long to exit after SIGTERM, then SIGKILL
 
 
 def _this_trees_dims():
@@ -68,30 +67,30 @@ class Server:
 def server(*flags: str, command: Callable[[int], list[str]] | None = None, port: int | None = None,
            tree: Path | None = None, env: dict | None = None, log: Path | None = None, quiet: bool = True,
            timeout_s: float = 120.0, poll_s: float = 0.1):
-    """`jaxserve serve --port PORT *flags` (or `command(port)`) on 127.0.0.1, waited for until /health says 200
-    (failing at once if it exits); yields a `Server`; on exit SIGTERM, then SIGKILL after STOP_S.
+    """`jaxserve serve --port PORT *flags` (or `command(port)`) on 127.0.0.1 (`launch.served`), waited for until
+    /health says 200 (failing at once if it exits); yields a `Server`; on exit SIGTERM, then SIGKILL.
 
     `tree`: run another source tree (its directory as cwd and PYTHONPATH). Output: appended to `log` (with
     its exit status when it did not end on SIGTERM), else dropped (`quiet`) or inherited."""
-    from jaxserve.integrations.launch import free_port  # stdlib and aiohttp: no jax in a driver process
+    from jaxserve.integrations.launch import free_port, served  # stdlib and aiohttp: no jax in a driver process
 
     port = port or free_port()
-    cmd = command(port) if command else [sys.executable, "-m", "jaxserve.cli", "serve", "--port", str(port), *flags]
     env = dict(env or os.environ)
     if tree is not None:
         env["PYTHONPATH"] = str(tree)
-    with contextlib.ExitStack() as stack:
-        out = stack.enter_context(open(log, "ab")) if log else subprocess.DEVNULL if quiet else None
+    out = open(log, "ab") if log else None
+    proc = None
+    try:
         begin = time.perf_counter()
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if log else out, cwd=tree, env=env)
-        try:
-            url = f"http://127.0.0.1:{port}"
+        with served(port, *flags, quiet=quiet, command=command(port) if command else None, cwd=tree, env=env,
+                    stdout=out) as (url, proc):
             _wait(url, proc, timeout_s, poll_s, log)
             yield Server(url, proc, time.perf_counter() - begin)
-        finally:
-            stop(proc)
-            if log and proc.returncode not in (0, -signal.SIGTERM):
+    finally:
+        if out is not None:
+            if proc is not None and proc.returncode not in (0, -signal.SIGTERM):
                 out.write(f"\nexit status {proc.returncode}\n".encode())
+            out.close()
 
 
 def _wait(url: str, proc: subprocess.Popen, timeout_s: float, poll_s: float, log: Path | None) -> None:
@@ -109,16 +108,6 @@ def _wait(url: str, proc: subprocess.Popen, timeout_s: float, poll_s: float, log
         asyncio.run(ready())
     except (RuntimeError, TimeoutError) as exc:
         raise type(exc)(f"{exc} (log: {log})" if log else str(exc)) from exc
-
-
-def stop(proc: subprocess.Popen) -> None:
-    """SIGTERM, then SIGKILL after STOP_S."""
-    proc.terminate()
-    try:
-        proc.wait(timeout=STOP_S)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 async def post_all(session, url: str, texts: list[str], per_request: int = 100, in_flight: int = 2) -> float:

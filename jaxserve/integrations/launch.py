@@ -18,17 +18,32 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+STOP_S = 60.0  # a server gets this long to exit after SIGTERM, then SIGKILL
+
+
 @contextlib.contextmanager
-def served(port: int, *flags: str, quiet: bool = True):
-    """A `jaxserve serve` process on 127.0.0.1:`port`; yields (url, process); terminated on exit."""
-    out = subprocess.DEVNULL if quiet else None
-    proc = subprocess.Popen([sys.executable, "-m", "jaxserve.cli", "serve", "--port", str(port), *flags],
-                            stdout=out, stderr=out)
+def served(port: int, *flags: str, quiet: bool = True, command: list[str] | None = None, cwd=None,
+           env: dict | None = None, stdout=None):
+    """A `jaxserve serve --port PORT *flags` process on 127.0.0.1 (or `command`, a whole argv serving that
+    port, run in `cwd` with `env`); yields (url, process); stopped on exit (`stop`). Its output goes to the
+    file `stdout` (stderr too), else nowhere (`quiet`) or to this process's."""
+    out = stdout if stdout is not None else subprocess.DEVNULL if quiet else None
+    cmd = command or [sys.executable, "-m", "jaxserve.cli", "serve", "--port", str(port), *flags]
+    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if stdout is not None else out, cwd=cwd, env=env)
     try:
         yield f"http://127.0.0.1:{port}", proc
     finally:
-        proc.terminate()
-        proc.wait(timeout=60)
+        stop(proc)
+
+
+def stop(proc: subprocess.Popen, timeout_s: float = STOP_S) -> None:
+    """SIGTERM (the server drains), then SIGKILL if it has not exited within `timeout_s`: never an orphan."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 async def wait_ready(session: aiohttp.ClientSession, url: str, timeout_s: float = 120.0, poll_s: float = 0.1,
