@@ -150,11 +150,11 @@ def gpu_table(enc, step_s, knee: bool = True):
     import dataclasses
 
     from jaxserve.runtime import buckets
+    from jaxserve.runtime.device import UNCAPPED, budget_bytes
 
-    uncapped = 2**40
     table = buckets.derive(
         buckets.ladder("default", enc.embedding_config.max_seq_length), enc.dims, enc.engine.weights_bytes,
-        int(0.9 * 141e9), None, max_batch_tokens=uncapped, max_batch=uncapped, multiple=8, layout="packed",
+        budget_bytes(int(141e9)), None, max_batch_tokens=UNCAPPED, max_batch=UNCAPPED, multiple=8, layout="packed",
         batch_ladder=True, device="simulated H200", device_memory=int(141e9),
     )
     timed = dataclasses.replace(table, buckets=tuple(dataclasses.replace(b, run_s=step_s(b)) for b in table.buckets))

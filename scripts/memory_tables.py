@@ -145,7 +145,7 @@ def main():
 
     from jaxserve.runtime import buckets
     from jaxserve.runtime.buckets import format_table
-    from jaxserve.runtime.device import DEFAULT_HEADROOM, UNCAPPED
+    from jaxserve.runtime.device import UNCAPPED, budget_bytes
     from jaxserve.models import family_of
 
     raw = read_config(args.config)
@@ -167,7 +167,7 @@ def main():
         label = label or f"{memory // 10**9}gb"
         table = buckets.derive(
             seqlens, cfg.dims(dtype.itemsize), compiled.weights_bytes,
-            int((args.headroom or DEFAULT_HEADROOM) * memory), compiled.bucket_bytes,
+            budget_bytes(memory, args.headroom), compiled.bucket_bytes,
             max_batch_tokens=args.max_batch_tokens or UNCAPPED, max_batch=args.max_batch or UNCAPPED,
             multiple=args.batch_multiple, layout=args.layout, ladder="custom" if args.seqlens else args.ladder,
             device=f"{args.target} ({label}, {memory} bytes) from the {compiler} compiler's analysis less "

@@ -77,15 +77,15 @@ def cache_root(directory: str | Path | None) -> Path:
 def start(encoder, spec: BucketTable | TableOptions, tokens: bool = False, cache: str | Path | None = None,
           startup: Startup | None = None, progress: bool = False) -> BucketTable:
     """Ready the encoder's engine for `spec` (a table as it is, or the options to derive one), with token
-    outputs too if `tokens` (an embedding model's /embed_all). With a `cache` directory: from the matching
-    artifact if there is one, else built afresh and saved. JAX's persistent compilation cache is not used:
+    outputs too if `tokens` (an embedding model's /embed_all). With a `cache` directory (`cache_root`'s): from the
+    matching artifact in its warm/ if there is one, else built afresh and saved. JAX's persistent compilation cache is not used:
     the artifact does its job whole, and its cache hits would not serialize (see `_save`)."""
     startup = startup or Startup()
     outputs = ("pooled", "tokens") if tokens and encoder.head.kind in ("embedding", "multivector") else ("pooled",)
     startup.source = {"source": "derived" if isinstance(spec, TableOptions) else "file"}
     if cache is None:
         return _build(encoder, spec, outputs, startup, progress)
-    root = cache_root(cache) / "warm"
+    root = Path(cache) / "warm"
     fields = artifact.key_fields(encoder, spec, outputs)
     table = _load(encoder, root, fields, startup)
     if table is not None:
