@@ -40,11 +40,11 @@ def rank(module: str) -> int:
     raise AssertionError(f"{module} is in no layer: add it to LAYERS and to docs/design.md's map")
 
 
-def imported(source: str, module: str) -> list[tuple[int, str]]:
-    """(line, module) of every jaxserve module `source` (the text of `module`) imports."""
+def imported(source: str, module: str, is_package: bool = False) -> list[tuple[int, str]]:
+    """(line, module) of every jaxserve module `source` (the text of `module`, a package's __init__ if
+    `is_package`) imports."""
     found = []
-    package = module if module.endswith("__init__") else module.rpartition(".")[0]
-    package = package.removesuffix(".__init__")
+    package = module if is_package else module.rpartition(".")[0]  # what a relative import starts from
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
             found += [(node.lineno, a.name) for a in node.names if a.name.split(".")[0] == "jaxserve"]
@@ -65,10 +65,10 @@ def imported(source: str, module: str) -> list[tuple[int, str]]:
     return found
 
 
-def violations(source: str, module: str) -> list[str]:
+def violations(source: str, module: str, is_package: bool = False) -> list[str]:
     mine = rank(module)
     return [f"{module}:{line} imports {target} ({LAYERS[rank(target)][0]}, above {LAYERS[mine][0]})"
-            for line, target in imported(source, module) if rank(target) > mine]
+            for line, target in imported(source, module, is_package) if rank(target) > mine]
 
 
 def modules():
@@ -82,7 +82,7 @@ def test_no_import_runs_up_a_layer():
     for name, path in modules():
         if name == "jaxserve":  # the package's lazy `Encoder` is the one name it re-exports
             continue
-        found += violations(path.read_text(), name)
+        found += violations(path.read_text(), name, is_package=path.name == "__init__.py")
     assert not found, "\n".join(found)
 
 
@@ -100,6 +100,14 @@ def test_every_module_has_a_layer():
 ])
 def test_the_guard_catches_an_upward_import(source, module):
     assert violations(source, module)
+
+
+def test_a_packages_relative_imports_start_from_the_package():
+    """In scheduling/__init__.py, `from .pipeline import Pipeline` is scheduling's own; `from ..http import api`
+    is above it."""
+    assert imported("from .pipeline import Pipeline\n", "jaxserve.scheduling", is_package=True) == [
+        (1, "jaxserve.scheduling.pipeline")]
+    assert violations("from ..http import api\n", "jaxserve.scheduling", is_package=True)
 
 
 @pytest.mark.parametrize("source, module", [
