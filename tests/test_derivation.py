@@ -4,7 +4,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxserve.dims import ModelDims
-from jaxserve.runtime.buckets import Bucket, BucketTable, batch_sizes, pays, throughput_knee
+from jaxserve.runtime.buckets import Bucket, BucketTable, batch_fitter, batch_sizes, pays, throughput_knee
 from jaxserve.runtime.derivation import Climb, climb, climbs, table_of
 
 DIMS = ModelDims(hidden=64, intermediate=256, heads=4)
@@ -90,8 +90,53 @@ def test_climb_state_machine_by_hand():
     c.timed(0.001)
     assert c.next() == 4 and c.measured(4, 400)
     c.timed(0.002)  # 2x the rate: pays
-    assert c.next() == 16 and not c.measured(16, 1600)  # over the budget: shrunk to 16 * 1000 / 1600 = 10
+    assert c.next() == 16 and not c.measured(16, 1600)  # over: the line through (4, 400), (16, 1600) meets 1000 at 10
     assert c.next() == 10 and c.measured(10, 990)
     c.timed(0.004)  # 10 rows in 4 ms (2500 rows/s) against 4 in 2 ms (2000): pays
     assert c.done and [b.batch for b in c.kept] == [1, 4, 10] and c.kept[-1].limited_by == "memory"
     assert c.compiled == [1, 4, 16, 10]
+
+
+def climb_linear(weights, fixed, per_row, budget, multiple=1, ladder=True, max_batch=2**40, max_batch_tokens=2**40):
+    """One seqlen's climb (no knee) against memory linear in the batch, `weights + fixed + per_row * batch` bytes,
+    above the analytic estimate."""
+    (c,) = climbs([16], DIMS, weights, budget, max_batch_tokens, max_batch, multiple, batch_ladder=ladder, knee=False)
+    climb([c], lambda shapes: [weights + fixed + per_row * b for b, _, _ in shapes], lambda bucket: 1.0)
+    return c
+
+
+@settings(max_examples=300, deadline=None)
+@given(weights=st.integers(0, 10**11), fixed=st.integers(0, 10**10), rows_per_estimate=st.integers(16, 2000),
+       fits=st.integers(1, 20_000), over=st.floats(1.0, 8.0), slack=st.floats(0.0, 0.999),
+       multiple=st.sampled_from([1, 8]), ladder=st.booleans())
+def test_one_retry_lands_within_the_budget_when_memory_is_linear(weights, fixed, rows_per_estimate, fits, over, slack,
+                                                                 multiple, ladder):
+    """A candidate over the budget is retried once, at the largest batch within it (rounded by the batch multiple),
+    however large a share the weights and the compiler's fixed bytes take: the retry's line runs through the last
+    kept batch, or through the weights at batch 0 where none is kept (then the rule sees no fixed bytes beyond
+    the weights)."""
+    fixed = fixed if ladder else 0
+    per_row = rows_per_estimate * DIMS.activation_bytes(1, 16)  # the estimate bounds no candidate below the cap
+    fit = batch_fitter(multiple, 1)
+    budget = weights + fixed + per_row * fits + int(slack * per_row)  # `fits` rows is the most within it
+    top = fit(max(int(fits * over), fits + multiple))  # over the budget
+    c = climb_linear(weights, fixed, per_row, budget, multiple, ladder, max_batch=top)
+    candidates = sorted({fit(b) for b in batch_sizes(top)} - {0}) if ladder else [top]
+    first_over = next(i for i, b in enumerate(candidates) if weights + fixed + per_row * b > budget)
+    floor = candidates[first_over - 1] if first_over else 0
+    retry = [fit(fits)] if fit(fits) > floor else []
+    assert c.compiled == candidates[: first_over + 1] + retry
+    assert c.done and c.kept[-1].batch == (retry or [floor])[0] and c.kept[-1].limited_by == "memory"
+    assert all(b.compiled_bytes <= budget for b in c.kept)
+
+
+def test_an_8b_model_over_the_budget_compiles_its_largest_bucket_once_more():
+    """XLA's figures for Qwen3-Embedding-8B at seqlen 16 (`results/memory-tables-qwen3-embedding-8b-cache.json`, the
+    compiler's fixed temporaries taken off): weights about a quarter of an H100's budget, then about linear per
+    row. The token cap's batch is over the budget; one retry fits. Shrinking the whole figure in proportion,
+    weights included, compiled batch after batch of about that size, each over the budget, before one fit."""
+    weights, per_row, budget = 15_134_591_168, 2_624_000, 54_000_000_000
+    c = climb_linear(weights, 0, per_row, budget, multiple=8, max_batch_tokens=2**18)
+    candidates = [1, 4, 16, 64, 256, 1024, 4096, 16384]  # the token cap's batch last
+    assert c.compiled == candidates + [14808] and [b.batch for b in c.kept] == candidates[:-1] + [14808]
+    assert c.kept[-1].compiled_bytes <= budget < weights + per_row * 14816

@@ -8,6 +8,7 @@ MultiVectorMask with a punctuation skiplist, token Normalize) or laid out as PyL
 Parity: the same token count per text, cosine >= 0.9999 per token.
 """
 
+import itertools
 import json
 import string
 
@@ -403,3 +404,72 @@ def test_negative_segments_are_queries_but_no_keys(segs, causal):
         for j, k in enumerate(segs):
             want = k > 0 and abs(q) == k and (not causal or j <= i)
             assert got[i, j] == want, (segs, i, j)
+
+
+LONG_DOCUMENTS = [f"{i} {DOCUMENTS[2]}" for i in range(8)]  # each cut at the document length
+
+
+def largest(texts: list[str]) -> list[str]:
+    """The client batch limit of inputs, cycling through `texts`."""
+    from jaxserve.http.state import MAX_CLIENT_BATCH
+
+    return [texts[i % len(texts)] for i in range(MAX_CLIENT_BATCH)]
+
+
+async def test_multivector_embeddings_at_their_largest_keep_the_event_loop_free(make_server, st_model, monkeypatch):
+    """PyLate's /v1/embeddings at its largest (the client batch limit of documents, each of the document length):
+    no step that gathers, masks or encodes the token vectors runs on the event loop (tests/loopwatch.py), and
+    the vectors are the Python API's."""
+    import loopwatch
+    import orjson
+
+    _, enc = st_model
+    texts = largest(LONG_DOCUMENTS)
+    want = enc.embed_multivector(LONG_DOCUMENTS, kind="document")
+    client = await make_server(enc)
+    watcher = loopwatch.watch(monkeypatch)
+    resp = await client.post("/v1/embeddings", json={"input": texts, "is_query": False})
+    assert resp.status == 200
+    assert watcher.grown(len(texts)) == []
+    data = orjson.loads(await resp.read())["data"]
+    assert [d["index"] for d in data] == list(range(len(texts)))
+    for d in data[: len(want)] + data[-1:]:
+        np.testing.assert_allclose(np.asarray(d["embedding"], np.float32), want[d["index"] % len(want)], atol=2e-5)
+
+
+async def test_rerank_at_its_largest_keeps_the_event_loop_free(make_server, st_model, monkeypatch):
+    """/rerank by MaxSim at its largest (a query and the client batch limit of texts of the document length): no
+    step that gathers, scores or encodes runs on the event loop, and the scores and order are MaxSim's over the
+    Python API's vectors."""
+    import loopwatch
+    import orjson
+
+    _, enc = st_model
+    query = "the jax model"
+    texts = largest(LONG_DOCUMENTS + DOCUMENTS)
+    q = enc.embed_multivector([query], kind="query")[0]
+    scores = multivector.maxsim(q, enc.embed_multivector(LONG_DOCUMENTS + DOCUMENTS, kind="document"))
+    client = await make_server(enc)
+    watcher = loopwatch.watch(monkeypatch)
+    resp = await client.post("/rerank", json={"query": query, "texts": texts, "return_text": True})
+    assert resp.status == 200
+    assert watcher.grown(len(texts)) == []
+    got = orjson.loads(await resp.read())
+    assert sorted(g["index"] for g in got) == list(range(len(texts)))
+    assert all(g["text"] == texts[g["index"]] for g in got)
+    np.testing.assert_allclose([g["score"] for g in got], [scores[g["index"] % len(scores)] for g in got], rtol=1e-4)
+    assert all(a["score"] >= b["score"] for a, b in itertools.pairwise(got))
+
+
+def test_maxsim_in_blocks_matches_one_product_per_document(monkeypatch):
+    """MaxSim over documents back to back, in blocks that cut anywhere (empty documents and documents longer than
+    a block included), equals each document's own product."""
+    rng = np.random.default_rng(0)
+    query = rng.standard_normal((5, DIM)).astype(np.float32)
+    docs = [rng.standard_normal((n, DIM)).astype(np.float32) for n in (3, 0, 1, 17, 0, 4, 9, 2, 0)]
+    want = np.asarray([(query @ d.T).max(axis=1).sum() if len(d) else 0.0 for d in docs], np.float32)
+    for block in (1, 4, 8, 64):
+        monkeypatch.setattr(multivector, "MAXSIM_BLOCK", block)
+        np.testing.assert_allclose(multivector.maxsim(query, docs), want, rtol=1e-5)
+        np.testing.assert_allclose(multivector.maxsim(query, docs, mean=True), want / len(query), rtol=1e-5)
+    assert multivector.maxsim(query, []).shape == (0,)

@@ -4,16 +4,21 @@ A CPU computes every float32 dot in full (it ignores `jax.default_matmul_precisi
 the bf16/tf32 dot algorithms), so the tests run the pooling jaxpr through an interpreter that does
 what a GPU does: the float32 operands of every dot not at HIGHEST precision are rounded to TF32
 (10 mantissa bits, so integers are exact only up to 2048). A document of 3001 tokens then tells
-the float path of positions from the integer one.
+the float path of positions from the integer one. Every float32 dot after the encoder (the Dense
+layers, the multi-vector projection, the SPLADE head) asks for the same precision as the pooling's.
 """
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import tiny
 from jax.extend.core import ClosedJaxpr, Literal
 
-from jaxserve.heads.pooling import pool
+from jaxserve.checkpoint.config import DenseLayer
+from jaxserve.heads import sparse
+from jaxserve.heads.pooling import dense_layers, pool
+from jaxserve.models import family_of
 
 MODES = ("mean", "mean_sqrt_len_tokens", "weightedmean", "max", "cls", "lasttoken", "cls+mean")
 LENGTHS = (3001, 1000, 77)  # one row of 4096 slots: documents past TF32's exact integers, and short ones
@@ -119,3 +124,56 @@ def test_lowered_pooling_asks_for_highest_precision(mode):
         text = jax.jit(lambda h, s, p: pool(mode, h, s, p, SLOTS)).lower(*args).as_text()
     dots = [line for line in text.splitlines() if "dot_general" in line]
     assert all("HIGHEST" in line for line in dots), dots
+
+
+def dots(fn, *args) -> list[str]:
+    """The dot_generals of `fn`'s lowered program (at the process's default matmul precision)."""
+    text = jax.jit(fn).lower(*args).as_text()
+    return [line for line in text.splitlines() if "dot_general" in line]
+
+
+def f32(*shape):
+    return jax.ShapeDtypeStruct(shape, jnp.float32)
+
+
+def assert_highest(lines):
+    assert lines and all("precision = [HIGHEST, HIGHEST]" in line and "f32>" in line for line in lines), lines
+
+
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("shape", [(2, SLOTS, DIM), (2, 64, DIM)], ids=["pooled", "tokens"])
+def test_dense_layers_ask_for_highest_precision(shape, residual):
+    """The Dense modules after pooling, and the multi-vector projection (the same layers, per token)."""
+    layers = [DenseLayer("2_Dense", DIM, 8, True, "tanh", residual), DenseLayer("3_Dense", 8, 4, False, "identity")]
+    params = [{"kernel": f32(DIM, 8), "bias": f32(8)} | ({"residual": f32(DIM, 8)} if residual else {}),
+              {"kernel": f32(8, 4)}]
+    assert_highest(dots(lambda p, x: dense_layers(layers, p, x), params, f32(*shape)))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_splade_transform_asks_for_highest_precision(dtype):
+    raw = tiny.tiny_config("bert")
+    cfg = family_of(raw).configure(raw)
+    d, dt = cfg.hidden_size, jnp.dtype(dtype)
+    head = {"transform": {"kernel": jax.ShapeDtypeStruct((d, d), dt), "bias": jax.ShapeDtypeStruct((d,), dt)},
+            "ln": {"scale": jax.ShapeDtypeStruct((d,), dt), "bias": jax.ShapeDtypeStruct((d,), dt)}}
+    assert_highest(dots(lambda h, x: sparse.transform(cfg, h, x), head, jax.ShapeDtypeStruct((2, 64, d), dt)))
+
+
+@pytest.mark.parametrize("strategy", sparse.STRATEGIES)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_splade_vocabulary_projection_precision(strategy, dtype):
+    """A float32 model's projection at HIGHEST; a bfloat16 model's at the device's default (TF32 on a GPU, finer
+    than its weights: HIGHEST would make a fifth of its FLOPs several times slower). The per-sequence sum stays
+    at HIGHEST either way."""
+    vocab = 300
+    cfg = sparse.SparseConfig(vocab_size=vocab, strategy=strategy, cap=8)
+    fn = lambda t, dec, bias, member: sparse.pooled_weights(cfg, t, dec, bias, member)
+    lines = dots(fn, f32(2, 64, DIM), jax.ShapeDtypeStruct((vocab, DIM), jnp.dtype(dtype)), f32(vocab),
+                 f32(2, 64, SLOTS))
+    projection = [line for line in lines if "contracting_dims = [2] x [1]" in line]  # bsd,vd->bsv
+    if dtype == "float32":
+        assert_highest(lines)
+    else:
+        assert projection and all("precision = [DEFAULT, DEFAULT]" in line for line in projection), lines
+        assert all("precision = [HIGHEST, HIGHEST]" in line for line in lines if line not in projection), lines

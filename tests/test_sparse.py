@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 from conftest import warm_encoder
 
-from jaxserve import Encoder
 from jaxserve.errors import InputError
 from jaxserve.heads import sparse
 from jaxserve.runtime.buckets import fixed
@@ -90,16 +89,21 @@ def test_other_heads_and_poolings(tmp_path, model, strategy, activation):
 
 
 def test_vocabulary_blocks_and_cap(splade, monkeypatch):
-    """Blocks that do not divide the vocabulary give the same weights; a cap below a text's non-zeros is an error."""
-    path, _ = splade
+    """Blocks that do not divide the vocabulary give the same weights; a cap below a text's non-zeros is an error.
+    Both change the executables, so both are in the warm artifact's key: each warms through the run's artifacts
+    and runs an executable of its own block and cap, never the default one's (saved by the `splade` fixture)."""
+    from jaxserve.runtime import artifact
+
+    path, enc = splade
+    key = lambda e: artifact.key_fields(e, PACKED, ("pooled",))["sparse"]
     monkeypatch.setattr(sparse, "BLOCK", 10)  # 152 entries: 16 blocks, the last one padded
-    # warmed directly, not through the run's warm artifacts: the block and the cap change the executables, and
-    # neither is in the artifact's key yet (issue "No client takes more than its key grants")
-    blocked = Encoder.from_pretrained(str(path), buckets=PACKED)
+    blocked = warm_encoder(path, PACKED)
+    assert key(blocked) == {**key(enc), "block": 10}
     assert_same_sparse(blocked.embed_sparse(TEXTS), reference(path, TEXTS))
     monkeypatch.setenv(sparse.CAP_ENV, "8")
-    capped = Encoder.from_pretrained(str(path), buckets=PACKED)
-    assert capped.out_dim == 17
+    capped = warm_encoder(path, PACKED)
+    assert key(capped) == {**key(enc), "block": 10, "cap": 8}
+    assert capped.out_dim == 17 and capped.run(*capped.prepare(TEXTS[:1])).shape[-1] == 17  # the executable's width
     with pytest.raises(InputError, match="over this server's cap of 8"):
         capped.embed_sparse(TEXTS)
 
@@ -188,3 +192,39 @@ def test_jaxserve_embed_writes_sparse_jsonl(splade, tmp_path, capsys):
     assert_same_sparse([json.loads(line) for line in out.read_text().splitlines()], reference(path, TEXTS))
     assert main(args + ["--output", str(tmp_path / "weights.npy")]) == 2
     assert "--output must end in .jsonl" in capsys.readouterr().err
+
+
+async def test_embed_sparse_at_its_largest_keeps_the_event_loop_free(make_server, splade, monkeypatch):
+    """/embed_sparse at its largest (the client batch limit of inputs, each cut at the model's length): no step
+    that decodes or encodes its weights runs on the event loop (tests/loopwatch.py records which thread runs
+    each), and the weights are the Python API's."""
+    import loopwatch
+    import orjson
+
+    from jaxserve.http.state import MAX_CLIENT_BATCH
+
+    _, enc = splade
+    texts = [f"{i} {TEXTS[-1]}" for i in range(MAX_CLIENT_BATCH)]
+    want = enc.embed_sparse(texts[:3] + texts[-1:])
+    client = await make_server(enc)
+    watcher = loopwatch.watch(monkeypatch)
+    resp = await client.post("/embed_sparse", json={"inputs": texts})
+    assert resp.status == 200
+    assert watcher.grown(MAX_CLIENT_BATCH) == []
+    got = orjson.loads(await resp.read())
+    assert len(got) == MAX_CLIENT_BATCH
+    for g, w in zip(got[:3] + got[-1:], want, strict=True):
+        assert [e["index"] for e in g] == [e["index"] for e in w]
+        np.testing.assert_allclose([e["value"] for e in g], [e["value"] for e in w], rtol=1e-5)
+
+
+async def test_embed_sparse_over_the_cap_is_a_422(make_server, splade, monkeypatch):
+    """More non-zeros than the server ships (its cap) is the request's 422 naming the cap, from the respond
+    thread where the weights are encoded."""
+    path, _ = splade
+    monkeypatch.setenv(sparse.CAP_ENV, "8")
+    capped = warm_encoder(path, PACKED)
+    client = await make_server(capped)
+    resp = await client.post("/embed_sparse", json={"inputs": [f"{i} {TEXTS[2]}" for i in range(64)]})
+    assert resp.status == 422
+    assert "over this server's cap of 8" in (await resp.json())["error"]

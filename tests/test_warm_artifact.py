@@ -1,18 +1,26 @@
 """The warm artifact: a restart from it compiles nothing and serves the same table; a bad one is never used."""
 
+import hashlib
 import json
 import logging
+import os
+import pickle
+import stat
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from jaxserve import Encoder
-from jaxserve.runtime import artifact, compiles, startup
+from jaxserve.runtime import artifact, compiles, host, startup
+from jaxserve.runtime.buckets import fixed
 from jaxserve.runtime.derivation import TableOptions
 
 OPTIONS = TableOptions(seqlens=(16, 64), max_batch=16)
 TEXTS = ["the model is jax", "a query", "the " * 40]
+# one-bucket tables (the tiny model's length is 64): a start at each compiles one executable
+ONE, TWO, THREE, FOUR = (fixed([(batch, 64)]) for batch in (1, 2, 3, 4))
 
 
 def warm(path, cache, options=OPTIONS, tokens=True):
@@ -25,6 +33,14 @@ def warm(path, cache, options=OPTIONS, tokens=True):
 
 def files(cache):
     return sorted((cache / "warm").glob("*" + artifact.SUFFIX))
+
+
+def start_at(path, cache, table, **kw):
+    """A fresh encoder started at a given table through `cache`, and what start-up did."""
+    enc = Encoder.from_pretrained(str(path))
+    started = startup.Startup()
+    startup.start(enc, table, cache=cache, startup=started, **kw)
+    return enc, started
 
 
 def test_a_second_start_loads_the_artifact_compiles_nothing_and_serves_the_same_table(tiny_checkpoint, tmp_path):
@@ -157,3 +173,163 @@ def test_no_artifact_is_made_from_executables_of_jaxs_persistent_cache(tiny_chec
         compilation_cache.reset_cache()
     assert "artifact_not_saved" in started.source and not files(tmp_path / "cache")
     assert enc.embed(TEXTS).shape == (3, 32)
+
+
+def test_a_stale_artifact_is_judged_by_its_header_alone(tiny_checkpoint, tmp_path):
+    """Which fields differ is read from the newest other artifact's JSON header: its payload is neither
+    unpickled nor read (here there is none left to read)."""
+    path, cache = tiny_checkpoint(), tmp_path / "cache"
+    start_at(path, cache, ONE)
+    (stale,) = files(cache)
+    raw = stale.read_bytes()
+    stale.write_bytes(raw[: raw.index(b"\n", len(artifact.MAGIC)) + 1])  # the magic and header lines only
+    _, started = start_at(path, cache, TWO)
+    assert f"({stale.name}) differs in table (file (" in started.source["artifact_skipped"]
+    assert started.source["artifact_saved"]
+
+
+def test_an_old_format_artifact_is_stale_never_loaded_and_pruned(tiny_checkpoint, tmp_path):
+    """An artifact of a jaxserve before the header (a checksum line, then the pickle) is not unpickled, even at
+    the very path its key would have now, and the save after the cold start deletes it."""
+    path, cache = tiny_checkpoint(), tmp_path / "cache"
+    enc = Encoder.from_pretrained(str(path))
+    target = artifact.path_for(cache / "warm", enc, artifact.key_fields(enc, ONE, ("pooled",)))
+    target.parent.mkdir(parents=True)
+    body = pickle.dumps({"key": {"format": 3}})
+    old = artifact.MAGIC + hashlib.sha256(body).hexdigest().encode() + b"\n" + body
+    target.write_bytes(old)
+    other = target.with_name(f"{path.name}-{'0' * 24}{artifact.SUFFIX}")
+    other.write_bytes(old)
+    _, started = start_at(path, cache, ONE)
+    assert "stale (made by another jaxserve version: format before 4" in started.source["artifact_skipped"]
+    assert files(cache) == [target] and target.read_bytes() != old  # replaced by a new one, the other pruned
+    assert started.source["artifacts_pruned"] == [other.name]
+    assert start_at(path, cache, ONE)[1].source["source"] == "artifact"
+
+
+@pytest.mark.parametrize("mode, owner, directory, refused", [
+    (stat.S_IFREG | 0o644, 1000, False, None),
+    (stat.S_IFREG | 0o600, 0, False, None),  # root's (an image built as root, served as another user)
+    (stat.S_IFREG | 0o664, 1000, False, "group- or world-writable (mode 0664)"),
+    (stat.S_IFREG | 0o646, 1000, False, "group- or world-writable (mode 0646)"),
+    (stat.S_IFREG | 0o644, 4242, False, "owned by uid 4242, not by this server's user (uid 1000) or root"),
+    (stat.S_IFIFO | 0o644, 1000, False, "not a regular file"),
+    (stat.S_IFDIR | 0o755, 1000, False, "not a regular file"),
+    (stat.S_IFDIR | 0o755, 1000, True, None),
+    (stat.S_IFDIR | 0o775, 1000, True, "group- or world-writable (mode 0775) without the sticky bit"),
+    (stat.S_IFDIR | 0o1777, 1000, True, None),  # as /tmp: no one else may replace or rename this user's files
+    (stat.S_IFDIR | 0o1777, 4242, True, "owned by uid 4242"),
+    (stat.S_IFREG | 0o644, 1000, True, "not a directory"),
+])
+def test_only_files_no_one_but_the_servers_user_or_root_could_write_are_trusted(mode, owner, directory, refused):
+    why = artifact.untrusted(os.stat_result((mode, 0, 0, 1, owner, 0, 0, 0, 0, 0)), 1000, directory)
+    assert why is None if refused is None else refused in why
+
+
+def test_an_artifact_another_user_could_have_written_is_refused_before_it_is_read(tiny_checkpoint, tmp_path,
+                                                                                  caplog, monkeypatch):
+    """Refused with the reason logged as a warning, then a cold start; the start never fails for it."""
+    path, cache = tiny_checkpoint(), tmp_path / "cache"
+    start_at(path, cache, ONE)
+    (good,) = files(cache)
+    assert stat.S_IMODE(good.stat().st_mode) == 0o644 and stat.S_IMODE((cache / "warm").stat().st_mode) == 0o755
+    good.chmod(0o664)
+    with caplog.at_level(logging.WARNING, logger="jaxserve.runtime.startup"):
+        _, started = start_at(path, cache, ONE)
+    assert started.source["source"] == "file"
+    assert "refused: the file is group- or world-writable (mode 0664)" in started.source["artifact_skipped"]
+    assert "refused" in caplog.text
+    # the cold start replaced it with its own, which the next start loads
+    assert stat.S_IMODE(good.stat().st_mode) == 0o644 and start_at(path, cache, ONE)[1].source["source"] == "artifact"
+
+    if os.geteuid() == 0:
+        os.chown(good, 4242, -1)
+    else:  # the server runs as someone else: its directory (checked first) and its file are another user's
+        monkeypatch.setattr(os, "geteuid", lambda: os.getuid() + 1)
+    _, started = start_at(path, cache, ONE)
+    assert started.source["source"] == "file" and "is owned by uid" in started.source["artifact_skipped"]
+    monkeypatch.undo()
+
+    (cache / "warm").chmod(0o777)
+    _, started = start_at(path, cache, ONE)
+    assert "without the sticky bit" in started.source["artifact_skipped"] and "artifact_saved" not in started.source
+    (cache / "warm").chmod(0o1777)
+    assert start_at(path, cache, ONE)[1].source["source"] == "artifact"
+
+
+def test_a_file_gone_between_listing_and_reading_is_passed_over(tiny_checkpoint, tmp_path):
+    """A name listed in the cache with no file behind it any more (a dangling link here) is skipped, whether
+    the other artifacts are read for the log or pruned."""
+    path, cache = tiny_checkpoint(), tmp_path / "cache"
+    start_at(path, cache, ONE)
+    (first,) = files(cache)
+    gone = cache / "warm" / f"{path.name}-{'f' * 24}{artifact.SUFFIX}"
+    gone.symlink_to(tmp_path / "deleted meanwhile")
+    enc, started = start_at(path, cache, TWO)
+    assert f"({first.name}) differs in table" in started.source["artifact_skipped"]
+    assert started.source["artifact_saved"]
+    assert artifact.prune(cache / "warm", enc, keep=1, protect=Path(started.source["artifact_saved"])) == [first]
+
+
+def test_a_load_that_fails_part_way_installs_nothing(tiny_checkpoint, tmp_path, monkeypatch):
+    """The executables deserialized before the failure are dropped: the cold start compiles every bucket
+    (none is silently taken from the failed load)."""
+    from conftest import TINY_TABLE
+    from jax.experimental import serialize_executable
+
+    path, cache = tiny_checkpoint(), tmp_path / "cache"
+    start_at(path, cache, TINY_TABLE)
+    real, calls = serialize_executable.deserialize_and_load, []
+
+    def second_fails(*args, **kw):
+        calls.append(1)
+        if len(calls) > 1:
+            raise RuntimeError("injected: this executable does not load")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(serialize_executable, "deserialize_and_load", second_fails)
+    monkeypatch.setattr(host, "usable_cores", lambda: 1)  # loaded one at a time, in order
+    enc, started = start_at(path, cache, TINY_TABLE)
+    assert len(calls) >= 2 and "did not load (RuntimeError: injected" in started.source["artifact_skipped"]
+    buckets = enc.engine.table.buckets
+    assert len(buckets) == 4 and all(enc.engine.compile_s(b.batch, b.seqlen, b.slots) is not None for b in buckets)
+    assert enc.embed(TEXTS).shape == (3, 32)
+
+
+def test_each_save_keeps_the_models_newest_artifacts(tiny_checkpoint, tmp_path):
+    """`keep` per model: this checkpoint directory's, whatever the key; another checkpoint of the same
+    directory name keeps its own."""
+    path, cache = tiny_checkpoint(), tmp_path / "cache"
+    elsewhere = tiny_checkpoint("elsewhere/" + path.name)
+    start_at(elsewhere, cache, FOUR, keep=1)
+    (theirs,) = files(cache)
+    saved = []
+    for table in (ONE, TWO, THREE):
+        _, started = start_at(path, cache, table, keep=2)
+        saved.append(cache / "warm" / os.path.basename(started.source["artifact_saved"]))
+    assert started.source["artifacts_pruned"] == [saved[0].name]
+    assert files(cache) == sorted([theirs, *saved[1:]])
+    assert start_at(path, cache, TWO)[1].source["source"] == "artifact"
+    with pytest.raises(ValueError, match="at least 1"):
+        start_at(path, cache, ONE, keep=0)
+
+
+def test_every_flag_that_changes_an_executable_is_in_the_key(tiny_checkpoint, monkeypatch):
+    """What XLA reads from the environment, and the JAX flags its trace and compile options read (however they
+    were set), change the key; the log names the one that changed."""
+    import jax
+
+    enc = Encoder.from_pretrained(str(tiny_checkpoint()))
+    key = artifact.key_fields(enc, ONE, ("pooled",))
+    monkeypatch.setenv("LIBTPU_INIT_ARGS", "--xla_tpu_enable_latency_hiding_scheduler=true")
+    assert artifact.key_fields(enc, ONE, ("pooled",))["env"] != key["env"]
+    monkeypatch.delenv("LIBTPU_INIT_ARGS")
+    for name, value in (("jax_compiler_enable_remat_pass", False), ("jax_optimization_level", "O1")):
+        before = jax.config.values[name]
+        jax.config.update(name, value)
+        try:
+            changed = artifact.key_fields(enc, ONE, ("pooled",))
+        finally:
+            jax.config.update(name, before)
+        assert artifact._differ(key, changed) == [f"jax_flags ({name} ({before} -> {changed['jax_flags'][name]}))"]
+    assert artifact.key_fields(enc, ONE, ("pooled",)) == key

@@ -27,6 +27,7 @@ per token, without padding: per text its [tokens, dim] float32 array.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import string
 from pathlib import Path
 
@@ -248,16 +249,54 @@ def attention_impl(impl: str, mv: MultiVectorConfig, seqlen: int) -> str:
     return impl
 
 
+def kept(mv: MultiVectorConfig, kind: str, ids: np.ndarray,
+         offsets: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
+    """Which tokens of `kind` sequences (ids [T] back to back, sequence p at offsets[p]:offsets[p + 1]) their
+    outputs keep: a mask over `ids` (None: all, no skiplist for this kind) and the sequences' offsets among the
+    kept tokens. One pass over every token, however many sequences."""
+    if kind not in mv.skiplist_tasks or not mv.skiplist:
+        return None, offsets
+    keep = ~np.isin(ids, np.asarray(mv.skiplist))
+    return keep, np.concatenate([[0], np.cumsum(keep)])[offsets]  # kept tokens before each offset
+
+
+def split(vectors: np.ndarray, offsets: np.ndarray) -> list[np.ndarray]:
+    """[T, dim] sequences back to back -> per sequence its [tokens, dim] rows (views)."""
+    bounds = np.asarray(offsets).tolist()
+    return [vectors[a:b] for a, b in itertools.pairwise(bounds)]
+
+
 def outputs(mv: MultiVectorConfig, kind: str, seq_ids: list[np.ndarray], vectors: list[np.ndarray]) -> list[np.ndarray]:
     """Per sequence its token vectors, skiplist tokens dropped for the kinds the skiplist applies to."""
-    if kind not in mv.skiplist_tasks or not mv.skiplist:
-        return [np.ascontiguousarray(v, np.float32) for v in vectors]
-    skip = np.asarray(mv.skiplist)
-    return [np.ascontiguousarray(v[~np.isin(ids, skip)], np.float32) for ids, v in zip(seq_ids, vectors)]
+    offsets = np.concatenate([[0], np.cumsum([len(s) for s in seq_ids])]).astype(np.int64)
+    flat = np.concatenate(vectors).astype(np.float32, copy=False) if vectors else np.zeros((0, mv.dim), np.float32)
+    keep, offsets = kept(mv, kind, np.concatenate(seq_ids) if seq_ids else np.zeros(0, np.int32), offsets)
+    return split(flat if keep is None else flat[keep], offsets)
+
+
+MAXSIM_BLOCK = 8192  # document tokens scored by one product: their similarities to the query stay in cache
+
+
+def maxsim_flat(query: np.ndarray, vectors: np.ndarray, offsets: np.ndarray, mean: bool = False) -> np.ndarray:
+    """`maxsim` of documents laid out back to back ([T, dim], document i at offsets[i]:offsets[i + 1]): one
+    product per block of whole documents of about `MAXSIM_BLOCK` tokens, each document's best per query token
+    taken by one `maximum.reduceat`; an empty document scores 0."""
+    lengths = np.diff(offsets)
+    scores = np.zeros(len(lengths), np.float32)
+    docs = np.flatnonzero(lengths)
+    starts = np.asarray(offsets)[docs]
+    bounds = [0, *(np.flatnonzero(np.diff(starts // MAXSIM_BLOCK)) + 1).tolist(), len(docs)]
+    for lo, hi in itertools.pairwise(bounds):
+        if hi > lo:
+            first, end = starts[lo], offsets[docs[hi - 1] + 1]
+            sims = query @ vectors[first:end].T  # [Q, block tokens]
+            scores[docs[lo:hi]] = np.maximum.reduceat(sims, starts[lo:hi] - first, axis=1).sum(0)
+    return scores / max(len(query), 1) if mean else scores
 
 
 def maxsim(query: np.ndarray, documents: list[np.ndarray], mean: bool = False) -> np.ndarray:
     """PyLate's `colbert_scores` / MultiVectorEncoder's similarity: per document, the sum over query tokens of
     their best dot product with a document token ([Q, dim] against each [T, dim]); `mean`: / query tokens."""
-    scores = np.asarray([(query @ d.T).max(axis=1).sum() if len(d) else 0.0 for d in documents], np.float32)
-    return scores / max(len(query), 1) if mean else scores
+    offsets = np.concatenate([[0], np.cumsum([len(d) for d in documents])]).astype(np.int64)
+    flat = np.concatenate(documents) if documents else np.zeros((0, query.shape[-1]), query.dtype)
+    return maxsim_flat(query, flat, offsets, mean)

@@ -20,7 +20,8 @@ DENSE_ACTIVATIONS = {
 }
 
 
-HIGHEST = jax.lax.Precision.HIGHEST  # float32 dots in full: a GPU's default (TF32) keeps 10 mantissa bits
+# Every float32 dot after the encoder (pooling, Dense, SPLADE head): a GPU's default, TF32, keeps 10 mantissa bits.
+HIGHEST = jax.lax.Precision.HIGHEST
 
 
 def segment_onehot(segment_ids: jax.Array, num_segments: int) -> jax.Array:
@@ -73,13 +74,14 @@ def _pool_one(mode: str, h, inside, count, positions, num_segments: int) -> jax.
 
 
 def dense_layers(layers, params, x):
-    """sentence-transformers' Dense modules in turn on pooled vectors [B, K, D] (float32)."""
+    """sentence-transformers' Dense modules in turn on pooled vectors [B, K, D] (float32), or on token vectors
+    [B, S, D] (multi-vector), their dots at HIGHEST precision as the pooling's."""
     for layer, p in zip(layers, params):
-        y = x @ p["kernel"]
+        y = jnp.matmul(x, p["kernel"], precision=HIGHEST)
         if "bias" in p:
             y = y + p["bias"]
         y = DENSE_ACTIVATIONS[layer.activation](y)
         if layer.residual:
-            y = y + (x @ p["residual"] if "residual" in p else x)
+            y = y + (jnp.matmul(x, p["residual"], precision=HIGHEST) if "residual" in p else x)
         x = y
     return x

@@ -17,14 +17,17 @@ Two things keep it cheap on a device:
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orjson
 
 from jaxserve.errors import CheckpointError, InputError
+from jaxserve.heads.pooling import HIGHEST
 from jaxserve.models import layers
 
 BLOCK = 4096  # vocabulary entries projected at a time
@@ -42,6 +45,7 @@ class SparseConfig:
     strategy: str = "max"  # max | sum over a sequence's tokens
     activation: str = "relu"  # relu: log1p(relu(x)); log1p_relu: log1p(log1p(relu(x)))
     cap: int = 0  # non-zeros shipped per sequence
+    block: int = BLOCK  # vocabulary entries projected at a time (the module's BLOCK when the model was loaded)
 
     @property
     def out_dim(self) -> int:
@@ -57,7 +61,8 @@ class SparseConfig:
                                   f"activation_function one of {ACTIVATIONS}")
         if cap is None:
             cap = int(os.environ.get(CAP_ENV) or DEFAULT_CAP)
-        return cls(vocab_size, strategy, activation, max(1, min(int(cap), vocab_size)))
+        # both change the executables: the warm artifact's key holds this config whole
+        return cls(vocab_size, strategy, activation, max(1, min(int(cap), vocab_size)), BLOCK)
 
 
 # family -> the MLM head's tensors: transform dense, its LayerNorm, untied decoder weight, decoder bias(es)
@@ -105,8 +110,10 @@ def load_head(path: Path, family: str, cfg, dtype) -> dict:
 
 
 def transform(cfg, head: dict, hidden_bsd: jax.Array) -> jax.Array:
-    """The MLM head before its vocabulary projection: dense, activation, LayerNorm -> [B, S, D] float32."""
-    x = hidden_bsd.astype(jnp.float32) @ head["transform"]["kernel"].astype(jnp.float32) + head["transform"]["bias"]
+    """The MLM head before its vocabulary projection: dense, activation, LayerNorm -> [B, S, D] float32 (its dot at
+    HIGHEST precision, as pooling's)."""
+    kernel = head["transform"]["kernel"].astype(jnp.float32)
+    x = jnp.einsum("bsd,de->bse", hidden_bsd.astype(jnp.float32), kernel, precision=HIGHEST) + head["transform"]["bias"]
     act = "gelu" if cfg.model_type in ("roberta", "xlm-roberta", "camembert") else cfg.hidden_act
     x = layers.ACTIVATIONS[act](x)
     mu = x.mean(-1, keepdims=True)
@@ -121,12 +128,16 @@ def _activate(sparse: SparseConfig, x):
 
 
 def pooled_weights(sparse: SparseConfig, t_bsd, decoder_vd, bias_v, member_bsk) -> jax.Array:
-    """[B, S, D] head states -> [B, K, V] float32 SPLADE weights per sequence, `BLOCK` vocabulary entries at a time.
+    """[B, S, D] head states -> [B, K, V] float32 SPLADE weights per sequence, `sparse.block` vocabulary entries at
+    a time.
 
     max: the activation is monotone, so the max of the activated logits is the activated max of the logits
     (exact); padding and other sequences' tokens count as logit 0, as sentence-transformers masks them."""
     v = decoder_vd.shape[0]
-    block = min(BLOCK, v)
+    # a float32 model's projection at HIGHEST, as pooling's; a bfloat16 model's (a fifth of a SPLADE's FLOPs) at the
+    # device's default, TF32 on a GPU: still finer than its bfloat16 weights, and several times faster than HIGHEST
+    precision = HIGHEST if decoder_vd.dtype == jnp.float32 else None
+    block = min(sparse.block, v)
     nb = -(-v // block)
     pad = nb * block - v
     dec = jnp.pad(decoder_vd.astype(jnp.float32), ((0, pad), (0, 0))).reshape(nb, block, -1)  # [NB, VB, D]
@@ -135,10 +146,10 @@ def pooled_weights(sparse: SparseConfig, t_bsd, decoder_vd, bias_v, member_bsk) 
 
     def one(args):
         dec_b, bias_b = args
-        logits = jnp.einsum("bsd,vd->bsv", t_bsd, dec_b) + bias_b  # [B, S, VB]
+        logits = jnp.einsum("bsd,vd->bsv", t_bsd, dec_b, precision=precision) + bias_b  # [B, S, VB]
         if sparse.strategy == "sum":
             return jnp.einsum("bsk,bsv->bkv", member_bsk, _activate(sparse, logits),
-                              precision=jax.lax.Precision.HIGHEST)  # [B, K, VB]
+                              precision=HIGHEST)  # [B, K, VB]
         slot_max = [jnp.where(member_bsk[:, :, j : j + 1] > 0, logits, 0.0).max(axis=1) for j in range(k)]
         return _activate(sparse, jnp.stack(slot_max, axis=1))  # [B, K, VB]
 
@@ -177,15 +188,49 @@ def sparse_forward(module, cfg, sparse: SparseConfig, num_segments: int, params,
     return compact(weights, sparse.cap)
 
 
+def counts(out: np.ndarray, sparse: SparseConfig) -> np.ndarray:
+    """[P] each device row's non-zeros; an error naming the cap when one has more than it shipped."""
+    n = out[:, 0].astype(np.int64)
+    if len(n) and n.max() > sparse.cap:
+        raise InputError(f"an input has {int(n.max())} non-zero sparse weights, over this server's cap of {sparse.cap} "
+                         f"({CAP_ENV}); raise it (up to the vocabulary, {sparse.vocab_size}) to get them all")
+    return n
+
+
 def decode(out: np.ndarray, sparse: SparseConfig) -> list[list[dict]]:
     """[P, 1 + 2 cap] device rows -> per sequence its non-zeros [{"index", "value"}], index order (TEI's shape)."""
     result = []
-    for row in out:
-        n = int(row[0])
-        if n > sparse.cap:
-            raise InputError(f"an input has {n} non-zero sparse weights, over this server's cap of {sparse.cap} "
-                             f"({CAP_ENV}); raise it (up to the vocabulary, {sparse.vocab_size}) to get them all")
+    for row, n in zip(out, counts(out, sparse)):
         values = row[1 : 1 + n]
         indices = row[1 + sparse.cap : 1 + sparse.cap + n].astype(np.int64)
         result.append([{"index": int(i), "value": float(v)} for i, v in zip(indices, values)])
     return result
+
+
+JSON_BLOCK = 2**16  # weights written to JSON per orjson call, at most (a row more where one row has more)
+
+
+def json_rows(out: np.ndarray, sparse: SparseConfig) -> list[bytes]:
+    """[P, 1 + 2 cap] device rows -> per sequence `decode`'s list as JSON (values at float32's shortest repr).
+
+    Built in bulk, as a server needs it for a thousand inputs of thousands of weights each: orjson writes a
+    block of rows' indices, then their values, at once, and the records are joined from those pieces, with no
+    Python object per weight beyond its two numbers' texts. Blocks of `JSON_BLOCK` weights bound how long one
+    call holds the GIL (orjson keeps it throughout), and with it the event loop of the thread that waits."""
+    n = counts(out, sparse)
+    rows = max(1, JSON_BLOCK // sparse.cap)
+    return [row for first in range(0, len(out), rows) for row in _json_block(out[first : first + rows],
+                                                                               n[first : first + rows], sparse.cap)]
+
+
+def _json_block(out: np.ndarray, n: np.ndarray, cap: int) -> list[bytes]:
+    shipped = np.arange(cap) < n[:, None]  # [P, cap]
+    if not shipped.any():
+        return [b"[]"] * len(out)
+    numbers = lambda a: orjson.dumps(a, option=orjson.OPT_SERIALIZE_NUMPY)[1:-1].split(b",")
+    pieces = [b'},{"index":', None, b',"value":', None] * int(n.sum())
+    pieces[1::4] = numbers(out[:, 1 + cap : 1 + 2 * cap][shipped].astype(np.int64))
+    pieces[3::4] = numbers(out[:, 1 : 1 + cap][shipped])
+    bounds = (4 * np.concatenate([[0], np.cumsum(n)])).tolist()
+    return [b'[{"index":' + b"".join(pieces[a + 1 : b]) + b"}]" if b > a else b"[]"
+            for a, b in itertools.pairwise(bounds)]

@@ -205,6 +205,17 @@ def upper_bound(seqlen: int, slots: int, dims: ModelDims, weights_bytes: int, bu
     return limits[limited_by], limited_by
 
 
+def within_budget(batch: int, compiled_bytes: int, budget_bytes: int, below: tuple[int, int]) -> int:
+    """The largest batch that the line through `below` (a smaller batch and its bytes, within the budget) and
+    (`batch`, `compiled_bytes`, over it) keeps within `budget_bytes`. Only the bytes past `below`'s grow with
+    the batch: a proportional shrink of the whole figure, weights included, lands over the budget again
+    whenever the weights are a large share of it."""
+    b0, c0 = below
+    if budget_bytes <= c0:  # the weights alone fill the budget
+        return b0
+    return b0 + (budget_bytes - c0) * (batch - b0) // (compiled_bytes - c0)
+
+
 def batch_fitter(multiple: int, devices: int) -> Callable[[int], int]:
     """Rounds a batch down to the batch multiple; 0 where it cannot split evenly over the devices."""
     multiple = multiple * devices // math.gcd(multiple, devices)
@@ -239,7 +250,8 @@ def derive(
     """For each seqlen, the largest batch that fits the budget (weights + compiled peak).
 
     The analytic estimate proposes a batch; the compiled figure checks it, and
-    while it is over budget the batch shrinks in proportion and is checked again.
+    while it is over budget the batch shrinks to what the bytes past the weights allow (`within_budget`)
+    and is checked again.
     A seqlen where not even batch 1 fits is dropped, with the reason kept.
     With `batch_ladder`, each seqlen also gets batches 1, 4, 16, ... below the largest.
     With several `devices` (batch sharded across them), the budget and caps are per
@@ -261,8 +273,7 @@ def derive(
             if compiled <= budget_bytes:
                 break
             limited_by = "memory"
-            shrunk = int(batch * budget_bytes / compiled)
-            batch = fit(min(shrunk, batch - 1))
+            batch = fit(min(within_budget(batch, compiled, budget_bytes, (0, weights_bytes)), batch - 1))
         if batch < 1:
             dropped.append((seqlen, f"batch 1 needs more than the budget of {budget_bytes} bytes"))
             continue
@@ -302,12 +313,11 @@ def check_fits(compiled: list[Bucket], budget_bytes: int, weights_bytes: int, fi
     over = [b for b in compiled if b.compiled_bytes > budget_bytes]
     if not over:
         return
-    free = budget_bytes - weights_bytes
     fits = []
     for s in sorted({b.seqlen for b in over}):
         worst = max((b for b in over if b.seqlen == s), key=lambda b: b.batch)
-        per_row = (worst.compiled_bytes - weights_bytes) / worst.batch
-        batch = fit(min(int(free / per_row), worst.batch - 1)) if free > 0 and per_row > 0 else 0
+        batch = fit(min(within_budget(worst.batch, worst.compiled_bytes, budget_bytes, (0, weights_bytes)),
+                        worst.batch - 1))
         fits.append(f"seqlen {s}: batch {batch}" if batch >= 1 else f"seqlen {s}: none")
     raise TableTooLarge(
         f"the bucket table does not fit this device: {len(over)} bucket(s) need more than the budget of "

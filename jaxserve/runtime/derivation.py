@@ -8,7 +8,10 @@ batch that is not `THROUGHPUT_GAIN` faster per token than the one below it
 (`buckets.pays`). So the only compiles the table then drops are that one step
 past the knee, or one candidate over the memory budget: on a large device the
 memory-filling batches, each seconds to compile and never worth their
-latency, are never built.
+latency, are never built. A candidate over the budget is retried at the batch
+a line through its figure and the last kept one's (the weights at batch 0,
+where none is kept) puts within the budget (`within_budget`): one retry, where
+memory is linear in the batch, however much of it the weights take.
 
 Pure logic (no JAX): `Climb` is one seqlen's state machine and `climb` the
 driver, which gets the compiler and the clock as callables, so that tests
@@ -31,6 +34,7 @@ from jaxserve.runtime.buckets import (
     pays,
     slots_for,
     upper_bound,
+    within_budget,
 )
 
 Shape = tuple[int, int, int]  # (batch, seqlen, slots)
@@ -43,8 +47,9 @@ class Climb:
     (False: over the budget, not to be run), `timed()` its run time; `kept` is the result once `done`."""
 
     def __init__(self, seqlen: int, slots: int, candidates: list[int], top_limit: str, budget_bytes: int,
-                 fit: Callable[[int], int], knee: bool = True, gain: float = THROUGHPUT_GAIN):
+                 fit: Callable[[int], int], knee: bool = True, gain: float = THROUGHPUT_GAIN, weights_bytes: int = 0):
         self.seqlen, self.slots, self.budget, self.fit = seqlen, slots, budget_bytes, fit
+        self.weights = weights_bytes  # what a batch of 0 would take: the arguments that do not grow with it
         self.knee, self.gain = knee, gain
         self.host_s: float | None = None  # the host's time per dispatch (the engine's measure; None: the constant)
         self._todo = list(candidates)  # ascending
@@ -63,14 +68,15 @@ class Climb:
 
     def measured(self, batch: int, compiled_bytes: int) -> bool:
         """The compiled figure of the batch `next()` named; False if it is over the budget (then the
-        climb tries a batch shrunk in proportion, if that is above the last kept one, or ends)."""
+        climb tries the batch `within_budget` puts under it, if that is above the last kept one, or ends)."""
         assert batch == self.next(), (batch, self.next())
         self.compiled.append(batch)
         if compiled_bytes <= self.budget:
             self._bytes = compiled_bytes
             return True
         self._limit = "memory"
-        shrunk = self.fit(min(int(batch * self.budget / compiled_bytes), batch - 1))
+        below = (self.kept[-1].batch, self.kept[-1].compiled_bytes) if self.kept else (0, self.weights)
+        shrunk = self.fit(min(within_budget(batch, compiled_bytes, self.budget, below), batch - 1))
         floor = self.kept[-1].batch if self.kept else 0
         self._todo = [shrunk] if shrunk > floor else []
         if self.done:
@@ -109,7 +115,7 @@ def climbs(seqlens: list[int], dims: ModelDims, weights_bytes: int, budget_bytes
                                       devices)
         top = fit(top)
         candidates = sorted({fit(b) for b in batch_sizes(top)} - {0}) if batch_ladder and top else ([top] if top else [])
-        climb = Climb(seqlen, slots, candidates, limited_by, budget_bytes, fit, knee, gain)
+        climb = Climb(seqlen, slots, candidates, limited_by, budget_bytes, fit, knee, gain, weights_bytes)
         if climb.done:
             climb._finish()
         out.append(climb)

@@ -75,11 +75,14 @@ def cache_root(directory: str | Path | None) -> Path:
 
 
 def start(encoder, spec: BucketTable | TableOptions, tokens: bool = False, cache: str | Path | None = None,
-          startup: Startup | None = None, progress: bool = False) -> BucketTable:
+          startup: Startup | None = None, progress: bool = False, keep: int = artifact.KEEP) -> BucketTable:
     """Ready the encoder's engine for `spec` (a table as it is, or the options to derive one), with token
     outputs too if `tokens` (an embedding model's /embed_all). With a `cache` directory (`cache_root`'s): from the
-    matching artifact in its warm/ if there is one, else built afresh and saved. JAX's persistent compilation cache is not used:
+    matching artifact in its warm/ if there is one, else built afresh and saved, the model's artifacts then
+    pruned to the newest `keep`. JAX's persistent compilation cache is not used:
     the artifact does its job whole, and its cache hits would not serialize (see `_save`)."""
+    if keep < 1:
+        raise ValueError(f"keep (warm artifacts kept per model) must be at least 1, not {keep}")
     startup = startup or Startup()
     outputs = ("pooled", "tokens") if tokens and encoder.head.kind in ("embedding", "multivector") else ("pooled",)
     startup.source = {"source": "derived" if isinstance(spec, TableOptions) else "file"}
@@ -92,7 +95,7 @@ def start(encoder, spec: BucketTable | TableOptions, tokens: bool = False, cache
         return table
     hits = compiles.cache_hits_total()
     table = _build(encoder, spec, outputs, startup, progress)
-    _save(encoder, root, fields, startup, from_jax_cache=compiles.cache_hits_total() > hits)
+    _save(encoder, root, fields, startup, from_jax_cache=compiles.cache_hits_total() > hits, keep=keep)
     return table
 
 
@@ -104,7 +107,8 @@ def _load(encoder, root: Path, fields: dict, startup: Startup) -> BucketTable | 
                                    lambda done, total: setattr(startup, "doing",
                                                                f"loading the warm artifact ({done}/{total})"))
         except artifact.Skipped as why:
-            log.info("warm artifact not used: %s; building afresh", why)
+            log.log(logging.WARNING if isinstance(why, artifact.Refused) else logging.INFO,
+                    "warm artifact not used: %s; building afresh", why)
             startup.source["artifact_skipped"] = str(why)
             return None
     startup.source = {"source": "artifact", "artifact": str(loaded.path), "created": loaded.created}
@@ -129,8 +133,9 @@ def _build(encoder, spec: BucketTable | TableOptions, outputs: tuple[str, ...], 
     return table
 
 
-def _save(encoder, root: Path, fields: dict, startup: Startup, from_jax_cache: bool) -> None:
-    """Write the artifact of what `_build` made; a failure is logged, never raised."""
+def _save(encoder, root: Path, fields: dict, startup: Startup, from_jax_cache: bool, keep: int) -> None:
+    """Write the artifact of what `_build` made, then keep the model's newest `keep`; a failure is logged, never
+    raised."""
     if from_jax_cache:
         # Seen with jax 0.10 on CPU: an executable loaded from JAX's persistent cache serializes without its
         # kernels, and the artifact would fail at its first run ("Function ... not found").
@@ -146,3 +151,8 @@ def _save(encoder, root: Path, fields: dict, startup: Startup, from_jax_cache: b
         else:
             startup.source["artifact_saved"] = str(path)
             log.info("saved the warm artifact %s", path)
+            removed = artifact.prune(root, encoder, keep, protect=path)
+            if removed:
+                startup.source["artifacts_pruned"] = [p.name for p in removed]
+                log.info("pruned %d older warm artifacts of this model (keeping %d): %s", len(removed), keep,
+                         ", ".join(p.name for p in removed))
