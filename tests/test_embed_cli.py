@@ -2,25 +2,56 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
 import tiny
 from conftest import TINY_TABLE, warm_encoder
 
+KILL_AT = """
+import os, signal, sys
+from jaxserve import cli
+from jaxserve.offline import sinks
 
-def rows_done(out) -> int:
-    """What the interrupted run recorded as finished, read the way a resume reads it."""
-    if out.suffix == ".npy":
-        progress = out.with_name(out.name + ".progress")
-        return json.loads(progress.read_text())["done"] if progress.exists() else 0
-    parts = out.with_name(out.name + ".parts")
-    names = [n for n in os.listdir(parts) if n.endswith(".parquet")] if parts.exists() else []
-    return sum(int(n.split("-")[2].split(".")[0]) for n in names)
+at = int(os.environ["KILL_AT_ROW"])
+atomic, parquet_write = sinks.write_json_atomic, sinks.ParquetSink.write
+
+
+def write_json_atomic(path, obj):  # rows up to `at` are on disk; killed before their progress is recorded
+    if obj.get("done") == at:
+        os.kill(os.getpid(), signal.SIGKILL)
+    atomic(path, obj)
+
+
+def write(self, start, rows, ids=None):  # a part file is renamed into place whole: killed just after it
+    parquet_write(self, start, rows, ids)
+    if start + len(rows) == at:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+sinks.write_json_atomic, sinks.ParquetSink.write = write_json_atomic, write
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def embed_cmd(args) -> list[str]:
+    return [sys.executable, "-m", "jaxserve.cli", "embed", *map(str, args)]
+
+
+def run(args) -> subprocess.CompletedProcess:
+    """`jaxserve embed ARGS` in its own process."""
+    return subprocess.run(embed_cmd(args), capture_output=True, text=True, timeout=300, check=False)
+
+
+def run_killed(args, at: int) -> subprocess.CompletedProcess:
+    """`jaxserve embed ARGS` in its own process, SIGKILLed as rows up to `at` are written: a .npy's or .jsonl's
+    lines for them on disk, their progress not yet recorded; a .parquet's part file just renamed into place."""
+    return subprocess.run([sys.executable, "-c", KILL_AT, "embed", *map(str, args)], capture_output=True, text=True,
+                          timeout=300, check=False, env={**os.environ, "KILL_AT_ROW": str(at)})
 
 
 def load(out) -> np.ndarray:
@@ -33,28 +64,24 @@ def load(out) -> np.ndarray:
     return np.stack(table["embedding"].to_numpy(zero_copy_only=False))
 
 
-@pytest.mark.parametrize("suffix", [".npy", ".parquet"])
-def test_embed_streams_in_order_and_resumes_after_kill_with_ids(tmp_path, suffix):
+@pytest.mark.parametrize("suffix,resumes_at", [(".npy", 200), (".parquet", 300)])
+def test_embed_streams_in_order_and_resumes_after_kill_with_ids(tmp_path, suffix, resumes_at):
+    """Killed at row 300: a .npy's chunk 200..300 was on disk but not recorded, so it is redone (its ids cut
+    back); a .parquet's part was whole. A rerun of the finished job leaves it as it is."""
     path = tiny.write_checkpoint(tmp_path / "ckpt")
     table = tmp_path / "t.json"
     TINY_TABLE.save(table)
-    docs = [f"the model {i} " + "jax " * (i % 13) for i in range(1500)]
+    docs = [f"the model {i} " + "jax " * (i % 13) for i in range(600)]
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("\n".join(json.dumps({"body": d, "key": f"k{i}"}) for i, d in enumerate(docs)) + "\n")
     out = tmp_path / f"vectors{suffix}"
-    cmd = [sys.executable, "-m", "jaxserve.cli", "embed", "--input", str(corpus), "--output", str(out),
-           "--model", str(path), "--buckets", str(table), "--chunk", "100", "--field", "body", "--id-field", "key"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and rows_done(out) < 300:
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    done = rows_done(out)
-    assert 300 <= done < 1500
-    resumed = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
+    args = ["--input", corpus, "--output", out, "--model", path, "--buckets", table, "--chunk", "100", "--field",
+            "body", "--id-field", "key"]
+    killed = run_killed(args, 300)
+    assert killed.returncode == -signal.SIGKILL, killed.stdout + killed.stderr
+    resumed = run(args)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    assert f"resuming at row {done} of 1500" in resumed.stdout
+    assert f"resuming at row {resumes_at} of 600" in resumed.stdout
     extra = ["vectors.summary.json"] + (["vectors.ids.jsonl"] if suffix == ".npy" else [])
     assert sorted(os.listdir(tmp_path)) == sorted(["ckpt", "t.json", "corpus.jsonl", out.name] + extra)  # no leftovers
     if suffix == ".npy":
@@ -63,12 +90,117 @@ def test_embed_streams_in_order_and_resumes_after_kill_with_ids(tmp_path, suffix
         import pyarrow.parquet as pq
 
         got_ids = pq.read_table(out)["id"].to_pylist()
-    assert got_ids == [f"k{i}" for i in range(1500)]  # each id once, in row order, across the kill
-    assert json.loads((tmp_path / "vectors.summary.json").read_text())["documents"] == 1500 - done
+    assert got_ids == [f"k{i}" for i in range(600)]  # each id once, in row order, across the kill
+    summary = json.loads((tmp_path / "vectors.summary.json").read_text())
+    assert summary["documents"] == 600 - resumes_at and summary["output"] == out.name
     got = load(out)
     want = warm_encoder(path, TINY_TABLE).embed(docs)
-    assert got.shape == (1500, 32)
+    assert got.shape == (600, 32)
     np.testing.assert_allclose(got, want, atol=1e-5)
+    written = out.read_bytes()
+    again = run(args)
+    assert again.returncode == 0, again.stderr
+    assert f"{out} is already complete: 600 rows" in again.stdout
+    assert out.read_bytes() == written and json.loads((tmp_path / "vectors.summary.json").read_text()) == summary
+
+
+def test_resume_refuses_another_model_dtype_long_or_prompt_and_never_mixes(tmp_path, capsys):
+    """Two seeded checkpoints of one shape (the same `model_digest`: it leaves weight values out): a partial run of
+    A rerun with B exits 2 naming the model, old and new, and leaves the file alone, as does a finished one; a
+    rerun with another dtype, --long or prompt names each; resumed with A, the file is all A's."""
+    a, b = tiny.write_checkpoint(tmp_path / "a", seed=0), tiny.write_checkpoint(tmp_path / "b", seed=1)
+    table = tmp_path / "t.json"
+    TINY_TABLE.save(table)
+    docs = [f"document {i} of the batch " + "jax " * (i % 9) for i in range(400)]
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("\n".join(docs) + "\n")
+    out, progress = tmp_path / "v.npy", tmp_path / "v.npy.progress"
+    args = ["--input", corpus, "--output", out, "--buckets", table, "--chunk", "100"]
+    assert run_killed(args + ["--model", a], 300).returncode == -signal.SIGKILL
+    partial = (out.read_bytes(), progress.read_bytes())
+
+    other = run(args + ["--model", b])
+    assert other.returncode == 2, other.stdout + other.stderr
+    assert re.search(r"v\.npy holds a partial run with other arguments: model '[0-9a-f]{16}' \(now '[0-9a-f]{16}'\); "
+                     r"rerun with those", other.stderr), other.stderr
+    assert (out.read_bytes(), progress.read_bytes()) == partial
+    code, err, compiles = in_process(["embed", *map(str, args), "--model", str(a), "--dtype", "bfloat16", "--long",
+                                      "error", "--prompt", "query: "], capsys)
+    assert (code, compiles) == (2, 0)
+    assert "arguments: dtype 'float32' (now 'bfloat16'), long 'truncate' (now 'error'), prompt None (now 'query: ');" \
+        in err
+    assert (out.read_bytes(), progress.read_bytes()) == partial
+
+    resumed = run(args + ["--model", a])
+    assert resumed.returncode == 0 and "resuming at row 200 of 400" in resumed.stdout, resumed.stderr
+    want_a, want_b = (warm_encoder(m, TINY_TABLE).embed(docs) for m in (a, b))
+    assert np.abs(want_a - want_b).max() > 0.1  # a file mixing the two would show
+    np.testing.assert_allclose(np.load(out), want_a, atol=1e-5)
+    code, err, compiles = in_process(["embed", *map(str, args), "--model", str(b)], capsys)
+    assert (code, compiles) == (2, 0) and "v.npy holds a finished run with other arguments: model" in err
+    corpus.write_text("\n".join(d.upper() for d in docs) + "\n")  # rewritten in place, as many rows
+    os.utime(corpus, ns=(0, 0))
+    code, err, compiles = in_process(["embed", *map(str, args), "--model", str(a)], capsys)
+    assert (code, compiles) == (2, 0) and "finished run with other arguments: input_file '" in err
+    np.testing.assert_allclose(np.load(out), want_a, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def splade_path(tmp_path_factory):
+    from test_sparse import splade_checkpoint
+
+    return splade_checkpoint(tmp_path_factory.mktemp("splade"))
+
+
+def test_sparse_jsonl_output_has_ids_resumes_after_kill_and_survives_reruns(splade_path, tmp_path, capsys):
+    """SPLADE's .jsonl is one of the offline sinks: {id, weights} lines with --id-field, killed with a chunk's
+    lines on disk but unrecorded and resumed without duplicates, a rerun with the same arguments a no-op and one
+    with others refused, the file untouched."""
+    from test_sparse import PACKED
+
+    table = tmp_path / "t.json"
+    PACKED.save(table)
+    docs = [f"the query {i} " + "of the model " * (i % 5) for i in range(40)]
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("\n".join(json.dumps({"body": d, "key": i * 10}) for i, d in enumerate(docs)) + "\n")
+    out = tmp_path / "w.jsonl"
+    args = ["--input", corpus, "--output", out, "--model", splade_path, "--buckets", table, "--chunk", "8",
+            "--field", "body"]
+    assert run_killed(args + ["--id-field", "key"], 24).returncode == -signal.SIGKILL
+    assert len(out.read_text().splitlines()) == 24  # the killed chunk's lines are there, unrecorded
+    resumed = run(args + ["--id-field", "key"])
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "resuming at row 16 of 40" in resumed.stdout and f"wrote {out}: 40 sparse rows" in resumed.stdout
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [line["id"] for line in lines] == [i * 10 for i in range(40)]  # each once, in order, across the kill
+    want = warm_encoder(splade_path, PACKED).embed_sparse(docs)
+    for line, w in zip(lines, want, strict=True):
+        assert [e["index"] for e in line["weights"]] == [e["index"] for e in w]
+        np.testing.assert_allclose([e["value"] for e in line["weights"]], [e["value"] for e in w], rtol=1e-4,
+                                   atol=1e-6)
+    assert sorted(os.listdir(tmp_path)) == ["c.jsonl", "t.json", "w.jsonl", "w.summary.json"]  # no leftovers
+    written = out.read_bytes()
+
+    again = run(args + ["--id-field", "key"])
+    assert again.returncode == 0 and f"{out} is already complete: 40 rows" in again.stdout, again.stderr
+    code, err, compiles = in_process(["embed", *map(str, args)], capsys)
+    assert (code, compiles) == (2, 0) and "w.jsonl holds a finished run with other arguments: id_field 'key' (now None)" in err
+    code, err, compiles = in_process(["embed", *map(str, args), "--long", "chunk"], capsys)
+    assert (code, compiles) == (2, 0) and "--long chunk does not apply" in err
+    assert out.read_bytes() == written
+
+
+def test_an_output_no_recorded_run_wrote_is_refused_not_overwritten(tmp_path):
+    """Whatever the sink: a file already at --output without a summary naming it is someone's data."""
+    from jaxserve.errors import JaxserveError
+    from jaxserve.offline.sinks import open_sink
+
+    for name in ("v.npy", "v.parquet", "v.jsonl"):
+        out = tmp_path / name
+        out.write_bytes(b"someone's data\n")
+        with pytest.raises(JaxserveError, match="and no .*v.summary.json records the run that wrote it"):
+            open_sink(str(out), {"input": "x", "rows": 2, "dim": 2}).resume()
+        assert out.read_bytes() == b"someone's data\n"
 
 
 def test_embed_refuses_an_unknown_output_format(tmp_path):
@@ -77,11 +209,9 @@ def test_embed_refuses_an_unknown_output_format(tmp_path):
     path = tiny.write_checkpoint(tmp_path / "ckpt")
     table = tmp_path / "t.json"
     TINY_TABLE.save(table)
-    run = subprocess.run([sys.executable, "-m", "jaxserve.cli", "embed", "--input", str(corpus), "--output",
-                          str(tmp_path / "v.csv"), "--model", str(path), "--buckets", str(table)],
-                         capture_output=True, text=True, timeout=300, check=False)
-    assert run.returncode == 2
-    assert "--output must end in .npy or .parquet" in run.stderr
+    refused = run(["--input", corpus, "--output", tmp_path / "v.csv", "--model", path, "--buckets", table])
+    assert refused.returncode == 2
+    assert "--output must end in .npy or .parquet (a sparse model: .jsonl)" in refused.stderr
 
 
 def in_process(argv, capsys):
@@ -141,7 +271,7 @@ def test_embed_unwritable_output_and_mismatched_resume_fail_before_warmup(tmp_pa
         {"input": str(corpus), "rows": 7, "dim": 32, "field": None, "id_field": None}))
     code, err, compiles = in_process(base + ["--output", str(out)], capsys)
     assert (code, compiles) == (2, 0)
-    assert "partial run with other arguments: rows 7 (now 2)" in err
+    assert "partial run with other arguments: input_file None (now '" in err and ", rows 7 (now 2), " in err
 
 
 def test_embed_parquet_round_trip_with_ids_and_summary(tmp_path, capsys):
@@ -165,7 +295,13 @@ def test_embed_parquet_round_trip_with_ids_and_summary(tmp_path, capsys):
     np.testing.assert_allclose(load(out), want, atol=1e-5)
     summary = json.loads((tmp_path / "v.summary.json").read_text())
     assert summary["documents"] == 50 and summary["tokens"] > 50 and 0 <= summary["padding"] < 1
-    assert set(summary) == {"documents", "tokens", "seconds", "docs_per_s", "tokens_per_s", "padding"}
+    assert set(summary) == {"documents", "tokens", "seconds", "docs_per_s", "tokens_per_s", "padding", "output",
+                            "state"}
+    state = summary["state"]
+    assert state == {"input": str(corpus), "input_file": state["input_file"], "rows": 50, "dim": 32, "field": "body",
+                     "id_field": "key", "model": state["model"], "dtype": "float32", "long": "truncate",
+                     "prompt_name": None, "prompt": None}
+    assert state["input_file"].startswith(f"{corpus.stat().st_size} bytes, modified ")
 
 
 def test_embed_parquet_input_needs_a_field_column(tmp_path, capsys):
@@ -221,3 +357,23 @@ def test_embed_corpus_tokenizes_the_next_chunk_while_this_one_runs_in_order(tmp_
     summary = embed_corpus(enumerate(texts), Stages(prepare, run), sink, sink.resume(), 3)
     assert summary.documents == 6
     np.testing.assert_array_equal(np.load(out2)[:, 0], [0, 0, 0, 0, 4, 5, 6, 7, 8, 9])
+
+
+def test_a_bad_document_names_its_chunk_and_leaves_a_resumable_run(tmp_path):
+    """A tokenizer's "input N" counts from the chunk's first row: the message says which row that is."""
+    from jaxserve.errors import InputError
+    from jaxserve.offline.job import Stages, embed_corpus
+    from jaxserve.offline.sinks import open_sink
+
+    def prepare(texts):
+        if "bad" in texts:
+            raise InputError(f"input {texts.index('bad')} has 402 tokens")
+        return len(texts)
+
+    texts = ["a"] * 5 + ["bad"] + ["a"] * 3
+    state, out = {"input": "x", "rows": 9, "dim": 2}, str(tmp_path / "v.npy")
+    sink = open_sink(out, state)
+    with pytest.raises(InputError, match=r"^in the chunk from row 3: input 2 has 402 tokens; the rows before it"):
+        embed_corpus(enumerate(texts), Stages(prepare, lambda n: (np.ones((n, 2), np.float32), n, n)), sink,
+                     sink.resume(), 3)
+    assert open_sink(out, state).resume() == 3

@@ -8,20 +8,24 @@ for the tokenizer; chunks are written in input order, one at a time.
 from __future__ import annotations
 
 import concurrent.futures
+import datetime
+import hashlib
 import itertools
 import os
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
-import numpy as np
-
-from jaxserve.offline.sinks import Sink, write_json_atomic
+from jaxserve.errors import InputError
+from jaxserve.offline.corpus import Corpus
+from jaxserve.offline.sinks import Sink
 
 
 @dataclass
 class Summary:
-    """What a run did: printed at the end and written beside the output as FILE.summary.json."""
+    """What a run did: printed at the end and written beside the output as FILE.summary.json (by `Sink.finish`,
+    with the run's state)."""
 
     documents: int = 0
     tokens: int = 0  # real tokens, special tokens included
@@ -44,21 +48,21 @@ class Summary:
 @dataclass(frozen=True)
 class Stages:
     """A chunk's two stages: `prepare(texts)` on the host (tokenize, pack; runs on a thread, one chunk ahead) and
-    `run(prepared)` -> (vectors, real tokens, compiled tokens) on the device."""
+    `run(prepared)` -> (the chunk's rows for the sink, real tokens, compiled tokens) on the device."""
 
     prepare: Callable[[list[str]], object]
-    run: Callable[[object], tuple[np.ndarray, int, int]]
+    run: Callable[[object], tuple[object, int, int]]
 
 
 def embed_corpus(records: Iterable[tuple[object, str]],
-                 embed: Stages | Callable[[list[str]], tuple[np.ndarray, int, int]],
+                 embed: Stages | Callable[[list[str]], tuple[object, int, int]],
                  sink: Sink, start: int, chunk: int, on_chunk: Callable[[int], None] = lambda n: None) -> Summary:
     """Embed (id, text) `records` from row `start` (what `sink.resume()` said) chunk by chunk into `sink`.
 
-    `embed`: the `Stages`, or one function texts -> (vectors, real tokens,
+    `embed`: the `Stages`, or one function texts -> (rows, real tokens,
     compiled tokens) (then only reading runs ahead). The next chunk is read
     and prepared on a thread while this one runs and is written. Returns the
-    summary of the rows this run embedded.
+    summary of the rows this run embedded (also what `sink.finish` records).
     """
     stages = embed if isinstance(embed, Stages) else Stages(lambda texts: texts, embed)
     summary, began = Summary(), time.perf_counter()
@@ -72,41 +76,73 @@ def embed_corpus(records: Iterable[tuple[object, str]],
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxserve-embed-prepare") as ahead:
         upcoming = ahead.submit(read_and_prepare)
         while True:
-            batch, prepared = upcoming.result()
-            if not batch:
-                break
-            upcoming = ahead.submit(read_and_prepare)  # chunk i+1 tokenizes while chunk i runs and is written
-            vectors, tokens, compiled = stages.run(prepared)
-            sink.write(done, vectors, [i for i, _ in batch])
+            try:
+                batch, prepared = upcoming.result()
+                if not batch:
+                    break
+                upcoming = ahead.submit(read_and_prepare)  # chunk i+1 tokenizes while chunk i runs and is written
+                rows, tokens, compiled = stages.run(prepared)
+            except InputError as exc:  # its "input N" counts from the chunk's first row
+                raise InputError(f"in the chunk from row {done}: {exc}; the rows before it are written, a rerun "
+                                 "resumes there") from None
+            sink.write(done, rows, [i for i, _ in batch])
             done += len(batch)
             summary.documents += len(batch)
             summary.tokens += tokens
             summary.compiled_tokens += compiled
             on_chunk(len(batch))
-    sink.finish()
     summary.seconds = time.perf_counter() - began
+    sink.finish(summary.as_dict())
     return summary
 
 
-def encoder_embed(enc, long: str) -> Stages:
-    """The `Stages` of `embed_corpus` for an encoder: `Encoder.embed` cut in two (default prompt, checkpoint's
-    normalisation), counting tokens. Tokenizing and packing are the prepare stage."""
-    prompt = enc.embedding_config.prompt(None, None)
+def encoder_embed(enc, long: str, prompt: str | None) -> Stages:
+    """The `Stages` of `embed_corpus` for an encoder: `Encoder.embed` (checkpoint's normalisation), or a SPLADE
+    model's `embed_sparse`, cut in two, counting tokens. Tokenizing (with `prompt`) and packing are the prepare
+    stage."""
+    from jaxserve.heads import sparse
 
     def prepare(texts: list[str]):
         pieces, rows = enc.prepare(texts, long, prompt)
         return pieces, rows, len(texts)
 
-    def run(prepared) -> tuple[np.ndarray, int, int]:
+    def run(prepared) -> tuple[object, int, int]:
         pieces, rows, n = prepared
-        vectors = enc.embed_prepared(pieces, rows, n)
+        if enc.splade is not None:
+            out = sparse.decode(enc.run(pieces, rows), enc.splade)
+        else:
+            out = enc.embed_prepared(pieces, rows, n)
         compiled = sum(d.bucket.batch * d.bucket.seqlen for d in enc.last_dispatches)
-        return vectors, int(pieces.lengths.sum()), compiled
+        return out, int(pieces.lengths.sum()), compiled
 
     return Stages(prepare, run)
 
 
-def write_summary(output: str, summary: Summary) -> str:
-    path = os.path.splitext(output)[0] + ".summary.json"
-    write_json_atomic(path, summary.as_dict())
-    return path
+def model_id(path: Path) -> str:
+    """What identifies a checkpoint's outputs: `model_digest` (configs, tokenizer, weight shapes: what the warm
+    artifact's executables depend on) and the weights' values, which it leaves out and every vector depends on
+    (read whole: an offline job reads them anyway). Shortened: it names a model in a message."""
+    from jaxserve.runtime.artifact import model_digest
+
+    h = hashlib.sha256(model_digest(path).encode())
+    for f in sorted(Path(path).rglob("*.safetensors")):
+        if not any(part.startswith(".") for part in f.relative_to(path).parts):
+            h.update(f.relative_to(path).as_posix().encode() + b"\0")
+            with open(f, "rb") as weights:
+                h.update(hashlib.file_digest(weights, "sha256").digest())
+    return h.hexdigest()[:16]
+
+
+def job_state(enc, corpus: Corpus, rows: int, long: str, prompt_name: str | None, prompt: str | None) -> dict:
+    """Everything that decides an output's rows, recorded with it: a resume (or a rerun of a finished job) must
+    match it, or the file would mix two runs' rows (or keep a stale one's). `prompt_name` and `prompt` as given (neither: the
+    checkpoint's default); the prompt's text as resolved."""
+    emb = enc.embedding_config
+    stat = os.stat(corpus.path)  # a corpus rewritten in place is another input
+    modified = datetime.datetime.fromtimestamp(stat.st_mtime_ns / 1e9, datetime.UTC).isoformat()
+    return {"input": os.path.abspath(corpus.path), "input_file": f"{stat.st_size} bytes, modified {modified}",
+            "rows": rows,
+            "dim": enc.splade.vocab_size if enc.splade is not None else enc.dim,
+            "field": corpus.field, "id_field": corpus.id_field, "model": model_id(enc.path), "dtype": enc.dtype,
+            "long": long, "prompt_name": None if prompt is not None else (prompt_name or emb.default_prompt_name),
+            "prompt": emb.prompt(prompt_name, prompt)}

@@ -1,16 +1,18 @@
-"""Where `jaxserve embed` writes: .npy or .parquet sinks, resumable after a kill, and SPLADE's JSON Lines.
+"""Where `jaxserve embed` writes: .npy, .parquet or (SPLADE) .jsonl, one sink family, resumable after a kill.
 
-Both dense sinks keep only one chunk of vectors in memory and record progress only
-after a chunk is safely on disk, so a killed run resumes at the first chunk
-that was not finished. A partial output left by other arguments is refused
-(`check`, before any compile) rather than silently overwritten. Ids, when
-asked for, go in an `id` column (Parquet) or a JSONL sidecar FILE.ids.jsonl
-beside the .npy, one JSON value per row.
+Every sink keeps only one chunk in memory and records progress only after a
+chunk is safely on disk, so a killed run resumes at the first chunk that was
+not finished. A run's state (input, fields, rows, the model's digest, dtype,
+`--long`, prompt) is recorded with its progress and, once complete, in
+FILE.summary.json: a partial or finished output left by other arguments is
+refused (`check`, before any compile), naming what differs, never silently
+mixed or overwritten; a finished one with the same arguments is left as it is.
+Ids, when asked for, go in an `id` column (Parquet), in each line (JSONL) or in
+a sidecar FILE.ids.jsonl beside the .npy, one JSON value per row.
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import shutil
@@ -22,79 +24,195 @@ from jaxserve.errors import JaxserveError
 
 
 class Sink:
-    """What both sinks share: the run's state (what a resume must match) and the ids flag."""
+    """One output: `check` (before any compile), `resume` -> rows already done, `write` each chunk in row order
+    with its ids, `finish` with the run's summary. Subclasses say where partial progress is kept."""
 
     def __init__(self, path: str, state: dict, ids: bool):
         self.path, self.state, self.ids = path, state, ids
         self.rows, self.dim = state["rows"], state["dim"]
+        self.summary_path = os.path.splitext(path)[0] + ".summary.json"
+        self.complete = False
 
     def saved_state(self) -> dict | None:
         """The state a partial output recorded; None when there is none."""
         raise NotImplementedError
 
-    def check(self) -> None:
-        """Refuse a partial output written with other arguments (call before any compile)."""
+    def leftovers(self) -> str:
+        """What to delete to start over."""
+        raise NotImplementedError
+
+    def check(self) -> bool:
+        """Refuse an output written with other arguments, or by no recorded run (call before any compile).
+        True when the output is already complete with these arguments: nothing is left to do."""
         directory = os.path.dirname(os.path.abspath(self.path))
         if not os.path.isdir(directory) or not os.access(directory, os.W_OK):
             raise JaxserveError(f"cannot write --output {self.path!r}: {directory} is not a writable directory")
         if os.path.exists(self.path) and not os.access(self.path, os.W_OK):
             raise JaxserveError(f"cannot write --output {self.path!r}: it exists and is read-only")
         saved = self.saved_state()
-        if saved is not None and saved != self.state:
-            diff = ", ".join(f"{k} {saved.get(k)!r} (now {v!r})" for k, v in self.state.items() if saved.get(k) != v)
-            raise JaxserveError(f"{self.path} holds a partial run with other arguments: {diff}; rerun with those, "
-                                f"or delete {self.leftovers()} to start over")
+        if saved is not None:
+            self._refuse_other(saved, "a partial run", self.leftovers())
+            return False
+        if not os.path.exists(self.path):
+            return False
+        finished = self._finished_state()
+        if finished is None:
+            raise JaxserveError(f"{self.path} exists, and no {self.summary_path} records the run that wrote it; "
+                                f"delete it, or choose another --output")
+        self._refuse_other(finished, "a finished run", self.path)
+        self.complete = True
+        return True
+
+    def _refuse_other(self, saved: dict, what: str, leftovers: str) -> None:
+        if saved == self.state:
+            return
+        keys = list(self.state) + [k for k in saved if k not in self.state]
+        diff = ", ".join(f"{k} {saved.get(k)!r} (now {self.state.get(k)!r})" for k in keys
+                         if saved.get(k) != self.state.get(k))
+        raise JaxserveError(f"{self.path} holds {what} with other arguments: {diff}; rerun with those, "
+                            f"or delete {leftovers} to start over")
+
+    def _finished_state(self) -> dict | None:
+        """The state FILE.summary.json records for this output; None when it records none for it."""
+        try:
+            with open(self.summary_path) as f:
+                summary = json.load(f)
+        except (OSError, ValueError):
+            return None
+        if not isinstance(summary, dict) or summary.get("output") != os.path.basename(self.path):
+            return None
+        state = summary.get("state")
+        return state if isinstance(state, dict) else None
+
+    def resume(self) -> int:
+        """Rows already written by an earlier run with the same arguments (0 when starting fresh)."""
+        if self.check():
+            return self.rows
+        return self._resume()
+
+    def _resume(self) -> int:
+        raise NotImplementedError
+
+    def write(self, start: int, rows, ids: list | None = None) -> None:
+        """Rows `start`.. of the output (vectors, or SPLADE's weight lists) and, with ids, theirs."""
+        raise NotImplementedError
+
+    def finish(self, summary: dict) -> None:
+        """Make the output whole, record it as finished (the summary, with the state a rerun must match), then
+        drop the partial run's files: a kill at any point leaves a resumable partial run or a finished one."""
+        if self.complete:
+            return
+        self._seal()
+        write_json_atomic(self.summary_path, {**summary, "output": os.path.basename(self.path), "state": self.state})
+        self._drop_partial()
+
+    def _seal(self) -> None:
+        """Make the output whole (after the last chunk)."""
+
+    def _drop_partial(self) -> None:
+        raise NotImplementedError
 
 
-class NpySink(Sink):
-    """A memory-mapped [rows, dim] float32 .npy; progress in FILE.progress (atomic rename per chunk)."""
+class Progress:
+    """FILE.progress: the state, rows done and the appended file's length after the last finished chunk
+    (rewritten atomically after each chunk)."""
+
+    def __init__(self, output: str):
+        self.output, self.path = output, f"{output}.progress"
+
+    def read(self) -> dict | None:
+        if not (os.path.exists(self.path) and os.path.exists(self.output)):
+            return None
+        with open(self.path) as f:
+            return json.load(f)
+
+    def write(self, state: dict, done: int, length: int) -> None:
+        write_json_atomic(self.path, {"state": state, "done": done, "bytes": length})
+
+    def remove(self) -> None:
+        os.remove(self.path)
+
+
+def start_lines(path: str, length: int | None) -> None:
+    """An appended file of lines, cut back to `length` (what the last finished chunk left), or emptied (None)."""
+    with open(path, "r+b" if length is not None else "wb") as f:
+        f.truncate(length or 0)
+
+
+def append_lines(path: str, data: bytes) -> int:
+    """Append `data`, on disk before this returns; the file's length after it."""
+    with open(path, "ab") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+        return f.tell()
+
+
+class ProgressSink(Sink):
+    """A sink written in place, its progress in FILE.progress."""
 
     def __init__(self, path: str, state: dict, ids: bool):
         super().__init__(path, state, ids)
-        self.progress = f"{path}.progress"
+        self.progress = Progress(path)
+
+    def leftovers(self) -> str:
+        return f"{self.path} and {self.progress.path}"
+
+    def saved_state(self) -> dict | None:
+        saved = self.progress.read()
+        return None if saved is None else saved["state"]
+
+    def _drop_partial(self) -> None:
+        self.progress.remove()
+
+
+class NpySink(ProgressSink):
+    """A memory-mapped [rows, dim] float32 .npy."""
+
+    def __init__(self, path: str, state: dict, ids: bool):
+        super().__init__(path, state, ids)
         self.ids_path = os.path.splitext(path)[0] + ".ids.jsonl"
         self.out = None
 
-    def leftovers(self) -> str:
-        return f"{self.path} and {self.progress}"
-
-    def _saved(self) -> dict | None:
-        if not (os.path.exists(self.progress) and os.path.exists(self.path)):
-            return None
-        return json.loads(open(self.progress).read())
-
-    def saved_state(self) -> dict | None:
-        saved = self._saved()
-        return None if saved is None else saved["state"]
-
-    def resume(self) -> int:
-        """Rows already written by an interrupted run of the same arguments (0 when starting fresh)."""
-        saved = self._saved()
+    def _resume(self) -> int:
+        saved = self.progress.read()
         if saved is not None and saved["state"] == self.state and (not self.ids or os.path.exists(self.ids_path)):
             self.out = np.lib.format.open_memmap(self.path, mode="r+")
             if self.ids:
-                with open(self.ids_path, "r+b") as f:
-                    f.truncate(saved["ids_bytes"])  # drop ids written after the last finished chunk
+                start_lines(self.ids_path, saved["bytes"])  # drop ids written after the last finished chunk
             return saved["done"]
-        self.out = np.lib.format.open_memmap(self.path, mode="w+", dtype=np.float32, shape=(self.rows, self.dim))
+        self.progress.write(self.state, 0, 0)  # first: it counts only once the output exists
         if self.ids:
-            open(self.ids_path, "wb").close()
+            start_lines(self.ids_path, None)
+        self.out = np.lib.format.open_memmap(self.path, mode="w+", dtype=np.float32, shape=(self.rows, self.dim))
         return 0
 
-    def write(self, start: int, vectors: np.ndarray, ids: list | None = None) -> None:
-        self.out[start : start + len(vectors)] = vectors
+    def write(self, start: int, rows: np.ndarray, ids: list | None = None) -> None:
+        self.out[start : start + len(rows)] = rows
         self.out.flush()
-        ids_bytes = 0
-        if self.ids:
-            with open(self.ids_path, "ab") as f:
-                f.write("".join(json.dumps(i) + "\n" for i in ids).encode())
-                f.flush()
-                os.fsync(f.fileno())
-                ids_bytes = f.tell()
-        write_json_atomic(self.progress, {"state": self.state, "done": start + len(vectors), "ids_bytes": ids_bytes})
+        length = append_lines(self.ids_path, "".join(json.dumps(i) + "\n" for i in ids).encode()) if self.ids else 0
+        self.progress.write(self.state, start + len(rows), length)
 
-    def finish(self) -> None:
-        os.remove(self.progress)
+
+class JsonlSink(ProgressSink):
+    """SPLADE's JSON Lines, one line per row: its non-zero weights [{"index", "value"}] in index order, or with
+    ids {"id": ID, "weights": [...]}. Appended a chunk at a time; a resume cuts the file back to the length the
+    last finished chunk left."""
+
+    def _resume(self) -> int:
+        saved = self.progress.read()
+        if saved is not None and saved["state"] == self.state:
+            start_lines(self.path, saved["bytes"])
+            return saved["done"]
+        self.progress.write(self.state, 0, 0)  # first: it counts only once the output exists
+        start_lines(self.path, None)
+        return 0
+
+    def write(self, start: int, rows: list, ids: list | None = None) -> None:
+        lines = ([orjson.dumps({"id": i, "weights": r}) for i, r in zip(ids, rows, strict=True)] if self.ids
+                 else [orjson.dumps(r) for r in rows])
+        length = append_lines(self.path, b"\n".join(lines) + b"\n" if lines else b"")
+        self.progress.write(self.state, start + len(rows), length)
 
 
 class ParquetSink(Sink):
@@ -117,9 +235,12 @@ class ParquetSink(Sink):
         return self.parts
 
     def saved_state(self) -> dict | None:
-        return json.loads(open(self.manifest).read()) if os.path.exists(self.manifest) else None
+        if not os.path.exists(self.manifest):
+            return None
+        with open(self.manifest) as f:
+            return json.load(f)
 
-    def resume(self) -> int:
+    def _resume(self) -> int:
         if self.saved_state() == self.state:
             return sum(int(name.split("-")[2].split(".")[0]) for name in self._part_names())
         shutil.rmtree(self.parts, ignore_errors=True)
@@ -143,14 +264,14 @@ class ParquetSink(Sink):
             columns["id"] = pa.array(ids)
         return pa.table(columns)
 
-    def write(self, start: int, vectors: np.ndarray, ids: list | None = None) -> None:
+    def write(self, start: int, rows: np.ndarray, ids: list | None = None) -> None:
         import pyarrow.parquet as pq
 
-        name = os.path.join(self.parts, f"part-{start:012d}-{len(vectors):09d}.parquet")
-        pq.write_table(self._table(start, vectors, ids), name + ".tmp")
+        name = os.path.join(self.parts, f"part-{start:012d}-{len(rows):09d}.parquet")
+        pq.write_table(self._table(start, rows, ids), name + ".tmp")
         os.replace(name + ".tmp", name)
 
-    def finish(self) -> None:
+    def _seal(self) -> None:
         import pyarrow.parquet as pq
 
         names = self._part_names()
@@ -160,38 +281,25 @@ class ParquetSink(Sink):
             for name in names:
                 writer.write_table(pq.read_table(os.path.join(self.parts, name)))
         os.replace(self.path + ".tmp", self.path)
+
+    def _drop_partial(self) -> None:
         shutil.rmtree(self.parts)
 
 
-SINKS = {".npy": NpySink, ".parquet": ParquetSink}
+SINKS = {".npy": NpySink, ".parquet": ParquetSink, ".jsonl": JsonlSink}
+SPARSE_SUFFIX = ".jsonl"  # the sink of sparse (SPLADE) models; the others take dense vectors
 
 
 def sink_class(path: str):
     ext = os.path.splitext(path)[1]
     if ext not in SINKS:
-        raise JaxserveError(f"--output must end in {' or '.join(SINKS)}, not {path!r}")
+        raise JaxserveError(f"--output must end in .npy or .parquet (a sparse model: {SPARSE_SUFFIX}), not {path!r}")
     return SINKS[ext]
 
 
 def open_sink(path: str, state: dict, ids: bool = False) -> Sink:
-    """The sink for `path`; `state` (input, rows, dim, field, ...) is what a resume must match."""
+    """The sink for `path`; `state` (input, rows, dim, field, model, ...) is what a resume must match."""
     return sink_class(path)(path, state, ids)
-
-
-def write_sparse_jsonl(documents, embed, output: str, chunk: int) -> int:
-    """`jaxserve embed` for a SPLADE model: `chunk` documents at a time through `embed`, one JSON line per
-    document (its [{"index", "value"}] list), in input order. Returns the rows written."""
-    if not output.endswith(".jsonl"):
-        raise JaxserveError(f"a sparse model's embeddings are written as JSON Lines: --output must end in .jsonl, "
-                         f"not {output!r}")
-    rows = 0
-    docs = iter(documents)
-    with open(output, "wb") as f:
-        while batch := list(itertools.islice(docs, chunk)):
-            for weights in embed(batch):
-                f.write(orjson.dumps(weights) + b"\n")
-            rows += len(batch)
-    return rows
 
 
 def write_json_atomic(path: str, obj: dict) -> None:
