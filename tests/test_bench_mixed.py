@@ -33,16 +33,18 @@ def test_median_is_interpolated_in_the_window_between_scrapes():
     assert median_between([], [(0.1, 0.0), (0.2, 4.0), (float("inf"), 4.0)]) == pytest.approx(0.15)
 
 
-def _result(mode, p99, docs_s, dispatch_ms):
+def _result(mode, p99, docs_s, dispatch_ms, lost=0):
     idle = {"query_p50_ms": 10.0, "query_p99_ms": 20.0, "queries": 50, "bulk_docs_per_s": 0.0,
             "median_bulk_dispatch_ms": None}
-    loaded = {"query_p50_ms": p99 / 2, "query_p99_ms": p99, "queries": 100, "bulk_docs_per_s": docs_s,
-              "median_bulk_dispatch_ms": dispatch_ms}
+    loaded = {"query_p50_ms": p99 / 2, "query_p99_ms": p99, "query_max_ms": p99 * 2, "queries": 100,
+              "queries_lost": lost, "bulk_docs_per_s": docs_s, "median_bulk_dispatch_ms": dispatch_ms}
     return {"mode": mode, "idle": idle, "loaded": loaded}
 
 
 def test_summary_checks_the_target_against_the_median_dispatch_and_the_fifo_ratio():
     met = summary([_result("fifo", 30_000.0, 100.0, 400.0), _result("classes", 700.0, 95.0, 400.0)])
-    assert "target of 800.0 ms (met)" in met[-1] and "0.95x FIFO (within 10%)" in met[-1]
+    assert "target of 800.0 ms (met; 0 queries lost)" in met[-1] and "0.95x FIFO (within 10%)" in met[-1]
     missed = summary([_result("fifo", 30_000.0, 100.0, 50.0), _result("classes", 300.0, 80.0, 50.0)])
-    assert "target of 250.0 ms (NOT met)" in missed[-1] and "NOT within" in missed[-1]
+    assert "target of 250.0 ms (NOT met" in missed[-1] and "NOT within" in missed[-1]
+    lost = summary([_result("fifo", 30_000.0, 100.0, 400.0), _result("classes", 700.0, 95.0, 400.0, lost=1)])
+    assert "(NOT met; 1 queries lost)" in lost[-1]  # a query that timed out is not within any p99

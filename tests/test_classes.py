@@ -10,9 +10,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxserve.http.api import ApiError
-from jaxserve.http.classes import Ask, ask_of, class_from, class_of, likely_interactive, parse_key, parse_route
+from jaxserve.http.classes import (
+    INTERACTIVE_MAX_TOKENS,
+    MIN_DEADLINE_MS,
+    Ask,
+    Policy,
+    ask_of,
+    decide,
+    likely_interactive,
+    parse_key,
+    parse_route,
+)
 from jaxserve.runtime.buckets import dispatch_s, fixed
-from jaxserve.scheduling.batcher import BULK, CLASSES, INTERACTIVE, Batcher, Classes, QueueFull, bulk_caps
+from jaxserve.scheduling.batcher import BULK, INTERACTIVE, Batcher, Classes, QueueFull, bulk_caps
 
 TABLE = fixed([(1, 16), (4, 16), (1, 64), (4, 64)], layout="packed")
 
@@ -53,13 +63,34 @@ def test_deadline_first_within_class():
     assert order == [1, 0, 2]
 
 
-def test_bulk_ages_into_interactive():
+def test_aged_bulk_takes_turns_with_queries():
     b = Batcher(TABLE, max_wait_s=0.005, max_queued=1_000_000, classes=Classes(max_bulk_wait_s=2.0))
-    submit(b, 0, [64], now=0.0, cls=BULK)
+    submit(b, 0, [64] * 8, now=0.0, cls=BULK)
     submit(b, 1, [64], now=2.5, cls=INTERACTIVE)
+    submit(b, 2, [64], now=2.5, cls=INTERACTIVE)
     assert b.next_wakeup() == pytest.approx(0.005)
-    d = b.next_dispatch(2.5, device_idle=True)
-    assert d.jobs[0] == 0 and d.reason == "interactive"  # aged: due at 2.0, before the query's no-deadline
+    d = b.next_dispatch(2.5, device_idle=False)
+    assert d.jobs[0] == 1 and d.reason == "interactive"  # the queries first ...
+    d = b.next_dispatch(2.5, device_idle=False)
+    assert d.jobs[0] == 0 and d.reason == "aged" and d.lead == INTERACTIVE  # ... taking turns with aged rows ...
+    assert b.next_dispatch(2.5, device_idle=False).jobs[0] == 2  # ... not waiting for all of them
+    assert b.next_dispatch(2.5, device_idle=False, interactive_only=True) is None  # room for queries only: none
+    submit(b, 4, [64], now=2.7, cls=INTERACTIVE)  # after query 2 it is the aged rows' turn, even in the room
+    assert b.next_dispatch(2.7, device_idle=False, interactive_only=True).reason == "aged"  # kept for queries
+    assert b.next_dispatch(2.7, device_idle=False, interactive_only=True).jobs[0] == 4
+
+
+def test_aged_bulk_backlog_does_not_hold_a_query():
+    """The query lost on a slow machine: bulk rows queued more device time than `max_bulk_wait_s`, so they aged;
+    aged rows went into the interactive queue due at their aging time, ahead of every query without a deadline,
+    and a query waited until the whole aged backlog had run (forever, under steady bulk load)."""
+    b = Batcher(TABLE, max_wait_s=0.005, max_queued=1_000_000, classes=Classes(max_bulk_wait_s=30.0))
+    for job in range(20):  # two clients' backlog of 1000-paragraph requests, more than 30 s of a slow device
+        submit(b, job, [64] * 50 + [16] * 50, now=job * 0.5, cls=BULK)
+    now = 40.0
+    assert b.next_dispatch(now, device_idle=False).reason == "aged"  # aged rows lead while no query waits
+    submit(b, 99, [16], now=now, cls=INTERACTIVE)
+    assert 99 in b.next_dispatch(now, device_idle=False).jobs  # the query leaves with the next batch
 
 
 def test_bulk_cannot_fill_the_queue_against_interactive():
@@ -143,7 +174,7 @@ def test_bulk_batches_within_the_cap_property(jobs, limit):
 def test_properties(jobs, max_bulk_wait):
     """Every row is dispatched exactly once and an idle device never idles with work queued; a batch led by
     bulk rows leaves only with no interactive row waiting, unless those bulk rows have aged; no bulk row
-    waits past its aging time plus the batches of rows due before it."""
+    waits past its aging time plus the batches of rows due before it; an aged one leads only aged rows."""
     b = Batcher(TABLE, max_wait_s=0.005, max_queued=10_000_000, classes=Classes(max_bulk_wait_s=max_bulk_wait))
     now, want, meta = 0.0, set(), {}
     for jid, (cls, seqlens, budget, gap) in enumerate(jobs):
@@ -160,10 +191,12 @@ def test_properties(jobs, max_bulk_wait):
         got += rows
         left = {j for j, _ in want - set(got)}
         lead_cls, lead_t = meta[rows[0][0]]
-        if d.reason != "interactive":
+        if d.reason == "aged":
+            assert lead_cls == BULK and now - lead_t >= max_bulk_wait and d.lead == INTERACTIVE
+        elif d.reason != "interactive":
             assert lead_cls == BULK and not any(meta[j][0] == INTERACTIVE for j in left)
-        elif lead_cls == BULK:
-            assert now - lead_t >= max_bulk_wait  # an aged bulk row, served as interactive
+        else:
+            assert lead_cls == INTERACTIVE
         assert now < 1000
     assert sorted(got) == sorted(want)
 
@@ -187,7 +220,8 @@ def test_edf_property(jobs):
 @settings(max_examples=100, deadline=None)
 @given(st.integers(1, 30), st.integers(1, 30), st.floats(0.5, 3.0))
 def test_no_starvation_under_steady_interactive(n_bulk, n_inter, age):
-    """A bulk row is served by the first dispatch after it aged, even when queries keep arriving."""
+    """A bulk row is served by the second dispatch after it aged (the first is a query's), even when queries keep
+    arriving."""
     b = Batcher(TABLE, max_wait_s=0.005, max_queued=10_000_000, classes=Classes(max_bulk_wait_s=age))
     submit(b, 0, [64] * n_bulk, 0.0, BULK)
     now, jid, served = 0.0, 1, None
@@ -198,34 +232,59 @@ def test_no_starvation_under_steady_interactive(n_bulk, n_inter, age):
         d = b.next_dispatch(now, device_idle=True)
         if 0 in d.jobs:
             served = now
-    assert served <= age + 0.1 + 1e-9
+    assert served <= age + 0.2 + 1e-9
 
 
 def test_ask_parsing_and_defaults():
     assert ask_of({"priority": -5}, {}) == Ask(INTERACTIVE, None, "body")
     assert ask_of({"priority": 3, "deadline_ms": 200}, {}) == Ask(BULK, 200.0, "body")
-    assert ask_of({}, {"X-Jaxserve-Priority": "bulk", "X-Jaxserve-Deadline-Ms": "50"}) == Ask(BULK, 50.0, "header")
+    assert ask_of({}, {"X-Jaxserve-Priority": "bulk", "X-Jaxserve-Deadline-Ms": "150"}) == Ask(BULK, 150.0, "header")
     assert ask_of({"input": "x"}, {}) == Ask()
     for bad in ({"priority": "soon"}, {"priority": True}, {"deadline_ms": -1}, {"deadline_ms": "x"}):
         with pytest.raises(ApiError) as err:
             ask_of(bad, {})
         assert err.value.status == 400
-    assert class_of(Ask(), 1) == INTERACTIVE and class_of(Ask(), 9) == BULK  # automatic, threshold 8
-    assert class_of(Ask(), 1, default="bulk") == BULK
-    assert class_of(Ask(INTERACTIVE), 1000) == INTERACTIVE
+    assert decide(Ask(), 1, 10) == (INTERACTIVE, "auto") and decide(Ask(), 9, 10) == (BULK, "auto")
+    assert decide(Ask(), 1, 10, Policy(default="bulk")) == (BULK, "default")
+    assert decide(Ask(INTERACTIVE, source="body"), 1000, 10) == (BULK, "size")  # too large to be interactive
+    assert decide(Ask(INTERACTIVE, source="body"), 2, INTERACTIVE_MAX_TOKENS + 1) == (BULK, "size")
 
 
-@given(body=st.sampled_from([None, "interactive", "bulk"]), header=st.sampled_from([None, "interactive", "bulk"]),
-       key=st.sampled_from([None, "interactive", "bulk"]), route=st.sampled_from([None, "interactive", "bulk"]),
-       default=st.sampled_from(["auto", "interactive", "bulk"]), sequences=st.integers(1, 100))
-def test_the_first_class_given_wins_body_header_key_route_default_auto(body, header, key, route, default, sequences):
+def test_a_deadline_is_never_shorter_than_the_floor():
+    """A client cannot always jump to the front of its class with ever-shorter deadlines."""
+    assert ask_of({"deadline_ms": 0.001}, {}).deadline_ms == MIN_DEADLINE_MS
+    assert ask_of({}, {"X-Jaxserve-Deadline-Ms": "1"}).deadline_ms == MIN_DEADLINE_MS
+    assert ask_of({"deadline_ms": 5000}, {}).deadline_ms == 5000
+
+
+CLASS = st.sampled_from([None, "interactive", "bulk"])
+
+
+@given(body=CLASS, header=CLASS, key=CLASS, route=CLASS, default=st.sampled_from(["auto", "interactive", "bulk"]),
+       sequences=st.integers(1, 100), tokens=st.integers(1, 10_000))
+def test_key_and_route_are_ceilings(body, header, key, route, default, sequences, tokens):
+    """What a request asks (body, else header) wins unless its key or route grants less (a ceiling: a client may
+    demote itself, never promote); asking nothing, it gets its key's or route's class, else the server's default,
+    else auto; over the interactive limits it is bulk whatever it asked."""
     ask = ask_of({} if body is None else {"priority": body}, {} if header is None else {"X-Jaxserve-Priority": header},
                  key, route)
-    given = [(c, src) for c, src in ((body, "body"), (header, "header"), (key, "api_key"), (route, "route"),
-                                     (None if default == "auto" else default, "default")) if c is not None]
-    want, source = given[0] if given else ("interactive" if sequences <= 8 else "bulk", "auto")
-    assert CLASSES[class_of(ask, sequences, default)] == want
-    assert class_from(ask, default) == source
+    policy = Policy(default=default)
+    cls, source = decide(ask, sequences, tokens, policy)
+    asked = body or header
+    granted = [c for c in (key, route) if c is not None]
+    if "bulk" in granted or asked == "bulk":
+        assert cls == BULK
+    if "bulk" in granted and asked == "interactive":
+        assert source in ("api_key", "route")  # the promotion was refused, and /v1/plan says by whom
+    if cls == INTERACTIVE:
+        assert sequences <= policy.max_sequences and tokens <= policy.max_tokens
+        assert asked == "interactive" or (asked is None and (granted or [None])[0] in ("interactive", None))
+    if sequences > policy.max_sequences or tokens > policy.max_tokens:
+        assert cls == BULK
+    if asked is None and not granted and default == "bulk":
+        assert (cls, source) == (BULK, "default")
+    if asked is None and not granted and default == "auto":
+        assert source == "auto"
 
 
 def test_key_and_route_specs():
@@ -240,6 +299,11 @@ def test_key_and_route_specs():
 
 
 def test_likely_interactive_before_tokenizing():
-    assert likely_interactive(Ask(), 8) and not likely_interactive(Ask(), 9)  # automatic: by inputs
-    assert not likely_interactive(Ask(BULK), 1) and likely_interactive(Ask(INTERACTIVE), 1000)
-    assert not likely_interactive(Ask(), 1, default="bulk")
+    """Only a request that may run as interactive, of a small body, is tokenized on the interactive thread."""
+    most = 2**16
+    assert likely_interactive(Ask(), 8, most_bytes=most) and not likely_interactive(Ask(), 9, most_bytes=most)
+    assert not likely_interactive(Ask(BULK), 1, most_bytes=most)
+    assert not likely_interactive(Ask(INTERACTIVE), 1000, most_bytes=most)  # asking does not make it small
+    assert not likely_interactive(Ask(INTERACTIVE, body_bytes=most + 1), 1, most_bytes=most)  # 8 huge inputs
+    assert not likely_interactive(Ask(ceiling=BULK, ceiling_from="api_key"), 1, most_bytes=most)
+    assert not likely_interactive(Ask(), 1, Policy(default="bulk"), most_bytes=most)

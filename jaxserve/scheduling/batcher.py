@@ -17,6 +17,11 @@ the rows it has (looked up, computed once per table), and its spare rows are
 filled with waiting rows of smaller seqlens (they fit, and spare rows are
 computed anyway). Ties go to the larger seqlen, whose spare rows can absorb
 smaller ones. The caller passes `now`.
+
+Request classes (`Classes`): interactive rows leave at once, ahead of bulk
+ones, whatever the window; a bulk row that has waited `max_bulk_wait_s`
+("aged") goes first among bulk rows and takes every other dispatch while
+interactive rows wait, so neither class starves the other.
 """
 
 from __future__ import annotations
@@ -45,24 +50,25 @@ class Run:
     enqueued: float
     cls: int = INTERACTIVE
     deadline: float = math.inf  # when its request wants its answer (absolute); EDF within a class
+    aged: bool = False  # a bulk run that waited `Classes.max_bulk_wait_s`: first among bulk runs, oldest first
 
     def split(self, k: int) -> tuple[Run, Run]:
         return (dataclasses.replace(self, rows=self.rows[:k], docs=self.docs[:k]),
                 dataclasses.replace(self, rows=self.rows[k:], docs=self.docs[k:]))
 
     @property
-    def key(self) -> tuple[float, float, int]:
-        return (self.deadline, self.enqueued, self.job)
+    def key(self) -> tuple[bool, float, float, int]:
+        return (not self.aged, -math.inf if self.aged else self.deadline, self.enqueued, self.job)
 
 
 @dataclasses.dataclass(frozen=True)
 class Dispatch:
     bucket: Bucket
     parts: tuple[tuple[int, np.ndarray], ...]  # (job, its row indices) in batch-row order
-    reason: str  # window, full or idle
+    reason: str  # interactive, aged, window, full or idle
     oldest: float  # when its oldest row was queued
     classes: tuple[int, ...] = (0,)  # the request classes of its rows
-    lead: int = 0  # the class whose queue it was formed for (INTERACTIVE for aged bulk rows): its rank on the device
+    lead: int = 0  # its rank on the device: the class it was formed for (INTERACTIVE for aged bulk rows' turn)
 
     @property
     def rows(self) -> int:
@@ -107,7 +113,8 @@ def queue_tokens(table: BucketTable, device_s: float = QUEUE_DEVICE_S) -> int:
 class Classes:
     """How the batcher treats request classes (see docs/design.md, "Request classes").
 
-    `max_bulk_wait_s`: a bulk row that has waited this long is served as interactive (aging: nothing starves).
+    `max_bulk_wait_s`: a bulk row that has waited this long goes first among bulk rows and takes turns with
+    interactive ones (aging: nothing starves); prepared batches age the same way (`prepared.PreparedQueue`).
     `likely_s`: after an interactive row arrived, this long counts as "interactive work likely" (bulk batches
     are then cut to `bulk_dispatch_s`; the service hands a prepared interactive batch to the device before any
     prepared bulk one).
@@ -162,6 +169,7 @@ class Batcher:
         self.queued = 0  # tokens waiting
         self.queued_by = [0, 0]  # tokens waiting per class (a promoted bulk row still counts as bulk)
         self.last_interactive = -math.inf  # when an interactive job last arrived
+        self._aged_turn = False  # an interactive-led batch left while aged bulk rows waited: theirs is next
 
     @property
     def queued_rows(self) -> int:
@@ -231,7 +239,7 @@ class Batcher:
         if oldest is None:
             return None
         times = [oldest + self.max_wait_s]
-        bulk = [r.enqueued for q in self._queues[BULK].values() for r in q]
+        bulk = [r.enqueued for q in self._queues[BULK].values() for r in q if not r.aged]
         if bulk:
             times.append(min(bulk) + self.classes.max_bulk_wait_s)
         return min(times)
@@ -244,31 +252,45 @@ class Batcher:
         return self.has_interactive() or now - self.last_interactive < self.classes.likely_s
 
     def _age(self, now: float) -> None:
-        """Bulk rows that waited `max_bulk_wait_s` join the interactive queue, due at once (no starvation)."""
+        """Bulk rows that waited `max_bulk_wait_s` go first among bulk rows, oldest first, and take turns with
+        interactive ones (`next_dispatch`): no row starves, and none outranks a query."""
         for s, q in self._queues[BULK].items():
-            aged = [r for r in q if now - r.enqueued >= self.classes.max_bulk_wait_s]
-            if aged:
-                self._queues[BULK][s] = [r for r in q if now - r.enqueued < self.classes.max_bulk_wait_s]
-                for r in aged:
-                    r = dataclasses.replace(r, deadline=min(r.deadline, r.enqueued + self.classes.max_bulk_wait_s))
-                    bisect.insort(self._queues[INTERACTIVE][s], r, key=lambda r: r.key)
-                    self._rows[BULK][s] -= len(r.rows)
-                    self._rows[INTERACTIVE][s] += len(r.rows)
+            if any(not r.aged and now - r.enqueued >= self.classes.max_bulk_wait_s for r in q):
+                q = [dataclasses.replace(r, aged=True) if now - r.enqueued >= self.classes.max_bulk_wait_s else r
+                     for r in q]
+                self._queues[BULK][s] = sorted(q, key=lambda r: r.key)
 
-    def next_dispatch(self, now: float, device_idle: bool) -> Dispatch | None:
+    def has_aged(self) -> bool:
+        """Bulk rows waiting that have aged (`_age`)."""
+        return any(q and q[0].aged for q in self._queues[BULK].values())
+
+    def next_dispatch(self, now: float, device_idle: bool, interactive_only: bool = False) -> Dispatch | None:
         """Interactive rows first, at once (earliest deadline first), their spare rows filled with bulk rows; bulk
-        rows alone by window, full or idle, and while interactive work is likely at most `Classes.bulk_dispatch_s` long."""
+        rows alone by window, full or idle, and while interactive work is likely at most `Classes.bulk_dispatch_s`
+        long. Aged bulk rows take every other dispatch while interactive rows wait, so neither class starves
+        (`interactive_only`: the caller has room only for an interactive batch, or aged rows' turn)."""
         self._age(now)
         first = lambda hs: min(hs, key=lambda h: (h[0], -h[1]))  # earliest; ties: larger seqlen
+        most = self._bulk_cap if self.interactive_likely(now) else self._largest
+        aged = [(q[0].enqueued, s) for s, q in self._queues[BULK].items() if q and q[0].aged]
         inter = [(q[0].key, s) for s, q in self._queues[INTERACTIVE].items() if q]
+        if aged and (self._aged_turn if inter else not interactive_only):
+            # their turn, or no query waits: aged rows lead, ranked as interactive on the device (a turn may take
+            # the room kept for queries, or under steady queries aged rows would never get room)
+            self._aged_turn = False
+            _, seqlen = first(aged)
+            return self._form(seqlen, BULK, "aged", now, most[seqlen], lead=INTERACTIVE)
         if inter:
             # an interactive row never waits for a window: it is prepared for the next device slot at once
+            self._aged_turn = bool(aged)
             _, seqlen = first(inter)
             return self._form(seqlen, INTERACTIVE, "interactive", now)
-        heads = [(q[0].enqueued, s) for s, q in self._queues[BULK].items() if q]
+        if interactive_only:
+            return None
+        # a seqlen's oldest row, wherever the deadline order put it, decides its window (as `next_wakeup` does)
+        heads = [(min(r.enqueued for r in q), s) for s, q in self._queues[BULK].items() if q]
         if not heads:
             return None
-        most = self._bulk_cap if self.interactive_likely(now) else self._largest
         expired = [h for h in heads if now - h[0] >= self.max_wait_s]
         full = [h for h in heads if self._rows[BULK][h[1]] >= most[h[1]]]
         if expired:
@@ -281,13 +303,14 @@ class Batcher:
             return None
         return self._form(seqlen, BULK, reason, now, most[seqlen])
 
-    def _form(self, seqlen: int, cls: int, reason: str, now: float, most: int | None = None) -> Dispatch:
+    def _form(self, seqlen: int, cls: int, reason: str, now: float, most: int | None = None,
+              lead: int | None = None) -> Dispatch:
         """A batch at `seqlen` led by class `cls`'s rows, of at most `most` rows (default: the largest batch);
-        spare rows from later classes and smaller seqlens."""
+        spare rows from later classes and smaller seqlens. `lead`: its rank on the device (default `cls`)."""
         rows = sum(self._rows[c][seqlen] for c in range(cls, len(CLASSES)))
-        lead = self._rows[cls][seqlen]
+        first_rows = self._rows[cls][seqlen]
         most = self._largest[seqlen] if most is None else most
-        bucket = self.covers[seqlen][min(lead if cls == INTERACTIVE else rows, most)]
+        bucket = self.covers[seqlen][min(first_rows if cls == INTERACTIVE else rows, most)]
         if bucket.batch > most:  # the cheapest cover of `most` rows may start with a larger batch
             bucket = max((b for b in self.table.at(seqlen) if b.batch <= most), key=lambda b: b.batch)
         parts: list[Run] = []
@@ -306,7 +329,7 @@ class Batcher:
                     self.queued_by[r.cls] -= len(r.rows) * s
         oldest = min(r.enqueued for r in parts)
         return Dispatch(bucket, tuple((r.job, r.rows) for r in parts), reason, oldest,
-                        tuple(sorted({r.cls for r in parts})), cls)
+                        tuple(sorted({r.cls for r in parts})), cls if lead is None else lead)
 
     def _take(self, cls: int, seqlen: int, most: int, slots: int) -> list[Run]:
         """Up to `most` rows from the head of one class's seqlen queue, whole runs first, the last one split."""

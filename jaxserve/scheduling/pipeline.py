@@ -42,6 +42,7 @@ from jaxserve.runtime.engine import Engine
 from jaxserve.scheduling.batcher import BULK, CLASSES, Batcher, Classes, Dispatch, queue_tokens
 from jaxserve.scheduling.explain import LiveTimings
 from jaxserve.scheduling.jobs import Job, assemble, most_per_row, scatter
+from jaxserve.scheduling.prepared import PreparedQueue, room
 
 log = logging.getLogger("jaxserve.scheduling.pipeline")
 
@@ -64,8 +65,8 @@ class Draining(Exception):
     """The service is shutting down (or broken) and takes no new work."""
 
 
-class DeviceError(Exception):
-    """The batch holding some of this request's rows failed on the device."""
+class BatchError(Exception):
+    """The batch holding some of this request's rows failed (assembling it, on the device, or scattering it)."""
 
 
 @dataclasses.dataclass
@@ -132,18 +133,20 @@ class Pipeline:
         tables = {"pooled": table, **({"tokens": engine.tables["tokens"]} if "tokens" in engine.tables else {})}
         self.batchers = {lane: Batcher(t, max_wait_s, queue_tokens(t) if max_queued is None else max_queued, classes)
                          for lane, t in tables.items()}
-        self.timings = LiveTimings(table)  # refreshed from every device step
+        # per output, device time per bucket, refreshed from every device step (a token-output bucket of the same
+        # shape as a pooled one runs a different executable)
+        self.timings = {lane: LiveTimings(t) for lane, t in tables.items()}
         self.metrics = metrics or Metrics()
         self.max_inflight = max_inflight
         self.streams = streams  # device threads: 1 launches for the device; >1 each runs its batch (CPU)
         self.max_failures = max_failures
-        self._lock = threading.Condition()
+        self._lock = threading.Condition()  # the batchers, jobs and counts; the prepared queue has its own
+        self._ready_lock = threading.Condition()
         self._entries: dict[int, _Entry] = {}  # jobs submitted and not yet answered (guarded by _lock)
         self._ids = itertools.count()
         self._pipeline = 0  # batches being prepared, prepared, or on the device (guarded by _lock)
-        # prepared batches, interactive-led first (bounded by _pipeline): a device slot that frees takes the best one
-        self._ready: queue.PriorityQueue = queue.PriorityQueue()
-        self._handed = itertools.count()  # FIFO within a class
+        # prepared batches (bounded by _pipeline): a device slot that frees takes the best one (prepared.PreparedQueue)
+        self._ready = PreparedQueue(classes.max_bulk_wait_s)
         self._launched: queue.Queue = queue.Queue()  # bounded by _on_device
         self._on_device = threading.Semaphore(max_inflight)
         self._threads: list[threading.Thread] = []
@@ -228,7 +231,7 @@ class Pipeline:
     # ---- requests (event loop) ----
 
     async def run(self, job: Job, cls: int = BULK, deadline_s: float | None = None) -> tuple[np.ndarray, RequestTiming]:
-        """Run one request's job -> ([P, D] per sequence, timing). Raises QueueFull, TooLarge, Draining, DeviceError.
+        """Run one request's job -> ([P, D] per sequence, timing). Raises QueueFull, TooLarge, Draining, BatchError.
 
         `cls`: its request class; `deadline_s`: its latency budget (earliest deadline first within a class).
 
@@ -319,7 +322,8 @@ class Pipeline:
         waiting = sorted((t, lane) for lane, b in self.batchers.items()
                          if (t := b.oldest()) is not None and (b.has_interactive() or not interactive_only))
         for _, lane in waiting:
-            d = self.batchers[lane].next_dispatch(now, device_idle=self._pipeline < self.max_inflight)
+            d = self.batchers[lane].next_dispatch(now, device_idle=self._pipeline < self.max_inflight,
+                                                  interactive_only=interactive_only)
             if d is not None:
                 return lane, d
         return None
@@ -329,11 +333,8 @@ class Pipeline:
         with self._lock:
             while not self._stopping:
                 now = time.monotonic()
-                # room on the device, or for one batch ready behind it; and one more for interactive rows, so a
-                # query is prepared at once and takes the next device slot ahead of the bulk batch prepared
-                room = self._pipeline <= self.max_inflight
-                if room or self._pipeline <= self.max_inflight + 1:
-                    picked = self._dispatch(now, interactive_only=not room)
+                if (space := room(self._pipeline, self.max_inflight)) is not None:
+                    picked = self._dispatch(now, interactive_only=space == "interactive")
                     if picked is not None:
                         lane, d = picked
                         self._pipeline += 1
@@ -351,7 +352,7 @@ class Pipeline:
                         return lane, d, jobs
                     deadlines = [t for b in self.batchers.values() if (t := b.next_wakeup()) is not None]
                     # without room only an arrival (submit) or a finished batch (respond) changes anything
-                    timeout = max(0.0, min(deadlines) - now) if deadlines and room else None
+                    timeout = max(0.0, min(deadlines) - now) if deadlines and space == "any" else None
                 else:
                     timeout = None
                 self._lock.wait(timeout)
@@ -362,32 +363,45 @@ class Pipeline:
             lane, d, jobs = nxt
             self.metrics.queue_depth(self.queued)
             start = time.perf_counter()
-            inputs, real_tokens = assemble(d.bucket, d.parts, jobs)
-            assembled = time.perf_counter()
+            stage = "assembled"
             try:
+                inputs, real_tokens = assemble(d.bucket, d.parts, jobs)
+                assembled, stage = time.perf_counter(), "copied"
                 prepared = self.engine.put(d.bucket, inputs, lane, most_per_row(d.parts, jobs))
             except Exception as exc:
-                self._fail(d, jobs, exc)
+                self._fail(d, jobs, exc, stage)
                 continue
             copied = time.perf_counter()
             self.metrics.phase("assemble", assembled - start)
             self.metrics.phase("copy", copied - assembled)
             self.metrics.dispatched(d, real_tokens, time.monotonic() - d.oldest)
-            self._ready.put((d.lead, next(self._handed), (d, jobs, prepared)))
+            with self._ready_lock:
+                self._ready.put(d, (lane, jobs, prepared))
+                self._ready_lock.notify()
         self._end_ready()
 
     def _end_ready(self) -> None:
         """One stop per device thread, after every prepared batch (those still run)."""
-        for _ in range(self.streams):
-            self._ready.put((len(CLASSES), next(self._handed), None))
+        with self._ready_lock:
+            for _ in range(self.streams):
+                self._ready.put(None, None)
+            self._ready_lock.notify_all()
+
+    def _take_ready(self):
+        """The best prepared batch once one waits: (dispatch, (lane, jobs, prepared)), or (None, None) to stop."""
+        with self._ready_lock:
+            while not len(self._ready):
+                self._ready_lock.wait()
+            return self._ready.take(time.monotonic())
 
     def _device_loop(self) -> None:
         while True:
             self._on_device.acquire()  # a slot first, then the best prepared batch at that moment
-            if (item := self._ready.get()[2]) is None:
+            d, item = self._take_ready()
+            if d is None:
                 self._on_device.release()
                 break
-            d, jobs, prepared = item
+            lane, jobs, prepared = item
             launched = time.perf_counter()
             try:
                 result, error = self.engine.launch(prepared), None
@@ -395,7 +409,7 @@ class Pipeline:
                     result = self.engine.fetch(result)
             except Exception as exc:
                 result, error = None, exc
-            self._launched.put((d, jobs, result, error, launched))
+            self._launched.put((d, lane, jobs, result, error, launched))
         self._launched.put(None)
 
     def _respond_loop(self) -> None:
@@ -405,7 +419,7 @@ class Pipeline:
             if (item := self._launched.get()) is None:
                 running -= 1
                 continue
-            d, jobs, result, error, launched = item
+            d, lane, jobs, result, error, launched = item
             try:
                 if error is not None:
                     raise error
@@ -413,7 +427,7 @@ class Pipeline:
                 out = self.engine.fetch(result) if self.streams == 1 else result
             except Exception as exc:
                 self._on_device.release()
-                self._fail(d, jobs, exc)
+                self._fail(d, jobs, exc, "launched" if error is not None else "fetched")
                 continue
             self._on_device.release()
             done = time.perf_counter()
@@ -424,10 +438,14 @@ class Pipeline:
                 self._lock.notify()
             self.failures = 0
             self.device_batches += 1
-            self.timings.observe(d.bucket, device_s)
+            self.timings[lane].observe(d.bucket, device_s)
             self.metrics.phase("device", device_s)
             self.metrics.dispatch_time(d.lead, device_s)
-            finished = scatter(d.parts, out, jobs)
+            try:
+                finished = scatter(d.parts, out, jobs)
+            except Exception as exc:
+                self._fail(d, jobs, exc, "scattered")
+                continue
             self.metrics.phase("scatter", time.perf_counter() - done)
             for jid, rows in d.parts:
                 if (entry := self._entries.get(jid)) is not None:
@@ -435,17 +453,21 @@ class Pipeline:
             for jid in finished:
                 self._loop.call_soon_threadsafe(self._answer, jid)
 
-    def _fail(self, d: Dispatch, jobs: dict[int, Job], exc: Exception) -> None:
-        """Fail exactly the requests with rows in this batch; everyone else carries on."""
-        log.error("device step failed for a batch at %s: %s: %s", d.bucket.shape, type(exc).__name__, exc)
-        self.failures += 1
+    def _fail(self, d: Dispatch, jobs: dict[int, Job], exc: Exception, stage: str) -> None:
+        """Fail exactly the requests with rows in this batch, which failed being `stage` (assembled, copied,
+        launched, fetched or scattered); everyone else carries on. Only device steps count towards unhealthy
+        (MAX_CONSECUTIVE_FAILURES); a host step failing is a bug, logged with its traceback."""
+        device = stage in ("copied", "launched", "fetched")
+        log.error("a batch at %s failed being %s: %s: %s", d.bucket.shape, stage, type(exc).__name__, exc,
+                  exc_info=not device)
+        self.failures += device
         with self._lock:
-            self._pipeline -= 1
+            self._pipeline -= stage != "scattered"  # a scattered batch has left the pipeline already
             for jid in jobs:
                 for b in self.batchers.values():
                     b.cancel(jid)
             self._lock.notify()
-        error = DeviceError(f"the batch at {d.bucket.shape} failed: {type(exc).__name__}: {exc}")
+        error = BatchError(f"the batch at {d.bucket.shape} failed being {stage}: {type(exc).__name__}: {exc}")
         for jid in jobs:
             self._loop.call_soon_threadsafe(self._answer, jid, error)
 
