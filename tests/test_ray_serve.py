@@ -1,6 +1,10 @@
 """Ray Serve: two jaxserve replicas on a small local Ray cluster, reached through Ray's HTTP proxy on loopback."""
 
 import asyncio
+import gzip
+import json
+import re
+import zlib
 
 import aiohttp
 import numpy as np
@@ -14,17 +18,23 @@ from jaxserve.http.server import ServerConfig
 from jaxserve.integrations.launch import free_port
 from jaxserve.integrations.ray_serve import AUTOSCALE_TARGET, build_app, deployment
 
+# The deployment's keys come from `api_keys` only (as `--api-key KEY=CLASS` gives them), each with a class.
+QUERY_KEY, INDEX_KEY = "query-key", "index-key"
+AUTH = {"Authorization": f"Bearer {QUERY_KEY}"}
+
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    """(url, handle, checkpoint): 2 replicas of the tiny model behind the Ray proxy, under a route prefix."""
+    """(url, handle, checkpoint): 2 replicas of the tiny model behind the Ray proxy, under a route prefix, with two
+    API keys of different classes."""
     tmp = tmp_path_factory.mktemp("ray")
     path = tiny.write_checkpoint(tmp / "ckpt")
     TINY_TABLE.save(tmp / "t.json")
     ray.init(num_cpus=2, include_dashboard=False, object_store_memory=80 * 2**20, log_to_driver=False)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    config = ServerConfig(model=str(path), buckets=str(tmp / "t.json"), use_cache=False)
+    config = ServerConfig(model=str(path), buckets=str(tmp / "t.json"), use_cache=False,
+                          api_keys=((QUERY_KEY, "interactive"), (INDEX_KEY, "bulk")))
     handle = serve.run(deployment(config, num_replicas=2, num_cpus=0.5), name="jaxserve", route_prefix="/jx")
     yield f"http://127.0.0.1:{port}/jx", handle, path
     serve.shutdown()
@@ -36,7 +46,7 @@ async def test_http_through_ray_proxy_spreads_over_replicas_in_order(cluster):
     docs = [f"document {i} " + "jax " * (i % 11) for i in range(60)]
     want = warm_encoder(path, TINY_TABLE).embed(docs)
     replicas = set()
-    async with aiohttp.ClientSession() as session:
+    async with aiohttp.ClientSession(headers=AUTH) as session:
         async def one(i):
             async with session.post(url + "/v1/embeddings", json={"input": docs[i : i + 6], "encoding_format": "float"}) as r:
                 assert r.status == 200, await r.text()
@@ -55,16 +65,64 @@ async def test_http_through_ray_proxy_spreads_over_replicas_in_order(cluster):
             assert (await r.json())["error"]["message"] == "`input` must not be empty"
         async with session.get(url + "/health") as r:
             assert r.status == 200 and (await r.json()) == {"status": "ok"}
+        async with session.post(url + "/v1/embeddings", json={"input": ["x"]},
+                                headers={"Authorization": "Bearer wrong"}) as r:  # auth is the replica's
+            assert r.status == 401
 
 
-def test_deployment_handle_embeds_without_http(cluster):
-    _, handle, path = cluster
+async def test_compressed_bodies_through_ray_proxy(cluster):
+    """A gzip or deflate body reaches the replica with its Content-Encoding (was: the header dropped, the body
+    forwarded compressed, 400); the replica's own limits still hold."""
+    url, _, path = cluster
     docs = ["hello world", "static shapes", "jax " * 40]
-    got = handle.embed.remote(docs).result()
     want = warm_encoder(path, TINY_TABLE).embed(docs)
-    np.testing.assert_allclose(got, want, atol=1e-5)
+    body = json.dumps({"input": docs, "encoding_format": "float"}).encode()
+    async with aiohttp.ClientSession(headers=AUTH) as session:
+        for coding, data in [("gzip", gzip.compress(body, mtime=0)), ("deflate", zlib.compress(body)),
+                             ("identity", body)]:
+            async with session.post(url + "/v1/embeddings", data=data,
+                                    headers={"Content-Encoding": coding, "Content-Type": "application/json"}) as r:
+                assert r.status == 200, (coding, await r.text())
+                np.testing.assert_allclose([d["embedding"] for d in (await r.json())["data"]], want, atol=1e-5)
+        bomb = gzip.compress(b'{"input": ["' + b"a" * (17 * 2**20) + b'"]}', mtime=0)  # over max_body_bytes inflated
+        async with session.post(url + "/v1/embeddings", data=bomb, headers={"Content-Encoding": "gzip"}) as r:
+            assert r.status == 413 and "once inflated" in (await r.json())["error"]["message"]
+
+
+async def class_sequences(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
+    """Sequences dispatched per request class, summed over both replicas' /metrics (each GET reaches one)."""
+    pages = {}
+    for _ in range(200):
+        async with session.get(url + "/metrics") as r:
+            assert r.status == 200
+            pages[r.headers["X-Jaxserve-Replica"]] = await r.text()
+        if len(pages) == 2:
+            break
+    assert len(pages) == 2
+    totals = {"interactive": 0.0, "bulk": 0.0}
+    for page in pages.values():
+        for cls, n in re.findall(r'^jaxserve_class_sequences_total\{class="(\w+)"\} (\S+)$', page, re.MULTILINE):
+            totals[cls] += float(n)
+    return totals
+
+
+async def test_deployment_handle_embeds_without_http_with_any_key_and_its_class(cluster):
+    """The handle authenticates with the deployment's keys whatever their source (was: only `api_key`, so keys
+    from `api_keys` gave 401), and the key's class applies as over HTTP."""
+    url, handle, path = cluster
+    docs = ["hello world", "static shapes", "jax " * 40]
+    want = warm_encoder(path, TINY_TABLE).embed(docs)
+    async with aiohttp.ClientSession(headers=AUTH) as session:
+        for key, cls in [(None, "bulk"), (INDEX_KEY, "bulk"), (QUERY_KEY, "interactive")]:  # none: the least key
+            before = await class_sequences(session, url)
+            got = await (handle.embed.remote(docs) if key is None else handle.embed.remote(docs, api_key=key))
+            np.testing.assert_allclose(got, want, atol=1e-5)
+            after = await class_sequences(session, url)
+            assert {c: after[c] - before[c] for c in after} == {c: 3.0 * (c == cls) for c in after}, key
+    with pytest.raises(Exception, match="missing or wrong API key"):
+        await handle.embed.remote(docs, api_key="wrong")
     with pytest.raises(Exception, match="must not be empty"):
-        handle.embed.remote([]).result()
+        await handle.embed.remote([])
 
 
 def test_build_app_reads_serve_run_arguments():

@@ -2,6 +2,7 @@
 mixed texts and pairs on /predict, left truncation, and TEI's error shape and codes (tiny models, loopback)."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -162,3 +163,45 @@ async def test_openai_token_ids_are_read_as_openais_tokenizer_unless_told_otherw
     np.testing.assert_allclose([d["embedding"] for d in got["data"]], enc.embed(TEXTS, normalize=True), atol=1e-5)
     refused = await model_ids.post("/v1/embeddings", json={"input": [[1, 10**5]]})
     assert refused.status == 400 and "outside the vocabulary" in (await refused.json())["error"]["message"]
+
+
+async def test_openai_token_ids_never_make_the_server_fetch_an_encoding(make_server, embedder, monkeypatch, tmp_path):
+    """A client-chosen `model` selects tiktoken's encoding; one not on the host is a 400, never a fetch on the
+    tokenizer thread (was: tiktoken's loader asked for its URL, with no timeout). A model tiktoken does not know
+    reads as cl100k_base, as LangChain encodes it."""
+    import os
+    import shutil
+
+    import tiktoken
+    from tiktoken import load, registry
+
+    _, enc = embedder
+    cache = Path(os.environ["TIKTOKEN_CACHE_DIR"])
+    for f in cache.iterdir():  # cl100k_base only, as conftest left it, and nothing loaded in this process
+        shutil.copy(f, tmp_path)
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(registry, "ENCODINGS", {})
+    asked = []
+
+    def read_file(path):
+        asked.append(path)
+        if "://" in path:
+            raise OSError("no network in this test")
+        with open(path, "rb") as f:
+            return f.read()
+
+    monkeypatch.setattr(load, "read_file", read_file)
+    ids = [tiktoken.get_encoding("cl100k_base").encode(t) for t in TEXTS]
+    asked.clear()
+    client = await make_server(enc)
+    for model in ["gpt-4o", "gpt2", "text-davinci-003", "o1-anything"]:  # o200k_base, gpt2, p50k_base, o200k_base
+        resp = await client.post("/v1/embeddings", json={"input": ids, "model": model})
+        assert [a for a in asked if "://" in a] == [], model
+        message = (await resp.json())["error"]["message"]
+        assert resp.status == 400 and "not on this server" in message and "never fetches" in message, message
+    for model in [None, "text-embedding-3-small", "some-org/any-model"]:  # cl100k_base: served
+        resp = await client.post("/v1/embeddings", json={"input": ids, "model": model, "encoding_format": "float"})
+        assert resp.status == 200, await resp.text()
+        np.testing.assert_allclose([d["embedding"] for d in (await resp.json())["data"]],
+                                   enc.embed(TEXTS, normalize=True), atol=1e-5)
+    assert [a for a in asked if "://" in a] == []

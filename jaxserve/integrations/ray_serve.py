@@ -10,7 +10,8 @@ limits and auth are exactly those of `jaxserve serve`. Ray places the replicas
     serve run jaxserve.integrations.ray_serve:build_app num_replicas=4 model=/models/minilm
 
 or from Python: `serve.run(deployment(ServerConfig(...), num_replicas=4))`.
-Ray Python callers can skip HTTP: `handle.embed.remote(texts).result()`.
+Ray Python callers can skip HTTP: `handle.embed.remote(texts).result()`, or with
+an API key (its class applies): `handle.embed.remote(texts, api_key=KEY)`.
 """
 
 from __future__ import annotations
@@ -37,7 +38,13 @@ MAX_ONGOING_REQUESTS = 256
 AUTOSCALE_TARGET = 32  # ongoing requests per replica the autoscaler aims for
 MAX_QUEUED_REQUESTS = 1024  # past this the Ray proxy answers 503 itself
 WARMUP_TIMEOUT_S = 1800.0  # compile every bucket on a cold cache
-HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "content-encoding"}
+HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "host"}
+# A request body is forwarded as it came, compressed or not, with its Content-Encoding: the replica inflates it
+# within its own limits. A response body is inflated by the session's read, so its Content-Encoding is dropped.
+RESPONSE_DROPPED = HOP_BY_HOP | {"content-encoding"}
+# The key the handle uses when its caller names none: the least any key grants (a bulk key, else an unclassed
+# one), so a Ray caller without a key gets no more than every HTTP client with one.
+DEFAULT_KEY_ORDER = {"bulk": 0, None: 1, "interactive": 2}
 
 
 class JaxserveReplica:
@@ -51,24 +58,27 @@ class JaxserveReplica:
         self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
         await wait_ready(self.session, self.url, WARMUP_TIMEOUT_S)
         self.replica = serve.get_replica_context().replica_id.unique_id
-        self.api_key = config.api_key
+        self.default_key = (min(config.keys, key=lambda kc: DEFAULT_KEY_ORDER[kc[1]])[0]
+                            .decode("utf-8", "surrogateescape") if config.keys else None)
         log.info("replica %s ready at %s", self.replica, self.url)
 
     async def __call__(self, request: Request) -> Response:
         path, prefix = request.url.path, request.scope.get("root_path", "")  # the app's route_prefix, if any
         if prefix and path.startswith(prefix):
             path = path[len(prefix):] or "/"
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP | {"host"}}
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
         async with self.session.request(request.method, self.url + path, params=request.query_params,
                                          headers=headers, data=await request.body()) as r:
             body = await r.read()
-            out = {k: v for k, v in r.headers.items() if k.lower() not in HOP_BY_HOP}
+            out = {k: v for k, v in r.headers.items() if k.lower() not in RESPONSE_DROPPED}
         out["X-Jaxserve-Replica"] = self.replica
         return Response(body, status_code=r.status, headers=out)
 
-    async def embed(self, texts: list[str]) -> np.ndarray:
-        """[N, D] float32 in input order, for Ray callers (through the replica's own /v1/embeddings)."""
-        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+    async def embed(self, texts: list[str], api_key: str | None = None) -> np.ndarray:
+        """[N, D] float32 in input order, for Ray callers (through the replica's own /v1/embeddings, so as over
+        HTTP: `api_key` must be one of the server's keys, and its class applies; none given: `default_key`)."""
+        key = api_key or self.default_key
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
         async with self.session.post(self.url + "/v1/embeddings", headers=headers,
                                      json={"input": texts, "encoding_format": "base64"}) as r:
             body = await r.json()

@@ -55,7 +55,7 @@ async def info(request: web.Request) -> web.Response:
             "max_queue_tokens": state.service.batcher.max_queued if state.service else cfg.max_queue_tokens,
             "max_wait_ms": cfg.max_wait_ms, "tokenizer_threads": state.pool_threads[0],
             "respond_threads": state.pool_threads[1],
-            "default_long": cfg.long, "auth": cfg.api_key is not None, "token_ids": cfg.token_ids,
+            "default_long": cfg.long, "auth": bool(cfg.keys), "token_ids": cfg.token_ids,
         },
     }
     if enc is not None:
