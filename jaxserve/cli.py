@@ -79,7 +79,7 @@ def cmd_warmup(args) -> int:
         enc = Encoder.from_pretrained(args.model, dtype=args.dtype, attention=args.attention)
     cache = None if args.no_cache else startup.cache_root(args.cache_dir)
     table = startup.start(enc, table_for(enc, args), tokens=args.embed_all, cache=cache, startup=started,
-                         progress=True)
+                         progress=True, keep=args.keep_artifacts)
     print(format_table(table))
     source = started.source
     print(f"table: {source.get('source')}" + (f" ({source['artifact']}, made {source['created']})"
@@ -126,11 +126,13 @@ def cmd_serve(args) -> int:
         max_body_bytes=args.max_body_bytes, long=args.long,
         api_key=os.environ.get("JAXSERVE_API_KEY") or None, api_keys=api_keys(args),
         route_priority=tuple(args.route_priority),
-        cache_dir=args.cache_dir, use_cache=not args.no_cache, max_concurrent=args.max_concurrent_requests,
+        cache_dir=args.cache_dir, use_cache=not args.no_cache, keep_artifacts=args.keep_artifacts,
+        max_concurrent=args.max_concurrent_requests,
         request_timeout_s=args.request_timeout_s, devices=args.devices, max_inflight_bytes=args.max_inflight_bytes,
         default_prompt_name=args.default_prompt_name, default_prompt=args.default_prompt,
         token_ids=args.token_ids, embed_all=args.embed_all, table=table_options(args),
         default_priority=args.default_priority, interactive_max_sequences=args.interactive_max_sequences,
+        interactive_max_tokens=args.interactive_max_tokens,
         bulk_dispatch_ms=args.bulk_dispatch_ms,
         tokenizer_threads=args.tokenizer_threads, respond_threads=args.respond_threads,
     )
@@ -139,22 +141,21 @@ def cmd_serve(args) -> int:
 
 
 def cmd_embed(args) -> int:
-    """Stream a corpus through the buckets into .npy or .parquet; resumable (see jaxserve/offline/job.py).
+    """Stream a corpus through the buckets into .npy, .parquet or (SPLADE) .jsonl; resumable (jaxserve/offline/).
 
-    Every input check (the corpus, the output, a partial run's arguments) runs
-    before warmup, so a bad input fails in seconds, not after compiling.
+    Every input check (the corpus, the output, a partial or finished run's
+    arguments) runs before warmup, so a bad input fails in seconds, not after
+    compiling; a finished output with the same arguments is left as it is.
     """
     from tqdm import tqdm
 
     from jaxserve.errors import JaxserveError
     from jaxserve.offline.corpus import Corpus
-    from jaxserve.offline.job import encoder_embed, write_summary
-    from jaxserve.offline.sinks import open_sink, sink_class
+    from jaxserve.offline.job import embed_corpus, encoder_embed, job_state
+    from jaxserve.offline.sinks import SPARSE_SUFFIX, open_sink, sink_class
 
     corpus = Corpus(args.input, args.field, args.id_field)
-    sparse_output = args.output.endswith(".jsonl")
-    if not sparse_output:
-        sink_class(args.output)
+    sink_class(args.output)
     total = corpus.check()  # a streaming pass: nothing is held in memory
     from jaxserve import Encoder
 
@@ -162,31 +163,27 @@ def cmd_embed(args) -> int:
     if enc.head.kind == "multivector":
         raise JaxserveError("jaxserve embed does not write multi-vector (ColBERT) embeddings; use "
                             "Encoder.embed_multivector or POST /v1/embeddings with is_query (docs/models.md)")
-    if sparse_output or enc.head.kind == "sparse":  # SPLADE: JSON Lines of {"index", "value"} lists
-        if not (sparse_output and enc.head.kind == "sparse"):
-            raise JaxserveError("--output must end in .jsonl for a sparse (SPLADE) model (per row its "
-                                "[{index, value}] list), and in .npy or .parquet for a dense one")
-        from jaxserve.offline.sinks import write_sparse_jsonl
-
-        enc.warmup(table_for(enc, args), progress=True)
-        rows = write_sparse_jsonl(corpus.texts(), lambda docs: enc.embed_sparse(docs, long=args.long), args.output,
-                                  args.chunk)
-        print(f"wrote {args.output}: {rows} sparse rows")
-        return 0
-    state = {"input": os.path.abspath(args.input), "rows": total, "dim": enc.dim, "field": args.field,
-             "id_field": args.id_field}
+    sparse = enc.head.kind == "sparse"  # SPLADE: JSON Lines of {"index", "value"} lists
+    if sparse != args.output.endswith(SPARSE_SUFFIX):
+        raise JaxserveError(f"--output must end in {SPARSE_SUFFIX} for a sparse (SPLADE) model (per row its "
+                            "[{index, value}] list), and in .npy or .parquet for a dense one")
+    if sparse and args.long == "chunk":
+        raise JaxserveError("a sparse model's weights are per sequence: --long chunk does not apply (truncate or error)")
+    state = job_state(enc, corpus, total, args.long, args.prompt_name, args.prompt)
     sink = open_sink(args.output, state, ids=args.id_field is not None)
-    sink.check()
+    if sink.check():
+        print(f"{args.output} is already complete: {total} rows, written with these arguments "
+              f"({sink.summary_path}); nothing to do")
+        return 0
     enc.warmup(table_for(enc, args), progress=True)
     done = sink.resume()
     if done:
         print(f"resuming at row {done} of {total}", flush=True)
-    from jaxserve.offline.job import embed_corpus
-
     with tqdm(total=total, initial=done, unit="doc", desc="embed") as bar:
-        summary = embed_corpus(corpus.records(), encoder_embed(enc, args.long), sink, done, args.chunk, bar.update)
-    print(f"wrote {args.output}: {total} x {enc.dim} float32")
-    print(f"{summary.line()}; summary in {write_summary(args.output, summary)}")
+        summary = embed_corpus(corpus.records(), encoder_embed(enc, args.long, state["prompt"]), sink, done,
+                               args.chunk, bar.update)
+    print(f"wrote {args.output}: {total} " + ("sparse rows" if sparse else f"x {enc.dim} float32"))
+    print(f"{summary.line()}; summary in {sink.summary_path}")
     return 0
 
 
@@ -239,6 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     warmup.add_argument("--cache-dir", help="where the warm artifact goes (in warm/) "
                         "(default $JAXSERVE_CACHE_DIR or ~/.cache/jaxserve); `serve` with the same flags starts from it")
     warmup.add_argument("--no-cache", action="store_true", help="neither read nor write the warm artifact")
+    _keep_artifacts_arg(warmup)
     warmup.add_argument("--embed-all", default=True, action=argparse.BooleanOptionalAction,
                         help="also warm token outputs for TEI's /embed_all (as `serve` does by default)")
     warmup.add_argument("--write", metavar="FILE", help="save the table, with measured times, as JSON")
@@ -253,23 +251,29 @@ def build_parser() -> argparse.ArgumentParser:
     explain.add_argument("--run", action="store_true", help="also run the plan and print measured times")
     explain.set_defaults(func=cmd_explain)
 
-    embed = sub.add_parser("embed", help="embed a corpus file into .npy or .parquet, streaming and resumable")
+    embed = sub.add_parser("embed", help="embed a corpus file into .npy, .parquet or (SPLADE) .jsonl, streaming "
+                           "and resumable")
     embed.add_argument("--input", required=True, help=CORPUS_HELP)
     embed.add_argument("--field", default=None, help=FIELD_HELP)
     embed.add_argument("--id-field", default=None,
                        help="JSONL field or Parquet column carried into the output: an `id` column in .parquet, "
-                            "FILE.ids.jsonl (one JSON value per row) beside .npy")
+                            "FILE.ids.jsonl (one JSON value per row) beside .npy, {id, weights} lines in .jsonl")
     embed.add_argument("--output", required=True,
                        help=".npy ([rows, dim] float32) or .parquet (columns row, embedding[, id]), rows in input "
-                            "order; a sparse (SPLADE) model: .jsonl, per row its [{index, value}] list; a summary (documents, tokens, seconds, docs/s, tokens/s, padding) lands in "
-                            "FILE.summary.json")
+                            "order; a sparse (SPLADE) model: .jsonl, per row its [{index, value}] list; a summary "
+                            "(documents, tokens, seconds, docs/s, tokens/s, padding, and the arguments a rerun must "
+                            "match) lands in FILE.summary.json")
     embed.add_argument("--chunk", type=int, default=1024, help="documents per step (and per progress checkpoint)")
     embed.add_argument("--long", default="truncate", choices=["truncate", "chunk", "error"])
+    prompts = embed.add_mutually_exclusive_group()
+    prompts.add_argument("--prompt-name", help="one of the checkpoint's prompts, in front of every document "
+                         "(default: the checkpoint's default_prompt_name, if any)")
+    prompts.add_argument("--prompt", help="a prompt text in front of every document")
     _model_args(embed)
     _table_args(embed)
     embed.set_defaults(func=cmd_embed)
 
-    from jaxserve.http import server
+    from jaxserve.http import classes, server
 
     serve = sub.add_parser("serve", help="serve the model over HTTP (OpenAI /v1/embeddings, TEI /embed)")
     _model_args(serve)
@@ -301,10 +305,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--embed-all", default=True, action=argparse.BooleanOptionalAction,
                        help="compile token outputs for TEI's /embed_all (one more shape per seqlen)")
     serve.add_argument("--default-priority", choices=("auto", "interactive", "bulk"), default="auto",
-                       help="request class of requests that ask for none (body `priority` or X-Jaxserve-Priority): "
-                            "auto = interactive up to --interactive-max-sequences sequences, else bulk")
-    serve.add_argument("--interactive-max-sequences", type=int, default=8,
-                       help="auto class threshold: requests of at most this many sequences are interactive")
+                       help="request class of requests that ask for none (body `priority` or X-Jaxserve-Priority) "
+                            "and whose key and route give none: auto = interactive if within the interactive limits")
+    serve.add_argument("--interactive-max-sequences", type=int, default=classes.INTERACTIVE_MAX_SEQUENCES,
+                       help="interactive limit: a request of more sequences (after chunking) runs as bulk, whatever "
+                            "it asks for")
+    serve.add_argument("--interactive-max-tokens", type=int, default=classes.INTERACTIVE_MAX_TOKENS,
+                       help="interactive limit: a request of more tokens runs as bulk, whatever it asks for")
     serve.add_argument("--bulk-dispatch-ms", type=float, default=server.BULK_DISPATCH_MS,
                        help="while interactive requests are likely, bulk batches are sized to run at most this long "
                             "(by the table's timings; never below 90%% of the seqlen's best throughput)")
@@ -314,10 +321,11 @@ def build_parser() -> argparse.ArgumentParser:
                        "(default: a quarter of the usable cores, at least 2)")
     serve.add_argument("--api-key", action="append", default=[], metavar="KEY[=CLASS]",
                        help="require `Authorization: Bearer KEY` (or set JAXSERVE_API_KEY); repeat for more keys; "
-                            "=interactive or =bulk: the class of that key's requests unless they ask for one")
+                            "=interactive or =bulk: the most that key's requests may ask for (bulk: bulk only), and "
+                            "their class when they ask for none")
     serve.add_argument("--api-keys-file", metavar="FILE", help="more keys, one KEY[=CLASS] per line (# comments)")
     serve.add_argument("--route-priority", action="append", default=[], type=_route_priority, metavar="ROUTE=CLASS",
-                       help="the class of a route's requests unless they or their key ask for one, e.g. "
+                       help="the most a route's requests may ask for, and their class when they ask for none, e.g. "
                             "/embed=bulk; repeatable")
     serve.add_argument("--devices", default="1", type=lambda v: v if v == "all" else int(v),
                        help="local devices sharing each batch (data parallel): a number, or all")
@@ -325,8 +333,22 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--cache-dir", help="where warm artifacts are (in warm/) "
                        "(default $JAXSERVE_CACHE_DIR or ~/.cache/jaxserve)")
     serve.add_argument("--no-cache", action="store_true", help="neither start from a warm artifact nor save one")
+    _keep_artifacts_arg(serve)
     serve.set_defaults(func=cmd_serve)
     return parser
+
+
+def _keep_artifacts_arg(p: argparse.ArgumentParser) -> None:
+    from jaxserve.runtime.artifact import KEEP
+
+    def at_least_one(text: str) -> int:
+        if not text.isdigit() or int(text) < 1:
+            raise argparse.ArgumentTypeError(f"must be a whole number of at least 1, not {text!r}")
+        return int(text)
+
+    p.add_argument("--keep-artifacts", type=at_least_one, default=KEEP, metavar="N",
+                   help="after saving a warm artifact, keep this model's newest N in the cache and delete the "
+                        f"older ones (stale after an upgrade or a flag change; default {KEEP})")
 
 
 def _table_args(p: argparse.ArgumentParser) -> None:

@@ -21,7 +21,8 @@ the server's Prometheus phase histograms; per-batch phases spread over the
 requests). Also reported: the floor for the same requests, the CPU time of
 the work no server can avoid: JSON decode of the body + tokenizing + encoding
 the response, measured here. Then /health's latency while 4 clients send
-1000-document requests with float responses.
+1000-document requests with float responses (`--probe`: to another route, e.g. a SPLADE or multi-vector
+model's, served with `--model DIR --engine real`; `--concurrency ""`: the probe alone).
 """
 
 from __future__ import annotations
@@ -163,15 +164,16 @@ def gpu_table(enc, step_s, knee: bool = True):
 
 def serve(port: int, rate_flops: float, overhead_s: float, table_file: str | None, real: bool = False,
           default_priority: str = "auto", sizes: tuple[int, int, int] | None = None, knee: bool = True,
-          d2h_bps: float = DEFAULT_D2H_GBPS * 1e9, full_slots: bool = False) -> None:
+          d2h_bps: float = DEFAULT_D2H_GBPS * 1e9, full_slots: bool = False, model: str | None = None) -> None:
     """The server process: the real app over a SimEngine (or, `real`, over the real engine and device).
-    `sizes` (hidden, intermediate, layers): step times of another model's size (default: the bundled model's)."""
+    `sizes` (hidden, intermediate, layers): step times of another model's size (default: the bundled model's);
+    `model`: a checkpoint other than the bundled one (with `real`)."""
     from aiohttp import web
 
     from jaxserve.encoder import Encoder
     from jaxserve.http.server import ServerConfig, create_app
 
-    enc = Encoder.from_pretrained(None)
+    enc = Encoder.from_pretrained(model)
     if real:  # the device's own derived table, warmed by the server; busy time from its metrics
         web.run_app(create_app(ServerConfig(embed_all=False, buckets=table_file or "auto",
                                             default_priority=default_priority), enc),
@@ -338,17 +340,27 @@ def floor_ms(bodies: list[bytes], fmt: str, repeats: int = 5) -> dict:
 DOCS = 100
 
 
+# The load under which /health is probed: per --probe, the route and a request of `docs` as its inputs
+PROBES = {
+    "embeddings": lambda docs, fmt: ("/v1/embeddings", {"input": docs, "encoding_format": fmt}),
+    "embed_sparse": lambda docs, fmt: ("/embed_sparse", {"inputs": docs}),  # a SPLADE model
+    "multivector": lambda docs, fmt: ("/v1/embeddings", {"input": docs, "is_query": False}),  # a ColBERT model
+    "rerank": lambda docs, fmt: ("/rerank", {"query": docs[0][:200], "texts": docs}),  # a reranker or ColBERT
+}
+
+
 async def health_probe(url: str, docs: list[str], fmt: str, clients: int = 4, size: int = 1000,
-                       rounds: int = 10, every_s: float = 0.01) -> dict:
+                       rounds: int = 10, every_s: float = 0.01, probe: str = "embeddings") -> dict:
     """/health latency, probed every `every_s` from a thread of its own (so the load's client work cannot delay
-    the probe's timing), while `clients` send `rounds` requests of `size` documents each."""
+    the probe's timing), while `clients` send `rounds` requests of `size` documents each (to `probe`'s route)."""
     import http.client
     import threading
     from urllib.parse import urlparse
 
     import aiohttp
 
-    body = json.dumps({"input": (docs * (size // len(docs) + 1))[:size], "encoding_format": fmt}).encode()
+    route, request = PROBES[probe]((docs * (size // len(docs) + 1))[:size], fmt)
+    body = json.dumps(request).encode()
     probes: list[float] = []
     done = threading.Event()
 
@@ -366,10 +378,10 @@ async def health_probe(url: str, docs: list[str], fmt: str, clients: int = 4, si
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
         async def client():
             for _ in range(rounds):
-                async with s.post(url + "/v1/embeddings", data=body, headers={"Content-Type": "application/json"},
+                async with s.post(url + route, data=body, headers={"Content-Type": "application/json"},
                                   timeout=aiohttp.ClientTimeout(total=300)) as r:
                     await r.read()
-                    assert r.status == 200, r.status
+                    assert r.status == 200, (r.status, await r.text())
 
         prober = threading.Thread(target=probe)
         start = time.perf_counter()
@@ -379,7 +391,8 @@ async def health_probe(url: str, docs: list[str], fmt: str, clients: int = 4, si
         wall = time.perf_counter() - start
     prober.join()
     probes.sort()
-    return {"clients": clients, "documents": size, "rounds": rounds, "probes": len(probes), "wall_s": wall,
+    return {"route": probe, "clients": clients, "documents": size, "rounds": rounds, "probes": len(probes),
+            "wall_s": wall,
             "health_max_ms": 1e3 * probes[-1], "health_p99_ms": 1e3 * probes[int(0.99 * (len(probes) - 1))],
             "health_p50_ms": 1e3 * probes[len(probes) // 2]}
 
@@ -400,6 +413,12 @@ def main() -> None:
     ap.add_argument("--label", default="", help="a name for this run in the output (e.g. the commit)")
     ap.add_argument("--health-probe", action=argparse.BooleanOptionalAction, default=True,
                     help="afterwards, /health latency during 4 concurrent 1000-document float requests")
+    ap.add_argument("--probe", default="embeddings", choices=sorted(PROBES),
+                    help="the load /health is probed under: OpenAI embeddings, or (with --model) SPLADE's "
+                         "/embed_sparse, multi-vector /v1/embeddings, /rerank")
+    ap.add_argument("--probe-docs", type=int, default=1000, help="documents per request of the probe's load")
+    ap.add_argument("--probe-rounds", type=int, default=10, help="requests each of the probe's 4 clients sends")
+    ap.add_argument("--model", help="a checkpoint directory to serve instead of the bundled model (--engine real)")
     ap.add_argument("--out", default=str(ROOT / "results" / "host.json"))
     ap.add_argument("--table", help="bucket shapes from this file instead of the derived H200 table (to compare commits)")
     ap.add_argument("--save-table", help="write the table the server used to this file")
@@ -413,7 +432,7 @@ def main() -> None:
     if args.serve:
         sizes = tuple(int(x) for x in args.sim_dims.split(",")) if args.sim_dims else None
         serve(args.serve, args.tflops * 1e12, args.step_overhead_us * 1e-6, args.table, args.engine == "real",
-              args.default_priority, sizes, not args.no_knee, args.d2h_gbps * 1e9, args.full_slots)
+              args.default_priority, sizes, not args.no_knee, args.d2h_gbps * 1e9, args.full_slots, args.model)
         return
     DOCS = args.docs
     with harness.bench_lock():
@@ -430,12 +449,16 @@ def measure(args) -> None:
               flush=True)
     else:
         print("REAL device: the bundled model on this machine's accelerator, the server's derived table", flush=True)
-    floor = floor_ms(bodies, args.format)
-    print(f"floor: CPU per request of {DOCS} documents (decode + tokenize + encode): "
-          f"{floor['decode']:.2f} + {floor['tokenize']:.2f} + {floor['encode']:.2f} = {floor['total']:.2f} ms", flush=True)
+    levels = [int(x) for x in args.concurrency.split(",") if x]  # none: the /health probe alone
+    floor = floor_ms(bodies, args.format) if levels else None
+    if floor:
+        print(f"floor: CPU per request of {DOCS} documents (decode + tokenize + encode): "
+              f"{floor['decode']:.2f} + {floor['tokenize']:.2f} + {floor['encode']:.2f} = {floor['total']:.2f} ms",
+              flush=True)
     command = lambda port: ([sys.executable, __file__, "--serve", str(port), "--tflops", str(args.tflops),
                              "--step-overhead-us", str(args.step_overhead_us), "--engine", args.engine,
                              "--d2h-gbps", str(args.d2h_gbps)]
+                            + (["--model", args.model] if args.model else [])
                             + (["--table", args.table] if args.table else [])
                             + (["--full-slots"] if args.full_slots else []))
     rows, probe = [], None
@@ -445,7 +468,7 @@ def measure(args) -> None:
         if args.save_table:
             Path(args.save_table).write_text(json.dumps(table, indent=1) + "\n")
         print("table: " + ", ".join(f"{b['batch']}x{b['seqlen']}" for b in table["buckets"]), flush=True)
-        for c in [int(x) for x in args.concurrency.split(",")]:
+        for c in levels:
             r = asyncio.run(run_level(url, srv.proc.pid, bodies, c, args.seconds, args.engine == "sim"))
             rows.append(r)
             phases = r["phase_ms_per_request"]
@@ -457,8 +480,10 @@ def measure(args) -> None:
                   f"({r['host_cpu_ms_per_request'] / floor['total']:.2f}x the floor); phase wall ms/request: "
                   + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()), flush=True)
         if args.health_probe:
-            probe = asyncio.run(health_probe(url, docs, "float"))
-            print(f"/health during {probe['clients']} concurrent requests of {probe['documents']} documents (float): "
+            probe = asyncio.run(health_probe(url, docs, "float", size=args.probe_docs, rounds=args.probe_rounds,
+                                             probe=args.probe))
+            print(f"/health during {probe['clients']} concurrent requests of {probe['documents']} documents "
+                  f"({args.probe}): "
                   f"{probe['probes']} probes, p50 {probe['health_p50_ms']:.1f} ms, p99 {probe['health_p99_ms']:.1f} ms, "
                   f"max {probe['health_max_ms']:.1f} ms", flush=True)
     harness.write_result(args.out, {"label": args.label, "simulated": args.engine == "sim", "tflops": args.tflops,

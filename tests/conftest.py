@@ -158,10 +158,11 @@ async def until(predicate, what: str, timeout_s: float = 60.0) -> None:
 class SlowEngine:
     """Fault injection: the real engine, with a delay (or an error) in each device step."""
 
-    def __init__(self, engine, delay=0.0, fail_when=None, gate=None):
+    def __init__(self, engine, delay=0.0, fail_when=None, gate=None, fail_at="fetch"):
         self._engine = engine
         self.delay = delay
         self.fail_when = fail_when  # predicate on the batch's token ids [B, S]
+        self.fail_at = fail_at  # the step that raises for such a batch: put, launch or fetch
         self.steps = 0
         self.seen: list[np.ndarray] = []  # token ids of every batch that reached the device (prepared)
         self.launched: list[np.ndarray] = []  # ... in the order they were launched
@@ -171,12 +172,18 @@ class SlowEngine:
     def __getattr__(self, name):
         return getattr(self._engine, name)
 
+    def _fault(self, step, ids):
+        if self.fail_at == step and self.fail_when is not None and self.fail_when(np.asarray(ids)):
+            raise RuntimeError(f"injected device fault in {step}")
+
     def put(self, bucket, inputs, output="pooled", sequences=None):
         self.seen.append(np.array(inputs[0]))
+        self._fault("put", inputs[0])
         return self._engine.put(bucket, inputs, output, sequences)
 
     def launch(self, prepared):
         self.launched.append(np.asarray(prepared.inputs[0]))
+        self._fault("launch", prepared.inputs[0])
         return (prepared, self._engine.launch(prepared))
 
     def fetch(self, launched):
@@ -189,6 +196,5 @@ class SlowEngine:
             self.held += 1
             self.gate.wait(30)
             self.held -= 1
-        if self.fail_when is not None and self.fail_when(np.asarray(prepared.inputs[0])):
-            raise RuntimeError("injected device fault")
+        self._fault("fetch", prepared.inputs[0])
         return self._engine.fetch(result)

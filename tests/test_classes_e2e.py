@@ -13,7 +13,7 @@ import tiny
 from conftest import TINY_TABLE, SlowEngine, warm_encoder
 from prometheus_client.parser import text_string_to_metric_families
 
-from jaxserve.http.classes import ask_of, class_of
+from jaxserve.http.classes import ask_of, decide
 from jaxserve.http.server import STATE
 from jaxserve.scheduling.batcher import CLASSES
 
@@ -54,7 +54,7 @@ async def _race(make_server, tiny_enc, query_body) -> dict:
     pending = asyncio.create_task(client.post("/v1/embeddings?explain=1", json=query_body))
     while not at_submit:
         await asyncio.sleep(0.01)
-    if CLASSES[class_of(ask_of(query_body, {}), 1)] == "interactive":  # prepared at once: wait for it
+    if CLASSES[decide(ask_of(query_body, {}), 1, 1)[0]] == "interactive":  # prepared at once: wait for it
         for _ in range(2000):  # a bound, not a timing: it fails only if the query is never prepared
             if any((ids == needle).any() for ids in enc.engine.seen):
                 break
@@ -112,7 +112,8 @@ async def test_bad_priority_is_a_400(make_server, tiny_enc):
     assert 'jaxserve_class_request_seconds_count{class="interactive"}' in metrics
 
 
-async def test_api_key_and_route_classes_under_what_the_request_asks(make_server, tiny_enc):
+async def test_api_key_and_route_classes_are_ceilings(make_server, tiny_enc):
+    """A key's or a route's class is what a request gets when it asks for none, and the most it can ask for."""
     client = await make_server(tiny_enc, max_wait_ms=0, api_keys=(("indexer", "bulk"), ("app", None)),
                                route_priority=(("/embed", "bulk"),))
     async def asked(key, body, path="/v1/plan"):
@@ -125,7 +126,14 @@ async def test_api_key_and_route_classes_under_what_the_request_asks(make_server
     plan = await asked("app", {"input": "q"})
     assert (plan["request_class"], plan["class_from"]) == ("interactive", "auto")
     plan = await asked("indexer", {"input": "q", "priority": "interactive"})
-    assert (plan["request_class"], plan["class_from"]) == ("interactive", "body")
+    assert (plan["request_class"], plan["class_from"]) == ("bulk", "api_key")  # the indexer cannot promote itself
+    resp = await client.post("/v1/plan", json={"input": "q"},
+                             headers={"Authorization": "Bearer indexer", "X-Jaxserve-Priority": "interactive"})
+    assert (await resp.json())["request_class"] == "bulk"  # nor with the header
+    plan = await asked("app", {"input": "q", "priority": "bulk"})
+    assert (plan["request_class"], plan["class_from"]) == ("bulk", "body")  # any client may demote itself
+    plan = await asked("app", {"input": ["q"] * 9, "priority": "interactive"})
+    assert (plan["request_class"], plan["class_from"]) == ("bulk", "size")  # over the interactive limits
     explain = (await asked("indexer", {"input": "q"}, "/v1/embeddings?explain=1"))["explain"]
     assert (explain["request_class"], explain["class_from"]) == ("bulk", "api_key")
 
@@ -137,9 +145,8 @@ async def test_api_key_and_route_classes_under_what_the_request_asks(make_server
     before = await served("bulk")
     assert len(await asked("app", {"inputs": "q"}, "/embed")) == 1  # TEI's route: its --route-priority class
     assert await served("bulk") == before + 1
-    before = await served("interactive")
     await asked("app", {"inputs": "q", "priority": "interactive"}, "/embed")
-    assert await served("interactive") == before + 1
+    assert await served("bulk") == before + 2  # the route's ceiling: asking for interactive does not promote it
     assert (await client.post("/v1/plan", json={"input": "q"}, headers={"Authorization": "Bearer nope"})).status == 401
 
 
@@ -156,3 +163,21 @@ async def test_a_query_is_tokenized_while_bulk_tokenizing_holds_every_tokenizer_
     finally:
         release.set()
     assert (await bulk).status == 200 and all(f.result() for f in held)
+
+
+async def test_a_large_request_claiming_interactive_is_not_tokenized_on_the_query_thread(make_server, tiny_enc):
+    """The interactive tokenizer thread is for queries: a request over the interactive limits (or of a large body)
+    is tokenized on the bulk threads whatever it claims, so it never holds the thread a query needs. Here the
+    query thread is held: the claimed-interactive bulk request still finishes, as bulk."""
+    client = await make_server(tiny_enc, max_wait_ms=0)
+    state = client.app[STATE]
+    release = threading.Event()
+    held = state.interactive_pool.submit(release.wait, 60)
+    try:
+        resp = await asyncio.wait_for(client.post("/v1/embeddings?explain=1",
+                                                  json={"input": BULK_DOCS, "priority": "interactive"}), 60)
+        assert resp.status == 200
+        assert (await resp.json())["explain"]["request_class"] == "bulk" and not held.done()
+    finally:
+        release.set()
+    assert held.result()

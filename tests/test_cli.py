@@ -4,9 +4,11 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+from jaxserve.runtime import artifact
 from jaxserve.runtime.buckets import BucketTable
 
 
@@ -42,11 +44,16 @@ def test_warmup_saves_the_artifact_that_every_later_start_serves_unchanged(tiny_
 
     model = str(tiny_checkpoint())
     cache = tmp_path / "cache"
-    args = ["warmup", "--model", model, "--seqlens", "16,64", "--max-batch", "16", "--cache-dir", str(cache)]
+    (cache / "warm").mkdir(parents=True, mode=0o755)
+    stale = cache / "warm" / f"{Path(model).name}-{'0' * 24}{artifact.SUFFIX}"  # this model's, of another key
+    stale.write_bytes(artifact.MAGIC + json.dumps({"format": artifact.FORMAT, "key": {}, "bytes": 0, "sha256": "",
+                                                   "model_path": str(Path(model).resolve())}).encode() + b"\n")
+    args = ["warmup", "--model", model, "--seqlens", "16,64", "--max-batch", "16", "--cache-dir", str(cache),
+            "--keep-artifacts", "1"]
     first = jaxserve(*args, "--write", str(tmp_path / "cold.json"))
     built, hits = map(int, re.search(r"(\d+) executables built, (\d+) from the persistent cache", first).groups())
     assert built >= 4 and hits == 0 and "table: derived" in first and "saved" in first
-    assert len(list((cache / "warm").iterdir())) == 1
+    assert len(list((cache / "warm").iterdir())) == 1 and not stale.exists()  # --keep-artifacts 1: pruned
     cold = json.loads((tmp_path / "cold.json").read_text())
     assert all(b["run_s"] > 0 and b["compile_s"] > 0 for b in cold["buckets"])
     second = jaxserve(*args, "--write", str(tmp_path / "warm.json"))
@@ -89,3 +96,22 @@ def test_api_keys_from_flags_and_file_with_their_classes(tmp_path):
     assert args.route_priority == [("/embed", "bulk")]
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--route-priority", "/embed=urgent"])
+
+
+def test_keep_artifacts_on_serve_and_warmup(monkeypatch):
+    """How many warm artifacts per model a save keeps: a whole number of at least 1, into the server's config."""
+    from jaxserve.cli import build_parser, main
+    from jaxserve.http import server
+    from jaxserve.http.state import ServerConfig
+
+    parser = build_parser()
+    assert parser.parse_args(["serve"]).keep_artifacts == artifact.KEEP == ServerConfig().keep_artifacts
+    assert parser.parse_args(["warmup", "--keep-artifacts", "1"]).keep_artifacts == 1
+    for bad in ("0", "-2", "two"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["serve", "--keep-artifacts", bad])
+    with pytest.raises(ValueError, match="keep_artifacts must be at least 1"):
+        ServerConfig(keep_artifacts=0)
+    configs = []
+    monkeypatch.setattr(server, "serve", lambda config, host, port: configs.append(config))
+    assert main(["serve", "--keep-artifacts", "5"]) == 0 and configs[0].keep_artifacts == 5

@@ -121,3 +121,19 @@ def test_explain_command_prints_the_report(tmp_path):
                           "--buckets", str(table), "--run"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "30 documents" in out.stdout and "predicted: jaxserve" in out.stdout and "measured: run_s" in out.stdout
+
+
+async def test_token_output_runs_are_timed_apart_from_pooled_ones(make_server, tiny_enc):
+    """/embed_all's batches run other executables than the pooled ones of the same shape: their times refresh
+    the token outputs' predictions only (before, one LiveTimings per shape skewed /v1/plan's)."""
+    from jaxserve.http.state import STATE
+
+    client = await make_server(tiny_enc)  # embed_all on: token outputs compiled for TEI's /embed_all
+    timings = client.app[STATE].service.timings
+    runs = lambda lane: sum(timings[lane].live_runs(b) for b in TINY_TABLE.buckets)
+    assert (runs("pooled"), runs("tokens")) == (0, 0)
+    assert (await client.post("/embed_all", json={"inputs": ["the model", "a batch"]})).status == 200
+    assert runs("pooled") == 0 and runs("tokens") >= 1
+    tokens = runs("tokens")
+    assert (await client.post("/embed", json={"inputs": ["the model", "a batch"]})).status == 200
+    assert runs("pooled") >= 1 and runs("tokens") == tokens

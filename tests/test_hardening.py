@@ -84,3 +84,33 @@ async def test_concurrency_limit_gives_429(make_server, tiny_enc):
     assert [(await t).status for t in first] == [200, 200]
     assert (await client.get("/health")).status == 200  # GETs are not counted
     assert (await client.post("/v1/embeddings", json={"input": ["the model"]})).status == 200
+
+
+async def test_compressed_bodies_are_charged_as_they_inflate(make_server, tiny_enc):
+    """The in-flight byte budget counts what a body becomes: many small gzip bodies that each inflate to most of
+    a megabyte are refused (429) once the inflated bytes held would pass --max-inflight-bytes, instead of being
+    charged their compressed Content-Length (before: all accepted, 12 x 0.9 MB held against a 2 MiB budget)."""
+    import gzip
+    import json
+
+    engine = SlowEngine(tiny_enc.engine, gate=threading.Event())  # every accepted body stays held in its request
+    limit = 2 * 2**20
+    client = await make_server(dataclasses.replace(tiny_enc, engine=engine), max_inflight_bytes=limit,
+                               max_body_bytes=2**20)
+    state = client.app[STATE]
+    raw = json.dumps({"input": ["the model " * 9000] * 10}).encode()  # 900 KB of JSON ...
+    body = gzip.compress(raw, mtime=0)  # ... sent as a few KB
+    send = lambda: client.post("/v1/embeddings", data=body, headers={"Content-Encoding": "gzip",
+                                                                     "Content-Type": "application/json"})
+    tasks = [asyncio.create_task(send()) for _ in range(12)]
+    refused = lambda: [t for t in tasks if t.done()]
+    await until(lambda: len(refused()) + state.active == len(tasks) and state.service.in_flight == state.active,
+                "every request refused or queued behind the held device")
+    accepted = state.active
+    assert [(await t).status for t in refused()] == [429] * (len(tasks) - accepted)
+    assert 1 <= accepted and accepted * len(raw) <= limit  # what was let in fits the budget, inflated
+    assert state.budget.peak <= limit
+    engine.gate.set()
+    assert sorted([(await t).status for t in tasks]) == [200] * accepted + [429] * (len(tasks) - accepted)
+    assert state.budget.held == 0  # every request's charge given back
+    assert (await send()).status == 200

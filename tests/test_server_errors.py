@@ -146,6 +146,22 @@ async def test_auth_required_on_every_route_but_health(make_server, tiny_enc):
     assert ok.status == 200
 
 
+async def test_info_says_auth_whichever_way_the_keys_came(make_server, tiny_enc, tmp_path):
+    """/info's `limits.auth` is true for keys from --api-key and --api-keys-file too (was: only $JAXSERVE_API_KEY's)."""
+    from jaxserve.cli import api_keys, build_parser
+
+    keys = tmp_path / "keys.txt"
+    keys.write_text("from-file=bulk\n")
+    for config, key in [({"api_keys": api_keys(build_parser().parse_args(["serve", "--api-key", "flag-key"]))},
+                         "flag-key"),
+                        ({"api_keys": api_keys(build_parser().parse_args(["serve", "--api-keys-file", str(keys)]))},
+                         "from-file"),
+                        ({"api_key": "s3cret"}, "s3cret"), ({}, None)]:
+        client = await make_server(tiny_enc, **config)
+        resp = await client.get("/info", headers={"Authorization": f"Bearer {key}"} if key else {})
+        assert resp.status == 200 and (await resp.json())["limits"]["auth"] is (key is not None), config
+
+
 async def test_draining_refuses_new_work_with_503(make_server, tiny_enc):
     client = await make_server(tiny_enc)
     await client.app[STATE].service.drain(timeout=1)
@@ -198,19 +214,40 @@ def test_sigterm_finishes_accepted_requests_then_exits(tiny_path, tmp_path):
     assert "drained: all accepted requests finished" in out
 
 
-async def test_device_fault_fails_only_that_batchs_requests(make_server, tiny_enc):
+def _host_fault(fn, query):
+    """`pipeline.assemble` or `pipeline.scatter`, raising for a batch with a job holding token `query`."""
+    def faulty(*args):
+        jobs = args[-1]
+        if any((job.flat[0] == query).any() for job in jobs.values()):
+            raise RuntimeError(f"injected host fault in {fn.__name__}")
+        return fn(*args)
+    return faulty
+
+
+@pytest.mark.parametrize("stage", ["assemble", "put", "launch", "fetch", "scatter"])
+async def test_a_failing_batch_fails_only_its_own_requests(make_server, tiny_enc, monkeypatch, stage):
+    """Wherever a batch fails (assembled, copied, launched, fetched or scattered), exactly the requests with rows
+    in it get a 500 naming the cause; a request in another batch succeeds, /health stays 200, and the pipeline
+    goes on. Before, a fault in assemble or scatter killed its pipeline thread: every request failed, and /health
+    answered 503 for good."""
+    from jaxserve.scheduling import pipeline
+
     query = int(tiny_enc.tokenizer.encode_bodies(["query"])[0][0])
-    engine = SlowEngine(tiny_enc.engine, gate=threading.Event(), fail_when=lambda ids: (ids == query).any())
+    engine = SlowEngine(tiny_enc.engine, gate=threading.Event(), fail_when=lambda ids: (ids == query).any(),
+                        fail_at=stage)
+    if stage in ("assemble", "scatter"):
+        monkeypatch.setattr(pipeline, stage, _host_fault(getattr(pipeline, stage), query))
     client = await make_server(dataclasses.replace(tiny_enc, engine=engine), max_wait_ms=0)
     before = asyncio.create_task(client.post("/v1/embeddings", json={"input": ["the model"]}))
     await until(lambda: engine.held == 1, "the first request's batch on the device")
     doomed = asyncio.create_task(client.post("/v1/embeddings", json={"input": ["a query", "the jax"]}))
-    await until(lambda: len(engine.seen) == 2, "the second request in a batch of its own")
+    await until(lambda: doomed.done() or len(engine.seen) == 2, "the second request in a batch of its own")
     engine.gate.set()
     resp = await doomed
     assert resp.status == 500
     err = (await resp.json())["error"]
-    assert err["type"] == "server_error" and "injected device fault" in err["message"]
+    assert err["type"] == "server_error" and "injected" in err["message"] and stage in err["message"]
     assert (await before).status == 200
+    assert (await client.get("/health")).status == 200
     after = await client.post("/v1/embeddings", json={"input": ["the model", "a batch"]})
     assert after.status == 200

@@ -1,14 +1,20 @@
-"""A request's class (interactive or bulk) and latency budget, from its body, its headers and the server's defaults.
+"""A request's class (interactive or bulk) and latency budget, from its body, its headers, its API key, its route
+and the server's policy.
 
-`priority` in the body (vLLM's field: an integer, lower is served first; or
-the name "interactive" / "bulk"), else the `X-Jaxserve-Priority` header, else
-the class of the request's API key (`--api-key KEY=CLASS`), else its route's
-(`--route-priority ROUTE=CLASS`), else the server's default
-(`--default-priority`), else automatic: a request of at most
-`--interactive-max-sequences` sequences is interactive, a larger one bulk.
+What a request asks for: `priority` in the body (vLLM's field: an integer,
+lower is served first; or the name "interactive" / "bulk"), else the
+`X-Jaxserve-Priority` header. What it is granted: its API key's class
+(`--api-key KEY=CLASS`) and its route's (`--route-priority ROUTE=CLASS`) are
+ceilings (a client may demote itself, never promote), and the default for a
+request that asks for nothing; else the server's default
+(`--default-priority`), else automatic. Whatever it asked, a request larger
+than the interactive limits (`Policy`: sequences after chunking, tokens) runs
+as bulk, so no large request takes the interactive queue.
+
 `deadline_ms` in the body or the `X-Jaxserve-Deadline-Ms` header: its latency
-budget, served earliest deadline first within its class and counted in
-/metrics' deadlines met. See docs/api.md, "Request classes".
+budget, served earliest deadline first within its class, never shorter than
+`MIN_DEADLINE_MS` (a shorter one is raised to it). See docs/api.md, "Request
+classes".
 """
 
 from __future__ import annotations
@@ -19,22 +25,44 @@ import math
 from jaxserve.http.api import ApiError
 from jaxserve.scheduling.batcher import BULK, CLASSES, INTERACTIVE
 
-INTERACTIVE_MAX_SEQUENCES = 8  # the automatic default's threshold: up to this many sequences is interactive
+INTERACTIVE_MAX_SEQUENCES = 8  # at most this many sequences (after chunking) may run as interactive ...
+INTERACTIVE_MAX_TOKENS = 4096  # ... and at most this many tokens: a query's size, 8 sequences of 512
+# A deadline shorter than this is raised to it: about one bulk dispatch while queries are likely
+# (pipeline.BULK_DISPATCH_MS), so an earlier deadline can only reorder, never make the scheduler chase it.
+MIN_DEADLINE_MS = 100.0
 PRIORITY_HEADER = "X-Jaxserve-Priority"
 DEADLINE_HEADER = "X-Jaxserve-Deadline-Ms"
 
 
 @dataclasses.dataclass(frozen=True)
 class Ask:
-    """What the request asked for: a class (None: the server's default) and a budget (None: none), and where the
-    class came from (body, header, api_key or route)."""
+    """What the request asked for and what it may have.
+
+    `cls`: the class it asked for (None: none), from `source` (body or header); `deadline_ms`: its budget (None:
+    none); `ceiling`: the most its API key and route grant (BULK: bulk only; None: anything), from `ceiling_from`
+    (api_key or route), also its class when it asks for none; `body_bytes`: its body's size once decoded."""
 
     cls: int | None = None
     deadline_ms: float | None = None
     source: str | None = None
+    ceiling: int | None = None
+    ceiling_from: str | None = None
+    body_bytes: int = 0
 
 
 NO_ASK = Ask()
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """The server's side of the decision: its default class (auto: by size) and the interactive limits."""
+
+    default: str = "auto"
+    max_sequences: int = INTERACTIVE_MAX_SEQUENCES
+    max_tokens: int = INTERACTIVE_MAX_TOKENS
+
+
+DEFAULT_POLICY = Policy()
 
 
 def _class(value, where: str) -> int:
@@ -60,48 +88,49 @@ def _deadline(value, where: str) -> float:
         ms = math.nan
     if isinstance(value, bool) or not math.isfinite(ms) or ms <= 0:
         raise ApiError(400, f"`{where}` must be a positive number of milliseconds, not {value!r}")
-    return ms
+    return max(ms, MIN_DEADLINE_MS)
 
 
-def ask_of(body, headers, key: str | None = None, route: str | None = None) -> Ask:
-    """The class and budget a request asked for (`key`, `route`: the class of its API key and of its route, if the
-    server gives them one); 400 on a malformed one."""
+def ask_of(body, headers, key: str | None = None, route: str | None = None, body_bytes: int = 0) -> Ask:
+    """What a request asked for (`key`, `route`: the classes its API key and its route grant, if the server gives
+    them one); 400 on a malformed priority or deadline."""
     body = body if isinstance(body, dict) else {}
     cls = deadline = source = None
     if body.get("priority") is not None:
         cls, source = _class(body["priority"], "priority"), "body"
     elif headers.get(PRIORITY_HEADER):
         cls, source = _class(headers[PRIORITY_HEADER], PRIORITY_HEADER), "header"
-    elif key is not None:
-        cls, source = CLASSES.index(key), "api_key"
-    elif route is not None:
-        cls, source = CLASSES.index(route), "route"
+    grants = [(CLASSES.index(c), where) for c, where in ((key, "api_key"), (route, "route")) if c is not None]
+    ceiling, ceiling_from = max(grants, key=lambda g: g[0]) if grants else (None, None)  # the stricter; key first
     if body.get("deadline_ms") is not None:
         deadline = _deadline(body["deadline_ms"], "deadline_ms")
     elif headers.get(DEADLINE_HEADER):
         deadline = _deadline(headers[DEADLINE_HEADER], DEADLINE_HEADER)
-    return Ask(cls, deadline, source)
+    return Ask(cls, deadline, source, ceiling, ceiling_from, body_bytes)
 
 
-def class_of(ask: Ask, sequences: int, default: str = "auto", threshold: int = INTERACTIVE_MAX_SEQUENCES) -> int:
-    """The class a request runs in: asked, else the server's default, else automatic by its size."""
+def decide(ask: Ask, sequences: int, tokens: int, policy: Policy = DEFAULT_POLICY) -> tuple[int, str]:
+    """The class a request runs in and where it came from: body, header, api_key, route, default, auto, or size
+    (asked or granted interactive, but over the interactive limits)."""
     if ask.cls is not None:
-        return ask.cls
-    if default != "auto":
-        return CLASSES.index(default)
-    return INTERACTIVE if sequences <= threshold else BULK
+        cls, source = ask.cls, ask.source
+    elif ask.ceiling is not None:
+        cls, source = ask.ceiling, ask.ceiling_from
+    elif policy.default != "auto":
+        cls, source = CLASSES.index(policy.default), "default"
+    else:
+        cls, source = INTERACTIVE, "auto"
+    if ask.ceiling is not None and cls < ask.ceiling:  # asked above what its key or route grants
+        cls, source = ask.ceiling, ask.ceiling_from
+    if cls == INTERACTIVE and (sequences > policy.max_sequences or tokens > policy.max_tokens):
+        cls, source = BULK, ("auto" if source == "auto" else "size")
+    return cls, source
 
 
-def likely_interactive(ask: Ask, inputs: int, default: str = "auto",
-                       threshold: int = INTERACTIVE_MAX_SEQUENCES) -> bool:
-    """Before tokenizing: will the request (of `inputs` texts) run as interactive? Exact unless the automatic
-    default decides and chunking turns a few long inputs into more than `threshold` sequences."""
-    return class_of(ask, inputs, default, threshold) == INTERACTIVE
-
-
-def class_from(ask: Ask, default: str = "auto") -> str:
-    """Where `class_of` took the class from: body, header, api_key, route, default (--default-priority) or auto."""
-    return ask.source or ("default" if default != "auto" else "auto")
+def likely_interactive(ask: Ask, inputs: int, policy: Policy = DEFAULT_POLICY, *, most_bytes: int) -> bool:
+    """Before tokenizing: may the request (`inputs` texts) run as interactive, and is its body small enough
+    (`most_bytes`) to tokenize on the interactive requests' own thread? Chunking may still make it bulk."""
+    return ask.body_bytes <= most_bytes and decide(ask, inputs, 0, policy)[0] == INTERACTIVE
 
 
 def parse_key(text: str) -> tuple[str, str | None]:

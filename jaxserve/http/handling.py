@@ -22,9 +22,12 @@ from jaxserve.encoder import normalize_rows
 from jaxserve.errors import InputError, TokenizerError
 from jaxserve.http import api
 from jaxserve.http.api import ApiError, EmbedRequest
-from jaxserve.http.classes import NO_ASK, Ask, ask_of, class_from, class_of, likely_interactive
+from jaxserve.http.budget import Charge
+from jaxserve.http.classes import NO_ASK, Ask, ask_of, decide, likely_interactive
 from jaxserve.http.state import (
     API_KEY_CLASS,
+    BODY_BYTES,
+    CHARGE,
     OFFLOAD_BODY_BYTES,
     OFFLOAD_FLOATS,
     RETRY_AFTER_S,
@@ -34,7 +37,7 @@ from jaxserve.http.state import (
 from jaxserve.scheduling.batcher import CLASSES, QueueFull, TooLarge
 from jaxserve.scheduling.explain import explain
 from jaxserve.scheduling.jobs import Job
-from jaxserve.scheduling.pipeline import DeviceError, Draining
+from jaxserve.scheduling.pipeline import BatchError, Draining
 from jaxserve.scheduling.planner import pack
 
 
@@ -43,12 +46,26 @@ def json_response(body, status: int = 200, headers=None) -> web.Response:
                         content_type="application/json")
 
 
-def inflate(raw: bytes, coding: str, limit: int) -> bytes:
-    """A gzip or deflate body inflated, to at most `limit` bytes (413 past it, 400 when it is not that coding)."""
+INFLATE_CHUNK = 2**20  # a compressed body inflates this many bytes at a time, each charged before the next
+
+
+def inflate(raw: bytes, coding: str, limit: int, charge: Charge | None = None) -> bytearray:
+    """A gzip or deflate body inflated, to at most `limit` bytes (413 past it, 400 when it is not that coding),
+    each piece charged to the in-flight byte budget as it appears (429 when the budget is spent)."""
     wbits = 47 if coding != "deflate" or (raw[:1] and raw[0] & 0x0F == 8) else -15  # gzip/zlib; or raw deflate
     inflater = zlib.decompressobj(wbits)
+    out, data = bytearray(), raw
     try:
-        out = inflater.decompress(raw, limit + 1)
+        while not inflater.eof and len(out) <= limit:
+            piece = inflater.decompress(data, min(INFLATE_CHUNK, limit + 1 - len(out)))
+            data = inflater.unconsumed_tail
+            if not piece and not data:
+                break
+            if charge is not None and not charge.take(len(piece)):
+                raise ApiError(429, f"the request bodies being handled hold {charge.budget.held} bytes once "
+                                    f"inflated; this one would pass the limit of {charge.budget.limit}",
+                               "rate_limit_error", {"Retry-After": str(RETRY_AFTER_S)})
+            out += piece
     except zlib.error as exc:
         raise ApiError(400, f"the request body is not valid {coding}: {exc}") from None
     if len(out) > limit:
@@ -60,7 +77,9 @@ def inflate(raw: bytes, coding: str, limit: int) -> bytes:
 
 async def json_body(request: web.Request):
     """The decoded body (a large or compressed one decoded on a thread); 400 for anything that is not strict
-    UTF-8 JSON, 415 for a Content-Encoding other than gzip or deflate (server.create_app turns aiohttp's off)."""
+    UTF-8 JSON, 415 for a Content-Encoding other than gzip or deflate (server.create_app turns aiohttp's off).
+    Its decoded size goes into request[BODY_BYTES]; a compressed body's inflated bytes are charged to the
+    in-flight budget (request[CHARGE], which the middleware gives back)."""
     state = request.app[STATE]
     start = time.perf_counter()
     try:
@@ -71,9 +90,12 @@ async def json_body(request: web.Request):
     if coding not in ("", "identity", "gzip", "x-gzip", "deflate"):
         raise ApiError(415, f"Content-Encoding {coding[:40]!r} is not supported; send gzip, deflate or none")
     packed = coding not in ("", "identity")
+    charge = request.get(CHARGE)
 
     def decode():
-        return orjson.loads(inflate(raw, coding, state.config.max_body_bytes) if packed else raw)
+        text = inflate(raw, coding, state.config.max_body_bytes, charge) if packed else raw
+        request[BODY_BYTES] = len(text)
+        return orjson.loads(text)
 
     try:
         if packed or len(raw) > OFFLOAD_BODY_BYTES:
@@ -84,6 +106,14 @@ async def json_body(request: web.Request):
         raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
     state.metrics.phase("parse", time.perf_counter() - start)
     return body
+
+
+async def parsed(state: AppState, ask: Ask, fn):
+    """fn() (validating a decoded body) on a tokenizer thread when the body was large (`ask.body_bytes`): checking
+    a million token ids is work that grows with the request, never the event loop's."""
+    if ask.body_bytes <= OFFLOAD_BODY_BYTES:
+        return fn()
+    return await asyncio.get_running_loop().run_in_executor(state.tokenizer_pool, fn)
 
 
 async def on_thread(state: AppState, fn, big: bool = True):
@@ -140,17 +170,19 @@ class Ran:
 
 
 def ask_for(request: web.Request, body, route: str | None = None) -> Ask:
-    """The class and budget a request asked for, with its API key's and its route's (`route`, default its own
-    path) classes as fallbacks."""
+    """What a request asked for, with the classes its API key and its route (`route`, default its own path) grant
+    as ceilings."""
     routes = request.app[STATE].config.route_classes
-    return ask_of(body, request.headers, request.get(API_KEY_CLASS), routes.get(route or request.path))
+    return ask_of(body, request.headers, request.get(API_KEY_CLASS), routes.get(route or request.path),
+                  request.get(BODY_BYTES, 0))
 
 
-def explain_rows(state: AppState, rows, table, pieces) -> dict:
-    """The latency math of one request's rows on `table`, given what waits and runs ahead of it now."""
+def explain_rows(state: AppState, rows, pieces, output: str = "pooled") -> dict:
+    """The latency math of one request's rows on its output's table, given what waits and runs ahead of it now."""
     service = state.service
-    return explain(rows, table, service.timings, pieces.doc, service.batcher.backlog(), service.batches_in_flight,
-                   state.config.max_wait_ms / 1000)
+    table = state.encoder.engine.tables[output]
+    return explain(rows, table, service.timings[output], pieces.doc, service.batchers[output].backlog(),
+                   service.batches_in_flight, state.config.max_wait_ms / 1000)
 
 
 async def run_request(state: AppState, make_pieces, want_explain: bool = False, output: str = "pooled",
@@ -169,16 +201,15 @@ async def run_request(state: AppState, make_pieces, want_explain: bool = False, 
         width = enc.token_dim if output == "tokens" else enc.out_dim
         job = Job(rows, pieces.ids, pieces.offsets, pieces.types, width, output)
         t2 = time.perf_counter()
-        explained = explain_rows(state, rows, table, pieces) if want_explain else None
+        explained = explain_rows(state, rows, pieces, output) if want_explain else None
         return pieces, job, explained, {"tokenize_s": t1 - t0, "plan_s": t2 - t1}
 
-    cfg = state.config
-    small = inputs is not None and likely_interactive(ask, inputs, cfg.default_priority, cfg.interactive_max_sequences)
+    policy = state.config.class_policy
+    small = inputs is not None and likely_interactive(ask, inputs, policy, most_bytes=OFFLOAD_BODY_BYTES)
     pieces, job, explained, phases = await on_tokenizer(state, prepare, interactive=small)
     timeout = state.config.request_timeout_s
+    cls, source = decide(ask, int(job.rows.docs.sum()), int(pieces.lengths.sum()), policy)
     try:
-        cls = class_of(ask, int(job.rows.docs.sum()), state.config.default_priority,
-                       state.config.interactive_max_sequences)
         deadline_s = None if ask.deadline_ms is None else ask.deadline_ms / 1000
         _, timing = await asyncio.wait_for(service.run(job, cls, deadline_s), timeout)
     except TimeoutError:
@@ -190,7 +221,7 @@ async def run_request(state: AppState, make_pieces, want_explain: bool = False, 
         raise ApiError(429, f"queue full: {err}", "rate_limit_error", {"Retry-After": str(RETRY_AFTER_S)}) from None
     except Draining as err:
         raise ApiError(503, str(err), "unavailable", {"Retry-After": str(RETRY_AFTER_S)}) from None
-    except DeviceError as err:
+    except BatchError as err:
         raise ApiError(500, str(err), "server_error") from None
     phases.update(queue_s=timing.queue_s, service_s=timing.total_s)
     for name in ("tokenize", "plan", "queue"):
@@ -198,7 +229,7 @@ async def run_request(state: AppState, make_pieces, want_explain: bool = False, 
     state.metrics.inputs.inc(int(pieces.doc[-1]) + 1 if len(pieces.doc) else 0)
     if explained is not None:
         explained["request_class"] = CLASSES[timing.cls]
-        explained["class_from"] = class_from(ask, state.config.default_priority)
+        explained["class_from"] = source
         explained["waited_behind"] = timing.behind
     return Ran(pieces, job, phases, timing.batches, explained)
 

@@ -26,6 +26,7 @@ from jaxserve.http.routes import tei as tei_routes
 from jaxserve.http.state import (  # noqa: F401
     API_KEY_CLASS,
     BULK_DISPATCH_MS,
+    CHARGE,
     DRAIN_TIMEOUT_S,
     MAX_BODY_BYTES,
     MAX_CLIENT_BATCH,
@@ -72,7 +73,7 @@ def start_engine(state: AppState) -> BucketTable:
         return enc.engine.table
     spec = BucketTable.load(cfg.buckets) if cfg.buckets != "auto" else cfg.table_options
     cache = startup.cache_root(cfg.cache_dir) if cfg.use_cache else None
-    table = startup.start(enc, spec, tokens, cache, state.startup, progress=True)
+    table = startup.start(enc, spec, tokens, cache, state.startup, progress=True, keep=cfg.keep_artifacts)
     log.info("start-up: %s; table %s", state.startup.summary(), state.startup.source.get("source"))
     return table
 
@@ -137,17 +138,17 @@ async def errors_middleware(request: web.Request, handler):
         if model_route and state.active >= cfg.max_concurrent:
             raise ApiError(429, f"{state.active} requests are being handled; the limit is "
                                 f"{cfg.max_concurrent}", "rate_limit_error", {"Retry-After": str(RETRY_AFTER_S)})
-        if model_route and state.active_bytes + size > cfg.max_inflight_bytes and state.active_bytes:
-            raise ApiError(429, f"{state.active_bytes} bytes of requests are being handled; {size} more would pass "
+        charge = request[CHARGE] = state.budget.charge()
+        if model_route and not charge.take(size):
+            raise ApiError(429, f"{state.budget.held} bytes of requests are being handled; {size} more would pass "
                                 f"the limit of {cfg.max_inflight_bytes}", "rate_limit_error",
                            {"Retry-After": str(RETRY_AFTER_S)})
         state.active += model_route
-        state.active_bytes += size
         try:
             response = await handler(request)
         finally:
             state.active -= model_route
-            state.active_bytes -= size
+            charge.release()
     except ApiError as err:
         response = _error(err, tei)
     except InputError as err:  # the request's own fault wherever it was found (e.g. an unknown prompt_name)

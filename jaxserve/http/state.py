@@ -13,8 +13,10 @@ from aiohttp import web
 from jaxserve.checkpoint import loader
 from jaxserve.encoder import Encoder
 from jaxserve.http.api import ApiError, Limits
+from jaxserve.http.budget import ByteBudget
+from jaxserve.http.classes import INTERACTIVE_MAX_SEQUENCES, INTERACTIVE_MAX_TOKENS, Policy
 from jaxserve.http.metrics import ServerMetrics
-from jaxserve.runtime import host
+from jaxserve.runtime import artifact, host
 from jaxserve.runtime.buckets import BucketTable
 from jaxserve.runtime.derivation import TableOptions
 from jaxserve.runtime.startup import Startup
@@ -36,6 +38,7 @@ MAX_INFLIGHT_BODY_BYTES = 256 * 2**20  # bytes of request bodies being handled a
 REQUEST_TIMEOUT_S = 60.0  # a model request still unanswered after this gets 503 and its waiting rows are dropped
 OFFLOAD_BODY_BYTES = 64 * 2**10  # bodies larger than this are decoded on a thread, not on the event loop
 OFFLOAD_FLOATS = 16_384  # responses with more floats than this are encoded on a thread
+DICT_FLOATS = 32  # building one result object (a label's or a text's score) costs about as much as this many floats
 TOKEN_ID_MODES = ("openai", "model")  # whose ids /v1/embeddings' token-id inputs are
 
 
@@ -64,12 +67,14 @@ class ServerConfig:
     request_timeout_s: float = REQUEST_TIMEOUT_S
     cache_dir: str | None = None  # where warm artifacts are (in warm/); None = $JAXSERVE_CACHE_DIR or ~/.cache/jaxserve
     use_cache: bool = True  # start from a matching warm artifact, and save one after a cold start
+    keep_artifacts: int = artifact.KEEP  # after a save, the newest artifacts of the model kept in the cache
     max_inflight: int = MAX_INFLIGHT  # batches on the device at once
     streams: int | None = None  # device threads each running a batch (None: the device's; 2 on a CPU, else 1)
     devices: int | str = 1  # local devices sharing each batch (data parallel), or "all"
     token_ids: str = "openai"  # token-id inputs on /v1/embeddings: OpenAI's tokenizer's (tiktoken), or the model's
     default_priority: str = "auto"  # class of requests that ask for none: auto (by size), interactive or bulk
-    interactive_max_sequences: int = 8  # auto: requests of at most this many sequences are interactive
+    interactive_max_sequences: int = INTERACTIVE_MAX_SEQUENCES  # larger requests run as bulk, whatever they ask
+    interactive_max_tokens: int = INTERACTIVE_MAX_TOKENS  # ... and so do requests of more tokens
     bulk_dispatch_ms: float = BULK_DISPATCH_MS  # while queries are likely, a bulk batch's predicted run at most this
     tokenizer_threads: int | None = None  # decode/tokenize/pack pool (None: half the usable cores, at least 2)
     respond_threads: int | None = None  # combine/normalise/encode pool (None: a quarter of the usable cores, at least 2)
@@ -88,6 +93,10 @@ class ServerConfig:
         """`route_priority` by route path."""
         return dict(self.route_priority)
 
+    @functools.cached_property
+    def class_policy(self) -> Policy:
+        return Policy(self.default_priority, self.interactive_max_sequences, self.interactive_max_tokens)
+
     @property
     def table_options(self) -> TableOptions:
         return self.table or TableOptions(ladder=self.ladder, layout=self.layout)
@@ -101,6 +110,8 @@ class ServerConfig:
                 [(f"route {r}", c) for r, c in self.route_priority]:
             if cls not in CLASSES:
                 raise ValueError(f"{what}: class must be one of {', '.join(CLASSES)}, not {cls!r}")
+        if self.keep_artifacts < 1:
+            raise ValueError(f"keep_artifacts must be at least 1, not {self.keep_artifacts}")
         if self.max_queue_tokens is not None and self.max_queue_tokens < 1:
             raise ValueError(f"max_queue_tokens must be positive, not {self.max_queue_tokens}")
 
@@ -129,7 +140,7 @@ class AppState:
                                                                   thread_name_prefix="jaxserve-respond")
         self.limits = Limits(config.max_client_batch, config.max_input_chars)
         self.active = 0  # model requests being handled
-        self.active_bytes = 0  # bytes of their bodies
+        self.budget = ByteBudget(config.max_inflight_bytes)  # bytes their bodies hold, inflated
 
     @property
     def model_name(self) -> str:
@@ -160,4 +171,7 @@ class AppState:
 
 STATE = web.AppKey("state", AppState)
 # request[API_KEY_CLASS]: the class of the API key it was authorised with, or None (aiohttp < 3.14: a plain name)
-API_KEY_CLASS = web.RequestKey("api_key_class", str) if hasattr(web, "RequestKey") else "jaxserve.api_key_class"
+_key = web.RequestKey if hasattr(web, "RequestKey") else lambda name, t: f"jaxserve.{name}"
+API_KEY_CLASS = _key("api_key_class", str)
+BODY_BYTES = _key("body_bytes", int)  # request[BODY_BYTES]: its body's size once decoded (handling.json_body)
+CHARGE = _key("charge", object)  # request[CHARGE]: its share of the in-flight byte budget (budget.Charge)

@@ -23,33 +23,48 @@ from jaxserve.heads import multivector
 from jaxserve.http import api
 from jaxserve.http.api import ApiError
 from jaxserve.http.classes import NO_ASK, Ask
-from jaxserve.http.handling import bytes_response, json_response, respond, run_request
+from jaxserve.http.handling import Ran, bytes_response, respond, run_request
 from jaxserve.http.state import AppState
+from jaxserve.scheduling.jobs import ragged_arange
 
 
 def _long(state: AppState) -> str:
     return "error" if state.config.long == "error" else "truncate"
 
 
-async def encode(state: AppState, texts: list[str], kind: str, long: str,
-                 ask: Ask = NO_ASK) -> tuple[list[np.ndarray], int]:
-    """Texts through the batcher as `kind` sequences -> (per text its token vectors, tokens run)."""
+async def run(state: AppState, texts: list[str], kind: str, long: str, ask: Ask = NO_ASK) -> Ran:
+    """Texts through the batcher as `kind` sequences (their token outputs)."""
     enc = state.encoder
-    ran = await run_request(state, lambda: enc.multivector_pieces(texts, kind, long), output="tokens",
-                            ask=ask, inputs=len(texts))
-    vectors = [ran.job.token_vectors(p) for p in range(ran.pieces.count)]
-    return multivector.outputs(enc.colbert, kind, ran.pieces.seqs, vectors), ran.tokens
+    return await run_request(state, lambda: enc.multivector_pieces(texts, kind, long), output="tokens", ask=ask,
+                             inputs=len(texts))
+
+
+def token_outputs(state: AppState, ran: Ran, kind: str) -> tuple[np.ndarray, np.ndarray]:
+    """A run's outputs as its texts' token vectors, back to back in text order, skiplist tokens dropped: (vectors
+    [T, dim], offsets [texts + 1]). One gather of every kept token: on a respond thread when large."""
+    job = ran.job
+    order = ragged_arange(job.seq_start, job.lengths)  # the job's tokens (row order) in text order
+    keep, offsets = multivector.kept(state.encoder.colbert, kind, ran.pieces.ids, ran.pieces.offsets)
+    return ran.out[order if keep is None else order[keep]], offsets
 
 
 async def embeddings(state: AppState, body, ask: Ask = NO_ASK) -> web.Response:
     texts, kind = api.parse_multivector_embeddings(body, state.limits)
-    vectors, tokens = await encode(state, texts, kind, _long(state), ask)
-    floats = sum(v.size for v in vectors)
-    encoded, _ = await respond(state, lambda: orjson.dumps({
-        "object": "list",
-        "data": [{"object": "embedding", "embedding": v, "index": i} for i, v in enumerate(vectors)],
-        "model": state.model_name, "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
-    }, option=orjson.OPT_SERIALIZE_NUMPY), floats)
+    ran = await run(state, texts, kind, _long(state), ask)
+
+    def encode() -> bytes:
+        """The body, one text's vectors at a time: orjson holds the GIL for the whole of one call (as `+` of bytes
+        does), so one call for a thousand texts' vectors would stall the event loop on this thread's behalf; one
+        join of the pieces, which lets go of it, copies them once."""
+        parts = [b'{"object":"list","data":[']
+        for i, v in enumerate(multivector.split(*token_outputs(state, ran, kind))):
+            parts += (b"," if i else b"", b'{"object":"embedding","embedding":',
+                      orjson.dumps(v, option=orjson.OPT_SERIALIZE_NUMPY), b',"index":%d}' % i)
+        rest = orjson.dumps({"model": state.model_name, "usage": {"prompt_tokens": ran.tokens,
+                                                                  "total_tokens": ran.tokens}})
+        return b"".join((*parts, b"],", rest[1:]))
+
+    encoded, _ = await respond(state, encode, ran.out.size)
     return bytes_response(encoded)
 
 
@@ -59,8 +74,15 @@ async def rerank(state: AppState, body, ask: Ask = NO_ASK) -> web.Response:
     if direction != "right":
         raise ApiError(400, "a multi-vector model truncates the right end only (as PyLate and MultiVectorEncoder)")
     long = "truncate" if truncate else "error"
-    (q, _), (docs, _) = await asyncio.gather(encode(state, [query], "query", long, ask),
-                                            encode(state, texts, "document", long, ask))
-    scores = multivector.maxsim(q[0], docs, mean=state.encoder.colbert.similarity == "meanmaxsim")
-    ranked = sorted(enumerate(scores.tolist()), key=lambda t: -t[1])
-    return json_response([{"index": i, "score": s, **({"text": texts[i]} if return_text else {})} for i, s in ranked])
+    q, docs = await asyncio.gather(run(state, [query], "query", long, ask), run(state, texts, "document", long, ask))
+
+    def ranked() -> bytes:
+        scores = multivector.maxsim_flat(token_outputs(state, q, "query")[0], *token_outputs(state, docs, "document"),
+                                         mean=state.encoder.colbert.similarity == "meanmaxsim")
+        order = np.argsort(-scores, kind="stable").tolist()
+        best = scores[order].tolist()
+        return orjson.dumps([{"index": i, "score": s, **({"text": texts[i]} if return_text else {})}
+                             for i, s in zip(order, best)])
+
+    encoded, _ = await respond(state, ranked, q.out.size + docs.out.size)
+    return bytes_response(encoded)

@@ -8,15 +8,15 @@ import orjson
 from aiohttp import web
 
 from jaxserve.http import api
-from jaxserve.http.classes import class_from, class_of
+from jaxserve.http.classes import decide
 from jaxserve.http.handling import (
     ask_for,
     bytes_response,
     embedding_pieces,
     explain_rows,
     json_body,
-    json_response,
     on_tokenizer,
+    parsed,
     require_kind,
     respond,
     run_request,
@@ -24,7 +24,7 @@ from jaxserve.http.handling import (
     vectors_of,
 )
 from jaxserve.http.routes import multivector as multivector_routes
-from jaxserve.http.state import STATE
+from jaxserve.http.state import DICT_FLOATS, STATE
 from jaxserve.scheduling.batcher import BULK, CLASSES
 from jaxserve.scheduling.planner import pack
 
@@ -38,10 +38,12 @@ async def embeddings(request: web.Request) -> web.Response:
         return await multivector_routes.embeddings(state, body, ask_for(request, body))
     require_kind(state, "embedding", "/v1/embeddings")
     body = await json_body(request)
-    req = api.parse_openai_embeddings(body, state.limits, state.encoder.dim, state.config.long)
+    ask = ask_for(request, body)
+    req = await parsed(state, ask, lambda: api.parse_openai_embeddings(body, state.limits, state.encoder.dim,
+                                                                        state.config.long))
     wants_explain = _wants_explain(request)
     ran = await run_request(state, lambda: embedding_pieces(state, req, openai_ids=True), want_explain=wants_explain,
-                            ask=ask_for(request, body), inputs=req.count)
+                            ask=ask, inputs=req.count)
     body, encode_s = await respond(
         state, lambda: api.openai_body(vectors_of(ran, req), state.model_name, ran.tokens, req.encoding_format),
         ran.out.size if req.encoding_format == "float" else 0)
@@ -65,17 +67,18 @@ async def plan(request: web.Request) -> web.Response:
     state.require_ready()
     require_kind(state, "embedding", "/v1/plan")
     body = await json_body(request)
-    req = api.parse_openai_embeddings(body, state.limits, state.encoder.dim, state.config.long)
     ask = ask_for(request, body, "/v1/embeddings")  # the class it would get there
+    req = await parsed(state, ask, lambda: api.parse_openai_embeddings(body, state.limits, state.encoder.dim,
+                                                                        state.config.long))
 
     def plan_only():
         pieces = tokenized(lambda: embedding_pieces(state, req, openai_ids=True))
         rows = pack(pieces.lengths, state.table)
-        body = explain_rows(state, rows, state.table, pieces)
-        cls = class_of(ask, int(rows.docs.sum()), state.config.default_priority, state.config.interactive_max_sequences)
+        body = explain_rows(state, rows, pieces)
+        cls, source = decide(ask, int(rows.docs.sum()), rows.real_tokens, state.config.class_policy)
         waiting = state.service.batcher.waiting()
         body.update(documents=req.count, sequences=pieces.count, usage={"prompt_tokens": rows.real_tokens},
-                    request_class=CLASSES[cls], class_from=class_from(ask, state.config.default_priority),
+                    request_class=CLASSES[cls], class_from=source,
                     would_wait_behind={c: n for c, n in waiting.items() if c == CLASSES[0] or cls == BULK})
         return orjson.dumps(body)
 
@@ -93,13 +96,19 @@ async def classify(request: web.Request) -> web.Response:
     ran = await run_request(state, lambda: state.encoder.prepare_pairs(texts, truncate),
                             ask=ask_for(request, body), inputs=len(texts))
     labels = state.encoder.head.labels
-    probs = api.scores(ran.out, raw=False)
-    return json_response({
-        "id": f"classify-{time.time_ns():x}", "object": "list", "created": int(time.time()), "model": state.model_name,
-        "data": [{"index": i, "label": labels[int(p.argmax())], "probs": p.tolist(), "num_classes": len(labels)}
-                 for i, p in enumerate(probs)],
-        "usage": {"prompt_tokens": ran.tokens, "total_tokens": ran.tokens},
-    })
+
+    def encode():
+        probs = api.scores(ran.out, raw=False)
+        return orjson.dumps({
+            "id": f"classify-{time.time_ns():x}", "object": "list", "created": int(time.time()),
+            "model": state.model_name,
+            "data": [{"index": i, "label": labels[int(p.argmax())], "probs": p.tolist(), "num_classes": len(labels)}
+                     for i, p in enumerate(probs)],
+            "usage": {"prompt_tokens": ran.tokens, "total_tokens": ran.tokens},
+        })
+
+    body, _ = await respond(state, encode, len(texts) * DICT_FLOATS + ran.out.size)
+    return bytes_response(body)
 
 
 def add_routes(app: web.Application) -> None:

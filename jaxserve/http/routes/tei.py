@@ -25,8 +25,8 @@ from jaxserve.http.handling import (
     bytes_response,
     embedding_pieces,
     json_body,
-    json_response,
     on_tokenizer,
+    parsed,
     request_prompt,
     require_kind,
     respond,
@@ -35,7 +35,7 @@ from jaxserve.http.handling import (
     vectors_of,
 )
 from jaxserve.http.routes import multivector as multivector_routes
-from jaxserve.http.state import STATE, AppState
+from jaxserve.http.state import DICT_FLOATS, STATE, AppState
 
 PATHS = ("/", "/invocations", "/embed", "/embed_all", "/embed_sparse", "/similarity", "/predict", "/rerank",
          "/tokenize", "/decode")
@@ -51,7 +51,7 @@ def kind(state: AppState) -> str:
 
 async def _embed(state: AppState, body, ask: Ask = NO_ASK) -> web.Response:
     require_kind(state, "embedding", "/embed")
-    req = api.parse_tei_embed(body, state.limits, state.encoder.dim, state.config.long)
+    req = await parsed(state, ask, lambda: api.parse_tei_embed(body, state.limits, state.encoder.dim, state.config.long))
     ran = await run_request(state, lambda: embedding_pieces(state, req), ask=ask, inputs=req.count)
     encoded, _ = await respond(state, lambda: orjson.dumps(vectors_of(ran, req), option=orjson.OPT_SERIALIZE_NUMPY),
                                ran.out.size)
@@ -61,13 +61,14 @@ async def _embed(state: AppState, body, ask: Ask = NO_ASK) -> web.Response:
 async def _embed_sparse(state: AppState, body, ask: Ask = NO_ASK) -> web.Response:
     """Per input its non-zero SPLADE weights [{"index", "value"}], index order (TEI's EmbedSparseResponse)."""
     require_kind(state, "sparse", "/embed_sparse")
-    req = api.parse_tei_embed_sparse(body, state.limits, state.config.long)
+    req = await parsed(state, ask, lambda: api.parse_tei_embed_sparse(body, state.limits, state.config.long))
     ran = await run_request(state, lambda: embedding_pieces(state, req), ask=ask, inputs=req.count)
     try:
-        weights = sparse.decode(ran.out, state.encoder.splade)
+        rows = lambda: sparse.json_rows(ran.out, state.encoder.splade)
+        # joined, not added: a large bytes join lets go of the GIL, and so of the event loop
+        encoded, _ = await respond(state, lambda: b"".join((b"[", b",".join(rows()), b"]")), ran.out.size)
     except InputError as err:
         raise ApiError(422, str(err)) from None
-    encoded, _ = await respond(state, lambda: orjson.dumps(weights), ran.out.size)
     return bytes_response(encoded)
 
 
@@ -75,7 +76,7 @@ async def _embed_all(state: AppState, body, ask: Ask = NO_ASK) -> web.Response:
     require_kind(state, "embedding", "/embed_all")
     if "tokens" not in state.encoder.engine.tables:
         raise ApiError(400, "/embed_all is off on this server (started with --no-embed-all)")
-    req = api.parse_tei_embed(body, state.limits, state.encoder.dim, state.config.long)
+    req = await parsed(state, ask, lambda: api.parse_tei_embed(body, state.limits, state.encoder.dim, state.config.long))
     if req.long == "chunk":
         raise ApiError(400, "/embed_all returns each input's own tokens: `long: chunk` does not apply")
     ran = await run_request(state, lambda: embedding_pieces(state, req), output="tokens", ask=ask,
@@ -91,9 +92,14 @@ async def _similarity(state: AppState, body, ask: Ask = NO_ASK) -> web.Response:
     require_kind(state, "embedding", "/similarity")
     req, _ = api.parse_similarity(body, state.limits, state.config.long)
     ran = await run_request(state, lambda: embedding_pieces(state, req), ask=ask, inputs=req.count)
-    vectors = vectors_of(ran, req)
-    unit = vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
-    return json_response((unit[1:] @ unit[0]).astype(np.float32))
+
+    def similarities() -> bytes:
+        vectors = vectors_of(ran, req)
+        unit = vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
+        return orjson.dumps((unit[1:] @ unit[0]).astype(np.float32), option=orjson.OPT_SERIALIZE_NUMPY)
+
+    encoded, _ = await respond(state, similarities, ran.out.size)
+    return bytes_response(encoded)
 
 
 async def _predict(state: AppState, body, ask: Ask = NO_ASK) -> web.Response:
@@ -103,11 +109,16 @@ async def _predict(state: AppState, body, ask: Ask = NO_ASK) -> web.Response:
     ran = await run_request(state, lambda: state.encoder.prepare_pairs(req.inputs, req.truncate, req.direction),
                             ask=ask, inputs=len(req.inputs))
     labels = state.encoder.head.labels
-    results = []
-    for row in api.scores(ran.out, req.raw_scores):
-        ranked = sorted(zip(labels, row.tolist()), key=lambda t: -t[1])[: req.top_k]
-        results.append([{"label": label, "score": score} for label, score in ranked])
-    return json_response(results[0] if req.single else results)
+
+    def predictions() -> bytes:
+        results = []
+        for row in api.scores(ran.out, req.raw_scores):
+            ranked = sorted(zip(labels, row.tolist()), key=lambda t: -t[1])[: req.top_k]
+            results.append([{"label": label, "score": score} for label, score in ranked])
+        return orjson.dumps(results[0] if req.single else results)
+
+    encoded, _ = await respond(state, predictions, ran.out.size * DICT_FLOATS)
+    return bytes_response(encoded)
 
 
 async def _rerank(state: AppState, body, ask: Ask = NO_ASK) -> web.Response:
@@ -122,8 +133,12 @@ async def _rerank(state: AppState, body, ask: Ask = NO_ASK) -> web.Response:
                             f"{state.encoder.head.num_labels} labels (use /predict)")
     ran = await run_request(state, lambda: state.encoder.prepare_pairs([(query, t) for t in texts], truncate, direction),
                             ask=ask, inputs=len(texts))
-    ranked = sorted(enumerate(api.scores(ran.out, raw)[:, 0].tolist()), key=lambda t: -t[1])
-    return json_response([{"index": i, "score": s, **({"text": texts[i]} if return_text else {})} for i, s in ranked])
+    def ranked() -> bytes:
+        order = sorted(enumerate(api.scores(ran.out, raw)[:, 0].tolist()), key=lambda t: -t[1])
+        return orjson.dumps([{"index": i, "score": s, **({"text": texts[i]} if return_text else {})} for i, s in order])
+
+    encoded, _ = await respond(state, ranked, len(texts) * DICT_FLOATS)
+    return bytes_response(encoded)
 
 
 async def _tokenize(state: AppState, body) -> web.Response:
@@ -150,8 +165,7 @@ async def _decode(state: AppState, body) -> web.Response:
     ids, skip_special = api.parse_decode(body, state.limits, state.encoder.model_config.vocab_size)
     tok = state.encoder.tokenizer.tokenizer
     decode = lambda: tok.decode_batch(ids, skip_special_tokens=skip_special)
-    texts = await on_tokenizer(state, lambda: tokenized(decode))
-    return json_response(texts)
+    return bytes_response(await on_tokenizer(state, lambda: orjson.dumps(tokenized(decode))))
 
 
 HANDLERS = {"/embed": _embed, "/embed_all": _embed_all, "/embed_sparse": _embed_sparse, "/similarity": _similarity, "/predict": _predict,
