@@ -55,3 +55,20 @@ async def test_the_watch_sees_small_work_on_the_loop(make_server, models, monkey
     assert resp.status == 200
     assert {"Pieces.combine", "dumps"} <= {name for name, _ in watcher.on_loop}
     assert watcher.grown(MAX_CLIENT_BATCH) == []
+
+
+async def test_a_large_body_is_written_whole_from_a_memoryview(make_server, models, monkeypatch):
+    """Bodies past `STREAM_BODY_BYTES` go out as a StreamResponse (aiohttp would otherwise copy headers and body
+    into one bytes object on the loop): the same bytes, headers and status as the plain response."""
+    from jaxserve.http import server
+
+    client = await make_server(models["embedding"])
+    plain = await client.post("/embed", json={"inputs": TEXTS[:64]})
+    monkeypatch.setattr(server, "STREAM_BODY_BYTES", 1000)
+    streamed = await client.post("/embed", json={"inputs": TEXTS[:64]})
+    body = await streamed.read()
+    assert streamed.status == plain.status == 200 and len(body) > 1000
+    assert body == await plain.read() and int(streamed.headers["Content-Length"]) == len(body)
+    assert streamed.headers["Content-Type"] == plain.headers["Content-Type"]
+    error = await client.post("/embed", json={"inputs": []})  # errors keep their shape either way
+    assert 400 <= error.status < 500 and "error" in await error.json()
