@@ -232,12 +232,14 @@ class Encoder:
                        fit=buckets.batch_fitter(info.batch_multiple, self.engine.devices), budget_rule=rule)
 
     def start(self, table: BucketTable | TableOptions | None = None, cache: str | Path | None = None,
-              tokens: bool = False, progress: bool = False) -> BucketTable:
+              tokens: bool = False, progress: bool = False, keep: int | None = None) -> BucketTable:
         """Ready the engine as `jaxserve serve` starts: the matching warm artifact's table and executables in
-        `cache` (default $JAXSERVE_CACHE_DIR or ~/.cache/jaxserve), no compile; else `warmup`, then saved there."""
-        from jaxserve.runtime import startup
+        `cache` (default $JAXSERVE_CACHE_DIR or ~/.cache/jaxserve), no compile; else `warmup`, then saved there
+        and the model's artifacts pruned to the newest `keep` (default: --keep-artifacts')."""
+        from jaxserve.runtime import artifact, startup
 
-        return startup.start(self, table or TableOptions(), tokens, startup.cache_root(cache), progress=progress)
+        return startup.start(self, table or TableOptions(), tokens, startup.cache_root(cache), progress=progress,
+                             keep=artifact.KEEP if keep is None else keep)
 
     def warm_table(self) -> BucketTable:
         """The table batches run at: the warm one, or (first use) one derived for this device and warmed now."""

@@ -260,10 +260,6 @@ class Batcher:
                      for r in q]
                 self._queues[BULK][s] = sorted(q, key=lambda r: r.key)
 
-    def has_aged(self) -> bool:
-        """Bulk rows waiting that have aged (`_age`)."""
-        return any(q and q[0].aged for q in self._queues[BULK].values())
-
     def next_dispatch(self, now: float, device_idle: bool, interactive_only: bool = False) -> Dispatch | None:
         """Interactive rows first, at once (earliest deadline first), their spare rows filled with bulk rows; bulk
         rows alone by window, full or idle, and while interactive work is likely at most `Classes.bulk_dispatch_s`
