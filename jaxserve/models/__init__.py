@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from jaxserve.errors import CheckpointError
-from jaxserve.models import bert, decoder, distilbert, gemma3, modernbert, mpnet
+from jaxserve.models import bert, decoder, distilbert, gemma3, gte, modernbert, mpnet, nomic_bert
 from jaxserve.models.family import ArchConfig, Family
 
-FAMILIES: dict[str, Family] = {t: f.FAMILY for f in (bert, decoder, distilbert, gemma3, modernbert, mpnet) for t in f.FAMILY.model_types}
+MODULES = (bert, decoder, distilbert, gemma3, gte, modernbert, mpnet, nomic_bert)
+FAMILIES: dict[str, Family] = {t: f.FAMILY for f in MODULES for t in f.FAMILY.model_types}
 
 
 def family_of(raw: dict) -> Family:

@@ -62,11 +62,14 @@ def qkv_heads(x_bsd, num_heads: int, num_kv_heads: int, head_dim: int, dtype, us
     return jnp.split(qkv.reshape(b, s, n + 2 * kv, head_dim), [n, n + kv], axis=2)
 
 
-def gated_mlp(x_bsd, intermediate: int, hidden: int, act: str, dtype, names: tuple[str, str], use_bias: bool):
+def gated_mlp(x_bsd, intermediate: int, hidden: int, act: str, dtype, names: tuple[str, str], use_bias: bool,
+              out_bias: bool | None = None):
     """act(a) * b, with a and b the halves of one fused projection `names[0]`, then `names[1]` back to
-    `hidden` (SwiGLU, GeGLU). Call from a compact method: the projections are submodules of the caller."""
+    `hidden` (SwiGLU, GeGLU); `out_bias` (default `use_bias`) where only the second has a bias (GTE).
+    Call from a compact method: the projections are submodules of the caller."""
     a, b = jnp.split(dense(2 * intermediate, dtype, names[0], use_bias=use_bias)(x_bsd), 2, axis=-1)  # [B, S, F] each
-    return dense(hidden, dtype, names[1], use_bias=use_bias)(ACTIVATIONS[act](a) * b)  # [B, S, D]
+    out_bias = use_bias if out_bias is None else out_bias
+    return dense(hidden, dtype, names[1], use_bias=out_bias)(ACTIVATIONS[act](a) * b)  # [B, S, D]
 
 
 class RMSNorm(nn.Module):
@@ -85,15 +88,20 @@ class RMSNorm(nn.Module):
         return (y * (self.offset + scale.astype(jnp.float32))).astype(self.dtype)
 
 
-def rotary(x, positions, theta: float, rotary_dim: int | None = None):
+def rotary(x, positions, theta, rotary_dim: int | None = None):
     """Rotary position embedding (the rotate-half form transformers uses) of x [B, S, N, H] at positions [B, S].
 
-    Positions restart per document, so packed documents each get their own rotation.
+    Positions restart per document, so packed documents each get their own rotation. `theta` is one base for
+    every token, or a base per token [B, S] (dynamic NTK scaling, where each document's length sets its base).
     """
     h = x.shape[-1]
     d = rotary_dim or h
-    inv_freq = 1.0 / (theta ** (np.arange(0, d, 2, dtype=np.float64) / d))  # [d/2]
-    angles = positions[..., None].astype(jnp.float32) * jnp.asarray(inv_freq, jnp.float32)  # [B, S, d/2]
+    exponents = np.arange(0, d, 2, dtype=np.float64) / d  # [d/2]
+    if isinstance(theta, (int, float)):
+        inv_freq = jnp.asarray(1.0 / theta ** exponents, jnp.float32)  # [d/2]
+    else:
+        inv_freq = 1.0 / theta.astype(jnp.float32)[..., None] ** jnp.asarray(exponents, jnp.float32)  # [B, S, d/2]
+    angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, S, d/2]
     cos = jnp.cos(jnp.concatenate([angles, angles], -1))[:, :, None, :]  # [B, S, 1, d]
     sin = jnp.sin(jnp.concatenate([angles, angles], -1))[:, :, None, :]
     xr = x[..., :d].astype(jnp.float32)
