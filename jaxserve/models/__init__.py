@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 from jaxserve.errors import CheckpointError
-from jaxserve.models import bert, decoder, distilbert, gemma3, gte, modernbert, mpnet, nomic_bert
+from jaxserve.models import bert, decoder, distilbert, eurobert, gemma3, gte, jina_bert, modernbert, mpnet, nomic_bert
 from jaxserve.models.family import ArchConfig, Family
 
-MODULES = (bert, decoder, distilbert, gemma3, gte, modernbert, mpnet, nomic_bert)
+MODULES = (bert, decoder, distilbert, eurobert, gemma3, gte, modernbert, mpnet, nomic_bert)
 FAMILIES: dict[str, Family] = {t: f.FAMILY for f in MODULES for t in f.FAMILY.model_types}
 
 
 def family_of(raw: dict) -> Family:
     """The family that reads this config.json, or a CheckpointError listing the supported model types."""
     model_type = raw.get("model_type")
+    if jina_bert.is_jina_bert(raw):  # JinaBERT v2 says model_type bert; its ALiBi positions tell it apart
+        return jina_bert.FAMILY
     if model_type not in FAMILIES:
         raise CheckpointError(
             f"unsupported model_type {model_type!r} in config.json (architectures={raw.get('architectures')}); "
