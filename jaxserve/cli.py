@@ -156,6 +156,15 @@ def cmd_embed(args) -> int:
 
     corpus = Corpus(args.input, args.field, args.id_field)
     sink_class(args.output)
+    if args.ray_actors is not None and (not args.ray or args.ray_actors < 1):
+        raise JaxserveError("--ray-actors needs --ray, and at least one actor")
+    if args.ray and not args.output.endswith(".parquet"):
+        raise JaxserveError("--ray writes .parquet: one part file per range, then the output in row order")
+    if args.ray:
+        try:
+            import ray.data  # noqa: F401
+        except ImportError:
+            raise JaxserveError("--ray needs Ray Data: pip install 'jaxserve[ray,parquet]'") from None
     total = corpus.check()  # a streaming pass: nothing is held in memory
     from jaxserve import Encoder
 
@@ -175,6 +184,8 @@ def cmd_embed(args) -> int:
         print(f"{args.output} is already complete: {total} rows, written with these arguments "
               f"({sink.summary_path}); nothing to do")
         return 0
+    if args.ray:
+        return embed_on_ray(args, corpus, sink, table_for(enc, args), total)
     enc.warmup(table_for(enc, args), progress=True)
     done = sink.resume()
     if done:
@@ -184,6 +195,33 @@ def cmd_embed(args) -> int:
                                args.chunk, bar.update)
     print(f"wrote {args.output}: {total} " + ("sparse rows" if sparse else f"x {enc.dim} float32"))
     print(f"{summary.line()}; summary in {sink.summary_path}")
+    return 0
+
+
+def embed_on_ray(args, corpus, sink, table, total: int) -> int:
+    """`jaxserve embed --ray`: the checked job run by an actor pool on a Ray cluster
+    (jaxserve/integrations/ray_data.py)."""
+    from tqdm import tqdm
+
+    from jaxserve.integrations import ray_data
+    from jaxserve.runtime.startup import cache_root
+
+    # Every actor loads the model as named here (a path the nodes share, or a hub id), at the dtype the driver
+    # resolved and recorded (not each device's `auto`), and warm-starts from the artifact in this cache directory.
+    local = args.model is not None and os.path.exists(args.model)  # a path, made absolute: workers have their own cwd
+    model = {"model": os.path.abspath(args.model) if local else args.model, "table": table,
+             "dtype": sink.state["dtype"], "attention": args.attention, "long": args.long,
+             "prompt": sink.state["prompt"], "cache_dir": os.path.abspath(cache_root(None))}
+    with tqdm(total=total, unit="doc", desc="embed") as bar:
+        def resumed(rows: int) -> None:
+            if rows:
+                print(f"resuming: {rows} of {total} rows already written", flush=True)
+                bar.update(rows)
+
+        run = ray_data.run_job(args.ray, sink, corpus, model, args.chunk, args.ray_actors, on_range=bar.update,
+                               on_resume=resumed)
+    print(f"wrote {args.output}: {total} x {sink.dim} float32; {run.ranges} ranges on {run.actors} actors")
+    print(f"{run.summary.line()}; summary in {sink.summary_path}")
     return 0
 
 
@@ -213,7 +251,8 @@ def cmd_explain(args) -> int:
 
 
 CORPUS_HELP = ("documents: one per line (UTF-8), JSONL (.jsonl, or lines starting with `{`) or Parquet (.parquet, "
-               "read a row group at a time); checked in full before any compile")
+               "read a row group at a time); a directory (its .parquet, .jsonl, .ndjson and .txt files) or a quoted "
+               "glob: its files one after another, sorted by name; checked in full before any compile")
 FIELD_HELP = "the text field of JSONL (default: `text`, else `input`) or the text column of Parquet (required there)"
 
 
@@ -263,8 +302,15 @@ def build_parser() -> argparse.ArgumentParser:
                             "order; a sparse (SPLADE) model: .jsonl, per row its [{index, value}] list; a summary "
                             "(documents, tokens, seconds, docs/s, tokens/s, padding, and the arguments a rerun must "
                             "match) lands in FILE.summary.json")
-    embed.add_argument("--chunk", type=int, default=1024, help="documents per step (and per progress checkpoint)")
+    embed.add_argument("--chunk", type=int, default=1024,
+                       help="documents per step (and per progress checkpoint; with --ray, per range)")
     embed.add_argument("--long", default="truncate", choices=["truncate", "chunk", "error"])
+    embed.add_argument("--ray", metavar="ADDRESS", help="run on a Ray cluster (ADDRESS as ray.init takes it, e.g. "
+                       "auto or ray://head:10001; local: start one here): an actor pool, one per GPU, each range of "
+                       "--chunk rows written once as a part file; .parquet output; input, model and cache directory "
+                       "readable from every node")
+    embed.add_argument("--ray-actors", type=int, metavar="N",
+                       help="with --ray: actors in the pool (default: one per GPU of the cluster, else one per node)")
     prompts = embed.add_mutually_exclusive_group()
     prompts.add_argument("--prompt-name", help="one of the checkpoint's prompts, in front of every document "
                          "(default: the checkpoint's default_prompt_name, if any)")

@@ -8,6 +8,9 @@ pairs; Parquet is read one row group at a time.
 
 from __future__ import annotations
 
+import dataclasses
+import glob
+import itertools
 import json
 import os
 from collections.abc import Iterator
@@ -16,6 +19,7 @@ from dataclasses import dataclass
 from jaxserve.errors import JaxserveError
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
+CORPUS_SUFFIXES = (".parquet", *JSONL_SUFFIXES, ".txt")  # the files of a directory given as the input
 DEFAULT_FIELDS = ("text", "input")
 
 
@@ -33,8 +37,29 @@ class Corpus:
     def parquet(self) -> bool:
         return self.path.endswith(".parquet")
 
+    def files(self) -> list[str]:
+        """The input's files, in row order: the file itself; a directory's corpus files (`CORPUS_SUFFIXES`, not
+        hidden) or a glob's matches, sorted by name."""
+        if os.path.isdir(self.path):
+            return sorted(os.path.join(self.path, n) for n in os.listdir(self.path)
+                          if n.endswith(CORPUS_SUFFIXES) and not n.startswith((".", "_")))
+        if not os.path.exists(self.path) and any(c in self.path for c in "*?["):
+            return sorted(f for f in glob.glob(self.path) if os.path.isfile(f))
+        return [self.path]
+
+    def _each(self) -> list[Corpus]:
+        """One corpus per file, in row order (none matched: a CorpusError)."""
+        files = self.files()
+        if not files:
+            raise CorpusError(f"input {self.path!r} matches no corpus files (a directory's {', '.join(CORPUS_SUFFIXES)}"
+                              " files, or a glob's matches)")
+        return [dataclasses.replace(self, path=f) for f in files]
+
     def check(self) -> int:
         """Read everything once; the number of documents, or a CorpusError."""
+        return sum(one._check_file() for one in self._each())
+
+    def _check_file(self) -> int:
         if not os.path.isfile(self.path):
             raise CorpusError(f"input {self.path!r} does not exist (or is not a file)")
         if not os.access(self.path, os.R_OK):
@@ -48,16 +73,64 @@ class Corpus:
         return count
 
     def records(self) -> Iterator[tuple[object, str]]:
-        """(id or None, text) per document, in file order."""
-        return self._parquet_records() if self.parquet else self._line_records()
+        """(id or None, text) per document, in file order (a file after another: `files`)."""
+        return itertools.chain.from_iterable(
+            one._parquet_records() if one.parquet else one._line_records() for one in self._each())
 
     def texts(self) -> Iterator[str]:
         return (text for _, text in self.records())
 
-    def _line_records(self) -> Iterator[tuple[object, str]]:
+    def boundaries(self) -> list[int]:
+        """The row each file after the first starts at (a range read by `records_from` stays in one file): from
+        Parquet metadata, or a count of a line file's documents (no parsing)."""
+        rows, starts = 0, []
+        for one in self._each()[:-1]:
+            if one.parquet:
+                rows += one._parquet_file().metadata.num_rows
+            else:
+                with open(one.path, "rb") as f:
+                    rows += sum(1 for raw in f if raw.decode("utf-8", "replace").strip())
+            starts.append(rows)
+        return starts
+
+    def seek(self, starts: set[int]) -> dict[int, tuple[str, int, int]]:
+        """Where reading begins for each row in `starts` (row numbers from 0), for `records_from`: so a worker
+        reads its own range without reading the rows before it. (file, row group, its first row) from a
+        Parquet file's metadata; (file, byte offset, lines before) from one streaming pass over a line file."""
+        found: dict[int, tuple[str, int, int]] = {}
+        row = 0
+        for one in self._each():
+            if one.parquet:
+                meta = one._parquet_file().metadata
+                for group in range(meta.num_row_groups):
+                    rows = meta.row_group(group).num_rows
+                    found.update((s, (one.path, group, row)) for s in starts if row <= s < row + rows)
+                    row += rows
+                continue
+            with open(one.path, "rb") as f:
+                offset = 0
+                for number, raw in enumerate(f):
+                    if raw.decode("utf-8", "replace").strip():  # what `_line_records` counts as a document
+                        if row in starts:
+                            found[row] = (one.path, offset, number)
+                        row += 1
+                    offset += len(raw)
+        return found
+
+    def records_from(self, start: int, count: int, at: tuple[str, int, int]) -> list[tuple[object, str]]:
+        """Rows `start`..`start + count` of one file as `records` gives them, read from `at` (`seek`'s for
+        `start`)."""
+        path, a, b = at
+        one = dataclasses.replace(self, path=path)
+        if one.parquet:
+            return list(itertools.islice(one._parquet_records(a), start - b, start - b + count))
+        return list(itertools.islice(one._line_records(a, b), count))
+
+    def _line_records(self, offset: int = 0, lines_before: int = 0) -> Iterator[tuple[object, str]]:
         jsonl = self.path.endswith(JSONL_SUFFIXES) or self.field is not None or self.id_field is not None
         with open(self.path, "rb") as f:
-            for number, raw in enumerate(f, 1):
+            f.seek(offset)
+            for number, raw in enumerate(f, lines_before + 1):
                 try:
                     line = raw.decode("utf-8").rstrip("\r\n")
                 except UnicodeDecodeError as exc:
@@ -128,9 +201,9 @@ class Corpus:
             start += table.num_rows
         return pf.metadata.num_rows
 
-    def _parquet_records(self) -> Iterator[tuple[object, str]]:
+    def _parquet_records(self, first_group: int = 0) -> Iterator[tuple[object, str]]:
         pf = self._parquet_file()
-        for group in range(pf.num_row_groups):  # one row group in memory at a time
+        for group in range(first_group, pf.num_row_groups):  # one row group in memory at a time
             table = pf.read_row_group(group, columns=self._columns())
             texts = table[self.field].to_pylist()
             ids = table[self.id_field].to_pylist() if self.id_field else [None] * len(texts)

@@ -96,6 +96,20 @@ def embed_corpus(records: Iterable[tuple[object, str]],
     return summary
 
 
+def plan_ranges(rows: int, block: int, finished: list[tuple[int, int]],
+                cuts: Iterable[int] = ()) -> list[tuple[int, int]]:
+    """The (start, count) ranges left to embed, in row order: the rows no `finished` range holds, cut into ranges
+    of at most `block` rows that never cross a finished one (a range is written whole under its own name, so two
+    ranges that overlapped would write a row twice), nor a row in `cuts` (where an input file starts)."""
+    todo, at, cuts = [], 0, sorted(set(cuts))
+    for start, count in sorted(finished) + [(rows, 0)]:
+        edges = [at, *(c for c in cuts if at < c < start), start]
+        for lo, hi in itertools.pairwise(edges):
+            todo += [(s, min(block, hi - s)) for s in range(lo, hi, block)]
+        at = max(at, start + count)
+    return todo
+
+
 def encoder_embed(enc, long: str, prompt: str | None) -> Stages:
     """The `Stages` of `embed_corpus` for an encoder: `Encoder.embed` (checkpoint's normalisation), or a SPLADE
     model's `embed_sparse`, cut in two, counting tokens. Tokenizing (with `prompt`) and packing are the prepare
@@ -133,14 +147,25 @@ def model_id(path: Path) -> str:
     return h.hexdigest()[:16]
 
 
+def input_files(corpus: Corpus) -> str:
+    """What identifies the input's contents without reading them: a file's size and modification time (a corpus
+    rewritten in place is another input); for a directory or glob, its files' names, sizes and times, digested."""
+    files = corpus.files()
+    stats = [os.stat(f) for f in files]
+    if files == [corpus.path]:
+        modified = datetime.datetime.fromtimestamp(stats[0].st_mtime_ns / 1e9, datetime.UTC).isoformat()
+        return f"{stats[0].st_size} bytes, modified {modified}"
+    listing = hashlib.sha256("".join(f"{os.path.basename(f)}\0{st.st_size}\0{st.st_mtime_ns}\n"
+                                     for f, st in zip(files, stats, strict=True)).encode()).hexdigest()[:16]
+    return f"{len(files)} files, {sum(st.st_size for st in stats)} bytes, listing {listing}"
+
+
 def job_state(enc, corpus: Corpus, rows: int, long: str, prompt_name: str | None, prompt: str | None) -> dict:
     """Everything that decides an output's rows, recorded with it: a resume (or a rerun of a finished job) must
     match it, or the file would mix two runs' rows (or keep a stale one's). `prompt_name` and `prompt` as given (neither: the
     checkpoint's default); the prompt's text as resolved."""
     emb = enc.embedding_config
-    stat = os.stat(corpus.path)  # a corpus rewritten in place is another input
-    modified = datetime.datetime.fromtimestamp(stat.st_mtime_ns / 1e9, datetime.UTC).isoformat()
-    return {"input": os.path.abspath(corpus.path), "input_file": f"{stat.st_size} bytes, modified {modified}",
+    return {"input": os.path.abspath(corpus.path), "input_file": input_files(corpus),
             "rows": rows,
             "dim": enc.splade.vocab_size if enc.splade is not None else enc.dim,
             "field": corpus.field, "id_field": corpus.id_field, "model": model_id(enc.path), "dtype": enc.dtype,

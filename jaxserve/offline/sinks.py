@@ -241,16 +241,34 @@ class ParquetSink(Sink):
             return json.load(f)
 
     def _resume(self) -> int:
+        """The rows from 0 the parts hold without a gap; parts past a gap (a Ray job's, which finish out of order)
+        are dropped, since a run in row order redoes them in its own chunks."""
+        done = 0
+        for start, count in self.open_parts():
+            if start != done:
+                os.remove(os.path.join(self.parts, f"part-{start:012d}-{count:09d}.parquet"))
+            else:
+                done += count
+        return done
+
+    def open_parts(self) -> list[tuple[int, int]]:
+        """Start writing parts: those of an earlier run with the same arguments are kept (`finished`), anything
+        else there is cleared. Call after `check`."""
         if self.saved_state() == self.state:
-            return sum(int(name.split("-")[2].split(".")[0]) for name in self._part_names())
+            return self.finished()
         shutil.rmtree(self.parts, ignore_errors=True)
         os.makedirs(self.parts)
         write_json_atomic(self.manifest, self.state)
-        return 0
+        return []
 
     def _part_names(self) -> list[str]:
         """part-START-COUNT.parquet, in row order."""
         return sorted(n for n in os.listdir(self.parts) if n.startswith("part-") and n.endswith(".parquet"))
+
+    def finished(self) -> list[tuple[int, int]]:
+        """(start, count) of every part on disk, in row order: the rows a resume skips. Parts may finish out of
+        order (the Ray job's workers write them), so they need not make a prefix."""
+        return [(int(n.split("-")[1]), int(n.split("-")[2].split(".")[0])) for n in self._part_names()]
 
     def _table(self, start: int, vectors: np.ndarray, ids: list | None):
         import pyarrow as pa
@@ -268,13 +286,21 @@ class ParquetSink(Sink):
         import pyarrow.parquet as pq
 
         name = os.path.join(self.parts, f"part-{start:012d}-{len(rows):09d}.parquet")
-        pq.write_table(self._table(start, rows, ids), name + ".tmp")
-        os.replace(name + ".tmp", name)
+        temporary = f"{name}.{os.getpid()}.tmp"  # its own per writer: a retried range may race the first try
+        pq.write_table(self._table(start, rows, ids), temporary)
+        os.replace(temporary, name)  # the same name whatever writes it: a range lands once
 
     def _seal(self) -> None:
         import pyarrow.parquet as pq
 
-        names = self._part_names()
+        names, expected = self._part_names(), 0
+        for start, count in self.finished():  # every row once: the parts tile the rows
+            if start != expected:
+                raise JaxserveError(f"{self.parts}: rows {expected}..{start} have no part (or two parts overlap "
+                                    "there); not sealing an output with rows missing or twice")
+            expected += count
+        if expected != self.rows:
+            raise JaxserveError(f"{self.parts}: the parts hold {expected} rows, not {self.rows}; not sealing")
         schema = pq.read_schema(os.path.join(self.parts, names[0])) if names else self._table(
             0, np.zeros((0, self.dim), np.float32), []).schema
         with pq.ParquetWriter(self.path + ".tmp", schema) as writer:
