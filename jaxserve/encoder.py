@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 from functools import partial
 from pathlib import Path
 
@@ -15,11 +16,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.checkpoint import loader
+from jaxserve.checkpoint import llm_reranker, loader
 from jaxserve.checkpoint.config import EmbeddingConfig, HeadConfig, read_head_config, read_model_config
-from jaxserve.checkpoint.tokenize import Pieces, TextTokenizer
+from jaxserve.checkpoint.tokenize import Pieces, TextTokenizer, from_sequences
 from jaxserve.dims import ModelDims
-from jaxserve.errors import InputError
+from jaxserve.errors import CheckpointError, InputError
 from jaxserve.heads import multivector, sparse
 from jaxserve.heads.forwards import classify_forward, embed_forward, tokens_forward
 from jaxserve.models import ArchConfig, Family
@@ -30,7 +31,7 @@ from jaxserve.runtime.buckets import BucketTable
 from jaxserve.runtime.derivation import TableOptions
 from jaxserve.runtime.device import DEFAULT_HEADROOM
 from jaxserve.runtime.engine import Engine
-from jaxserve.scheduling.jobs import Job
+from jaxserve.scheduling.jobs import Job, ragged_arange
 from jaxserve.scheduling.pipeline import run_jobs
 from jaxserve.scheduling.planner import Rows, pack
 
@@ -65,6 +66,8 @@ class Encoder:
     colbert: multivector.MultiVectorConfig | None = None  # a multi-vector checkpoint's (jaxserve.heads.multivector)
     last_dispatches: list = dataclasses.field(default_factory=list, repr=False)  # the batches the last `run` ran
     attention: str = "auto"  # the --attention choice (each bucket's implementation: engine.attention_of)
+    # an LLM reranker's chat template or prompt for (query, document) pairs (jaxserve.checkpoint.llm_reranker)
+    pair_template: llm_reranker.PairTemplate | llm_reranker.Qwen3RerankerPrompt | None = None
 
     @classmethod
     def from_pretrained(
@@ -85,12 +88,20 @@ class Encoder:
             raise ValueError(f"attention must be one of {', '.join(ATTENTION_CHOICES)}, not {attention!r}")
         path = loader.resolve(name)
         family, cfg = read_model_config(path)
-        head = read_head_config(path)
+        head = read_head_config(path, loader.named(name))
         emb = EmbeddingConfig.from_checkpoint(path, cfg)
         tokenizer = TextTokenizer.from_dir(path, emb.max_seq_length)
         jdtype = DTYPES[dtype]
         shapes = family.param_shapes(cfg, jdtype, head.num_labels)
-        params = loader.load_params(path, family, cfg, shapes, dtype=jdtype)
+        if head.logit_score is None:
+            params = loader.load_params(path, family, cfg, shapes, dtype=jdtype)
+        else:  # an LLM reranker: the encoder's weights, then the LM head's true/false rows as a one-output head
+            if family.head is None or family.pooling_for_head(cfg) != "lasttoken":
+                raise CheckpointError(f"a LogitScore reranker needs a causal decoder; {family.name} is not one")
+            params = loader.load_params(path, family, cfg, {k: v for k, v in shapes.items() if k != "head"},
+                                        dtype=jdtype)
+            kernel = llm_reranker.score_kernel(path, head.logit_score, cfg.hidden_size, cfg.vocab_size)
+            params["head"] = {"score": {"kernel": kernel.astype(jdtype)}}
         if emb.dense and head.kind == "embedding":
             params["dense"] = loader.load_dense(path, emb.dense)
         splade = sparse.SparseConfig.from_module(head.sparse, cfg.vocab_size) if head.kind == "sparse" else None
@@ -129,7 +140,9 @@ class Encoder:
         head_dim = dims.head_dim or dims.hidden // dims.heads
         engine = Engine(forward, params, local[:count],
                         plan=partial(attention_kernels.plan, attention, platform, head_dim=head_dim, dtype=dtype))
-        enc = cls(path, family, cfg, emb, tokenizer, engine, dtype, head, splade, colbert, attention=attention)
+        template = llm_reranker.pair_template(path, loader.named(name)) if head.logit_score is not None else None
+        enc = cls(path, family, cfg, emb, tokenizer, engine, dtype, head, splade, colbert, attention=attention,
+                  pair_template=template)
         if buckets is not None:
             enc.warmup(buckets if isinstance(buckets, BucketTable) else BucketTable.load(buckets))
         return enc
@@ -267,8 +280,9 @@ class Encoder:
         pieces = self.tokenizer.documents(list(texts), long, prompt=prompt)
         return pieces, pack(pieces.lengths, self.warm_table())
 
-    def run(self, pieces: Pieces, rows: Rows | None = None) -> np.ndarray:
-        """Run sequences through the device -> [P, out_dim] (pooled, not normalised), in input order.
+    def run(self, pieces: Pieces, rows: Rows | None = None) -> np.ndarray | sparse.SparseRows:
+        """Run sequences through the device -> [P, out_dim] (pooled, not normalised), in input order; a SPLADE
+        model's as `sparse.SparseRows`, the full rows of sequences over the cap kept.
 
         The batches are formed by the same batcher as the server's, drained at
         once; `last_dispatches` keeps the batches that ran (what `explain` reports).
@@ -276,8 +290,23 @@ class Encoder:
         table = self.warm_table()
         rows = rows if rows is not None else pack(pieces.lengths, table)
         job = Job(rows, pieces.ids, pieces.offsets, pieces.types, self.out_dim)
-        self.last_dispatches = run_jobs(self.engine, table, [job], streams=device.streams())
-        return job.out
+        engine = self.engine if self.splade is None else _KeepingFull(self.engine, self.splade)
+        self.last_dispatches = run_jobs(engine, table, [job], streams=device.streams())
+        return job.out if self.splade is None else sparse.SparseRows(job.out, engine.full)
+
+    def complete_sparse(self, pieces: Pieces, out: np.ndarray) -> sparse.SparseRows:
+        """A SPLADE model's compact rows from a pass that kept no spill (the server's pipeline) -> `SparseRows`:
+        the sequences over the cap run again, through the same executables, their full rows kept."""
+        over = sparse.over_cap(out, self.splade)
+        if not len(over):
+            return sparse.SparseRows(out)
+        lengths = pieces.lengths[over]
+        tokens = ragged_arange(pieces.offsets[over], lengths)
+        again = self.run(Pieces(pieces.ids[tokens], np.concatenate([[0], np.cumsum(lengths)]), pieces.doc[over],
+                                pieces.weight[over], None if pieces.types is None else pieces.types[tokens]))
+        merged = np.array(out)
+        merged[over] = again.compact
+        return sparse.SparseRows(merged, again.full)
 
     def run_tokens(self, pieces: Pieces) -> list[np.ndarray]:
         """Run sequences for their token outputs -> per sequence its [tokens, token_dim] float32 states, in order."""
@@ -349,14 +378,51 @@ class Encoder:
         return self.run(self.prepare_pairs(inputs, truncate))
 
     def rerank(self, query: str, texts: list[str], truncate: bool = True) -> np.ndarray:
-        """Cross-encoder relevance logits [N] of (query, text) pairs, in input order."""
+        """Cross-encoder relevance logits [N] of (query, text) pairs, in input order (an LLM reranker's: the
+        true token's logit minus the false one's at the last position, as LogitScore)."""
         return self.classify([(query, t) for t in texts], truncate)[:, 0]
 
     def prepare_pairs(self, inputs: list, truncate: bool, direction: str = "right") -> Pieces:
-        """Texts (one sequence each) or pairs ([CLS] a [SEP] b [SEP]), mixed, as model sequences."""
-        return self.tokenizer.pairs(inputs, truncate, direction)
+        """Texts (one sequence each) or pairs ([CLS] a [SEP] b [SEP]), mixed, as model sequences; an LLM
+        reranker with a chat template or a model card's prompt: each pair rendered through it."""
+        if self.pair_template is None:
+            return self.tokenizer.pairs(inputs, truncate, direction)
+        return self._templated_pairs(inputs, truncate, direction)
+
+    def _templated_pairs(self, inputs: list, truncate: bool, direction: str) -> Pieces:
+        """Pairs through the LLM reranker's template (`llm_reranker`), one sequence each."""
+        if any(isinstance(x, str) for x in inputs):
+            raise InputError("an LLM reranker scores (query, document) pairs, not single texts")
+        seqs = self.pair_template.sequences(self.tokenizer, [tuple(x) for x in inputs], truncate, direction)
+        return from_sequences(seqs, np.arange(len(seqs)), np.ones(len(seqs)))
 
     def _require(self, kind: str) -> None:
         if self.head.kind != kind:
             raise InputError(f"{self.path.name} is a{'n' if self.head.kind == 'embedding' else ''} {self.head.kind} "
                              f"model; this needs a{'n' if kind == 'embedding' else ''} {kind} model")
+
+
+class _KeepingFull:
+    """The engine as `run_jobs` drives it for a SPLADE model: each batch's spill (its full weights) is copied
+    back only when one of its sequences is over the cap, and those sequences' non-zeros kept in `full`."""
+
+    def __init__(self, engine: Engine, splade: sparse.SparseConfig):
+        self.engine = engine
+        self.splade = splade
+        self.full: list = []
+        self._lock = threading.Lock()  # fetches run on several threads (device.streams)
+
+    def put(self, *args):
+        return self.engine.put(*args)
+
+    def launch(self, prepared):
+        return self.engine.launch(prepared, spill=True)
+
+    def fetch(self, launched) -> np.ndarray:
+        result, spill = launched
+        out = self.engine.fetch(result)
+        if (out[..., 0] <= self.splade.cap).all():
+            return out
+        weights = self.engine.fetch(spill)
+        with self._lock:
+            return sparse.keep_full(out, weights, self.splade, self.full)

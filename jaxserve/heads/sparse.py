@@ -10,8 +10,12 @@ Two things keep it cheap on a device:
   [B, S, BLOCK] at a time and the pooled [B, K, vocab];
 - the device compacts each sequence's non-zeros to the front (index order) and
   ships [B, K, 1 + 2 * cap] (count, values, indices) instead of [B, K, vocab].
-  Below the cap that is lossless; a sequence with more non-zeros than the cap
-  is an error naming `JAXSERVE_SPARSE_CAP`, never a silent cut.
+  Up to the cap that is lossless. The same executable also returns the pooled
+  [B, K, vocab] weights as a second output (its spill), which stays on the
+  device, unread, unless a batch holds a sequence over the cap: then that
+  batch's full rows are copied back and such a sequence's non-zeros are read
+  from its own (`SparseRows`). A model's output is never refused; the cost of
+  a dense row falls on the batches that have one (docs/models.md).
 """
 
 from __future__ import annotations
@@ -26,12 +30,12 @@ import jax.numpy as jnp
 import numpy as np
 import orjson
 
-from jaxserve.errors import CheckpointError, InputError
+from jaxserve.errors import CheckpointError
 from jaxserve.heads.pooling import HIGHEST
 from jaxserve.models import layers
 
 BLOCK = 4096  # vocabulary entries projected at a time
-CAP_ENV = "JAXSERVE_SPARSE_CAP"  # non-zeros shipped per sequence
+CAP_ENV = "JAXSERVE_SPARSE_CAP"  # non-zeros shipped compact per sequence (more: its full row, from the spill)
 DEFAULT_CAP = 2048  # (or the vocabulary, if smaller): trained SPLADE models keep far fewer (docs/models.md)
 STRATEGIES = ("max", "sum")
 ACTIVATIONS = ("relu", "log1p_relu")
@@ -173,8 +177,11 @@ def compact(weights_bkv: jax.Array, cap: int) -> jax.Array:
     return jnp.concatenate([count[..., None].astype(jnp.float32), values[..., :cap], indices[..., :cap]], -1)
 
 
-def sparse_forward(module, cfg, sparse: SparseConfig, num_segments: int, params, batch: dict) -> jax.Array:
-    """Pure forward: packed rows -> [B, K, 1 + 2 cap] compacted SPLADE weights of each sequence."""
+def sparse_forward(module, cfg, sparse: SparseConfig, num_segments: int, params,
+                   batch: dict) -> tuple[jax.Array, jax.Array]:
+    """Pure forward: packed rows -> ([B, K, 1 + 2 cap] compacted SPLADE weights of each sequence, the [B, K, V]
+    weights themselves): the engine ships the first and keeps the second on the device as the spill
+    (`Engine.launch`), read only for a batch with a sequence over the cap."""
     from jaxserve.heads.pooling import segment_onehot
 
     head = params["mlm"]
@@ -185,24 +192,66 @@ def sparse_forward(module, cfg, sparse: SparseConfig, num_segments: int, params,
     decoder = head["decoder"] if "decoder" in head else params["embeddings"]["word"]["embedding"]  # [V, D]
     member = segment_onehot(batch["segment_ids"], num_segments)  # [B, S, K]
     weights = pooled_weights(sparse, transform(cfg, head, hidden), decoder, head["bias"], member)
-    return compact(weights, sparse.cap)
+    return compact(weights, sparse.cap), weights
 
 
-def counts(out: np.ndarray, sparse: SparseConfig) -> np.ndarray:
-    """[P] each device row's non-zeros; an error naming the cap when one has more than it shipped."""
-    n = out[:, 0].astype(np.int64)
-    if len(n) and n.max() > sparse.cap:
-        raise InputError(f"an input has {int(n.max())} non-zero sparse weights, over this server's cap of {sparse.cap} "
-                         f"({CAP_ENV}); raise it (up to the vocabulary, {sparse.vocab_size}) to get them all")
-    return n
+@dataclasses.dataclass
+class SparseRows:
+    """Each sequence's weights as the device shipped them: `compact` [P, 1 + 2 cap] rows (count, values, indices),
+    and the non-zeros (indices, values) of the sequences over the cap, from their full rows. Such a row keeps its
+    count and carries, as its first value, the place of its non-zeros in `full`."""
+
+    compact: np.ndarray
+    full: list[tuple[np.ndarray, np.ndarray]] = dataclasses.field(default_factory=list)
 
 
-def decode(out: np.ndarray, sparse: SparseConfig) -> list[list[dict]]:
-    """[P, 1 + 2 cap] device rows -> per sequence its non-zeros [{"index", "value"}], index order (TEI's shape)."""
+def counts(out: np.ndarray) -> np.ndarray:
+    """[P] each compact row's non-zeros (more than the cap: the sequence's are in `SparseRows.full`)."""
+    return out[:, 0].astype(np.int64)
+
+
+def over_cap(out: np.ndarray, sparse: SparseConfig) -> np.ndarray:
+    """The sequences whose non-zeros the compact rows cannot hold (their full rows are needed)."""
+    return np.flatnonzero(counts(out) > sparse.cap)
+
+
+def nonzeros(weights_v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A full [V] row -> its non-zeros (indices int64, values float32), index order, as `compact` keeps them."""
+    indices = np.flatnonzero(weights_v > 0)
+    return indices, np.ascontiguousarray(weights_v[indices], np.float32)
+
+
+def keep_full(out_bkw: np.ndarray, spill_bkv: np.ndarray, sparse: SparseConfig,
+              full: list) -> np.ndarray:
+    """A batch's compact rows [B, k, 1 + 2 cap] and its spill [B, k, V] -> the compact rows with each sequence
+    over the cap pointing at its non-zeros, appended to `full` (the caller serialises calls that share it)."""
+    over = out_bkw[..., 0] > sparse.cap  # [B, k]
+    if not over.any():
+        return out_bkw
+    marked = np.array(out_bkw)  # the host copy of a device buffer may be read-only
+    marked[over, 1] = len(full) + np.arange(int(over.sum()))  # exact in float32 below 2**24
+    full.extend(nonzeros(w) for w in spill_bkv[over])
+    return marked
+
+
+def _rows(out, sparse: SparseConfig) -> SparseRows:
+    rows = out if isinstance(out, SparseRows) else SparseRows(out)
+    missing = len(over_cap(rows.compact, sparse)) and not rows.full
+    if missing:  # the compact rows of a pass that kept no spill: a caller's error, never the request's
+        raise ValueError("compact SPLADE rows over the cap without their full rows (Encoder.complete_sparse)")
+    return rows
+
+
+def decode(out: SparseRows | np.ndarray, sparse: SparseConfig) -> list[list[dict]]:
+    """Device rows -> per sequence its non-zeros [{"index", "value"}], index order (TEI's shape)."""
+    rows = _rows(out, sparse)
     result = []
-    for row, n in zip(out, counts(out, sparse)):
-        values = row[1 : 1 + n]
-        indices = row[1 + sparse.cap : 1 + sparse.cap + n].astype(np.int64)
+    for row, n in zip(rows.compact, counts(rows.compact)):
+        if n > sparse.cap:
+            indices, values = rows.full[int(row[1])]
+        else:
+            values = row[1 : 1 + n]
+            indices = row[1 + sparse.cap : 1 + sparse.cap + n].astype(np.int64)
         result.append([{"index": int(i), "value": float(v)} for i, v in zip(indices, values)])
     return result
 
@@ -210,27 +259,43 @@ def decode(out: np.ndarray, sparse: SparseConfig) -> list[list[dict]]:
 JSON_BLOCK = 2**16  # weights written to JSON per orjson call, at most (a row more where one row has more)
 
 
-def json_rows(out: np.ndarray, sparse: SparseConfig) -> list[bytes]:
-    """[P, 1 + 2 cap] device rows -> per sequence `decode`'s list as JSON (values at float32's shortest repr).
+def json_rows(out: SparseRows | np.ndarray, sparse: SparseConfig) -> list[bytes]:
+    """Device rows -> per sequence `decode`'s list as JSON (values at float32's shortest repr).
 
     Built in bulk, as a server needs it for a thousand inputs of thousands of weights each: orjson writes a
     block of rows' indices, then their values, at once, and the records are joined from those pieces, with no
     Python object per weight beyond its two numbers' texts. Blocks of `JSON_BLOCK` weights bound how long one
     call holds the GIL (orjson keeps it throughout), and with it the event loop of the thread that waits."""
-    n = counts(out, sparse)
-    rows = max(1, JSON_BLOCK // sparse.cap)
-    return [row for first in range(0, len(out), rows) for row in _json_block(out[first : first + rows],
-                                                                               n[first : first + rows], sparse.cap)]
+    rows = _rows(out, sparse)
+    compact, cap = rows.compact, sparse.cap
+    n = counts(compact)
+    shipped = np.where(n > cap, 0, n)  # a row over the cap is written from its full row below
+    step = max(1, JSON_BLOCK // cap)
+    result = [row for a in range(0, len(compact), step)
+              for row in _json_block(compact[a : a + step, 1 + cap :], compact[a : a + step, 1 : 1 + cap],
+                                     shipped[a : a + step])]
+    for p in over_cap(compact, sparse):
+        result[p] = _json_full(*rows.full[int(compact[p, 1])])
+    return result
 
 
-def _json_block(out: np.ndarray, n: np.ndarray, cap: int) -> list[bytes]:
-    shipped = np.arange(cap) < n[:, None]  # [P, cap]
-    if not shipped.any():
-        return [b"[]"] * len(out)
+def _json_full(indices: np.ndarray, values: np.ndarray) -> bytes:
+    """One sequence's non-zeros read from its full row, as JSON: `JSON_BLOCK` weights per orjson call."""
+    blocks = [_json_block(indices[None, a : a + JSON_BLOCK], values[None, a : a + JSON_BLOCK],
+                          np.array([min(JSON_BLOCK, len(indices) - a)]))[0][1:-1]
+              for a in range(0, len(indices), JSON_BLOCK)]
+    return b"[" + b",".join(blocks) + b"]"
+
+
+def _json_block(indices: np.ndarray, values: np.ndarray, n: np.ndarray) -> list[bytes]:
+    """[P, W] indices and values, the first n[p] of row p taken -> per row its records as JSON."""
+    taken = np.arange(indices.shape[1]) < n[:, None]  # [P, W]
+    if not taken.any():
+        return [b"[]"] * len(n)
     numbers = lambda a: orjson.dumps(a, option=orjson.OPT_SERIALIZE_NUMPY)[1:-1].split(b",")
     pieces = [b'},{"index":', None, b',"value":', None] * int(n.sum())
-    pieces[1::4] = numbers(out[:, 1 + cap : 1 + 2 * cap][shipped].astype(np.int64))
-    pieces[3::4] = numbers(out[:, 1 : 1 + cap][shipped])
+    pieces[1::4] = numbers(indices[taken].astype(np.int64))
+    pieces[3::4] = numbers(values[taken])
     bounds = (4 * np.concatenate([[0], np.cumsum(n)])).tolist()
     return [b'[{"index":' + b"".join(pieces[a + 1 : b]) + b"}]" if b > a else b"[]"
             for a, b in itertools.pairwise(bounds)]

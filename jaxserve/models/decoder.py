@@ -204,7 +204,12 @@ class Decoder(nn.Module):
 
 
 class ScoreHead(nn.Module):
-    """transformers' *ForSequenceClassification: a bias-free `score` Linear on each document's last token."""
+    """transformers' *ForSequenceClassification: a bias-free `score` Linear on each document's last token.
+
+    An LLM reranker (sentence-transformers' LogitScore) is this head with one output whose kernel is the LM head's
+    "yes" row minus its "no" row (`checkpoint.llm_reranker.score_kernel`): the log-odds at the last token from
+    [B, K, D] states, no vocabulary-wide logits.
+    """
 
     cfg: Config
     num_labels: int

@@ -6,8 +6,10 @@ overlap them: `put` (one host-to-device copy of the batch's [4, B, S] inputs),
 `launch` (enqueue on the device; returns at once, as JAX dispatch is
 asynchronous) and `fetch` (wait for the result and copy it to the host). A
 pooled result comes back in slot chunks (`jaxserve.runtime.output_chunks`): only those
-that hold the batch's sequences are copied. Compiling a whole table and timing its
-buckets is `jaxserve.runtime.warm`'s job; the engine compiles one shape at a time.
+that hold the batch's sequences are copied. A pooled forward may return a second output,
+its spill, copied only by a caller that asks (`launch(spill=True)`, then `fetch`). Compiling
+a whole table and timing its buckets is `jaxserve.runtime.warm`'s job; the engine compiles one
+shape at a time.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from jaxserve.runtime.buckets import INPUT_NAMES, Bucket, BucketTable
 
 log = logging.getLogger("jaxserve.runtime.engine")
 
-Forward = Callable[[dict, dict], jax.Array]  # (params, {name: [B, S] int32}) -> [B, K, D]
+Forward = Callable[[dict, dict], jax.Array]  # (params, {name: [B, S] int32}) -> [B, K, D] (or with a spill)
 
 
 class Attention(NamedTuple):
@@ -60,10 +62,14 @@ def batch_struct(batch: int, seqlen: int) -> jax.ShapeDtypeStruct:
 
 def unstacked(forward: Forward, output: str, slots: int):
     """The forward over one stacked [4, B, S] input array (one transfer per batch) -> a tuple of outputs: a pooled
-    [B, K, D] cut into its slot chunks, a [B, S, D] of tokens whole."""
+    [B, K, D] cut into its slot chunks, a [B, S, D] of tokens whole. A pooled forward may return a pair
+    (out, spill): the spill's chunks follow the out's (`Engine.launch`)."""
     def run(params, stacked):
         out = forward(params, dict(zip(INPUT_NAMES, stacked)))
-        return output_chunks.split(out, slots) if output == "pooled" else (out,)
+        if output != "pooled":
+            return (out,)
+        parts = out if isinstance(out, tuple) else (out,)
+        return tuple(chunk for part in parts for chunk in output_chunks.split(part, slots))
     return run
 
 
@@ -257,14 +263,22 @@ class Engine:
         """Host array -> device, already split by rows across the mesh (no resharding op to compile)."""
         return jax.device_put(inputs, self._inputs_by_row if self.devices > 1 else None)
 
-    def launch(self, prepared: Prepared) -> tuple[jax.Array, ...]:
+    def launch(self, prepared: Prepared, spill: bool = False):
         """Enqueue the batch on the device, and the copy to the host of the output chunks it fills behind it
-        (`copy_ahead`); returns at once with those chunks to come (the others are dropped unread)."""
-        result = prepared.exe(self.params, prepared.inputs)[: prepared.chunks]
+        (`copy_ahead`); returns at once with those chunks to come (the others are dropped unread).
+
+        `spill`: the forward returned (out, spill) (SPLADE's full weights beside its compact rows) -> (the out's
+        chunks, the spill's same chunks): the spill stays on the device, uncopied, until `fetch`ed (if ever).
+        Without it a spill is dropped unread with the unfilled chunks."""
+        outs = prepared.exe(self.params, prepared.inputs)
+        result = outs[: prepared.chunks]
         if self.copy_ahead:
             for chunk in result:
                 chunk.copy_to_host_async()
-        return result
+        if not spill:
+            return result
+        first = len(output_chunks.ends(prepared.bucket.slots))
+        return result, outs[first : first + prepared.chunks]
 
     @staticmethod
     def fetch(result: tuple[jax.Array, ...]) -> np.ndarray:

@@ -15,7 +15,6 @@ import numpy as np
 import orjson
 from aiohttp import web
 
-from jaxserve.errors import InputError
 from jaxserve.heads import sparse
 from jaxserve.http import api
 from jaxserve.http.api import ApiError
@@ -25,6 +24,7 @@ from jaxserve.http.handling import (
     bytes_response,
     embedding_pieces,
     json_body,
+    on_thread,
     on_tokenizer,
     parsed,
     request_prompt,
@@ -59,16 +59,17 @@ async def _embed(state: AppState, body, ask: Ask = NO_ASK) -> web.Response:
 
 
 async def _embed_sparse(state: AppState, body, ask: Ask = NO_ASK) -> web.Response:
-    """Per input its non-zero SPLADE weights [{"index", "value"}], index order (TEI's EmbedSparseResponse)."""
+    """Per input its non-zero SPLADE weights [{"index", "value"}], index order (TEI's EmbedSparseResponse): every
+    one, a sequence over the cap from its full row (`Encoder.complete_sparse`, on a thread: it runs the device)."""
     require_kind(state, "sparse", "/embed_sparse")
     req = await parsed(state, ask, lambda: api.parse_tei_embed_sparse(body, state.limits, state.config.long))
     ran = await run_request(state, lambda: embedding_pieces(state, req), ask=ask, inputs=req.count)
-    try:
-        rows = lambda: sparse.json_rows(ran.out, state.encoder.splade)
-        # joined, not added: a large bytes join lets go of the GIL, and so of the event loop
-        encoded, _ = await respond(state, lambda: b"".join((b"[", b",".join(rows()), b"]")), ran.out.size)
-    except InputError as err:
-        raise ApiError(422, str(err)) from None
+    enc = state.encoder
+    rows = await on_thread(state, lambda: enc.complete_sparse(ran.pieces, ran.out))
+    floats = rows.compact.size + len(rows.full) * enc.splade.vocab_size  # at most
+    # joined, not added: a large bytes join lets go of the GIL, and so of the event loop
+    encoded, _ = await respond(state, lambda: b"".join((b"[", b",".join(sparse.json_rows(rows, enc.splade)), b"]")),
+                               floats)
     return bytes_response(encoded)
 
 
@@ -125,20 +126,34 @@ async def _rerank(state: AppState, body, ask: Ask = NO_ASK) -> web.Response:
     """(query, text) pairs through the cross-encoder, sorted by score (a multi-vector model: by MaxSim)."""
     if state.encoder.head.kind == "multivector":
         return await multivector_routes.rerank(state, body, ask)
-    require_kind(state, "classifier", "/rerank")
+    require_cross_encoder(state, "/rerank")
     query, texts, raw, return_text, truncate, direction = api.parse_rerank(body, state.limits,
                                                                            state.config.long != "error")
-    if state.encoder.head.num_labels != 1:
-        raise ApiError(400, f"/rerank needs a cross-encoder with one output; this model has "
-                            f"{state.encoder.head.num_labels} labels (use /predict)")
-    ran = await run_request(state, lambda: state.encoder.prepare_pairs([(query, t) for t in texts], truncate, direction),
-                            ask=ask, inputs=len(texts))
+    scores, _ = await pair_scores(state, [(query, t) for t in texts], ask, truncate, direction, raw)
+
     def ranked() -> bytes:
-        order = sorted(enumerate(api.scores(ran.out, raw)[:, 0].tolist()), key=lambda t: -t[1])
+        order = sorted(enumerate(scores().tolist()), key=lambda t: -t[1])
         return orjson.dumps([{"index": i, "score": s, **({"text": texts[i]} if return_text else {})} for i, s in order])
 
     encoded, _ = await respond(state, ranked, len(texts) * DICT_FLOATS)
     return bytes_response(encoded)
+
+
+def require_cross_encoder(state: AppState, route: str) -> None:
+    """A cross-encoder with one output (an LLM reranker included), else 400."""
+    require_kind(state, "classifier", route)
+    if state.encoder.head.num_labels != 1:
+        raise ApiError(400, f"{route} needs a cross-encoder with one output; this model has "
+                            f"{state.encoder.head.num_labels} labels (use /predict)")
+
+
+async def pair_scores(state: AppState, pairs: list[tuple[str, str]], ask: Ask, truncate: bool,
+                      direction: str = "right", raw: bool = False):
+    """(text, text) pairs through the cross-encoder, the one run behind /rerank, /v1/rerank and /score ->
+    (their scores, lazily: the sigmoid of each logit, as CrossEncoder.predict; `raw`: the logits; tokens)."""
+    ran = await run_request(state, lambda: state.encoder.prepare_pairs(pairs, truncate, direction), ask=ask,
+                            inputs=len(pairs))
+    return (lambda: api.scores(ran.out, raw)[:, 0]), ran.tokens
 
 
 async def _tokenize(state: AppState, body) -> web.Response:
