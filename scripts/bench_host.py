@@ -1,7 +1,7 @@
 """The host path on a SIMULATED device: how well the real server keeps a GPU-speed device fed.
 
     python scripts/bench_host.py [--concurrency 1,2,4,8,16,32] [--seconds 8] [--docs 100]
-                                 [--tflops 400] [--step-overhead-us 30] [--format float|base64]
+                                 [--tflops 400] [--step-overhead-us 30] [--format float|base64|ubinary|...]
 
 On this CPU a MiniLM forward takes ~0.4 s and hides the host path; on an
 H100/H200 it takes milliseconds and the host path (HTTP, JSON, tokenize,
@@ -39,6 +39,8 @@ from pathlib import Path
 
 import harness
 import numpy as np
+
+from jaxserve.http import api
 
 ROOT = harness.ROOT
 
@@ -322,11 +324,15 @@ def floor_ms(bodies: list[bytes], fmt: str, repeats: int = 5) -> dict:
             if fmt == "float":
                 orjson.dumps({"data": [{"object": "embedding", "index": i, "embedding": v}
                                        for i, v in enumerate(vectors)]}, option=orjson.OPT_SERIALIZE_NUMPY)
-            else:
+            elif fmt == "base64":
                 import base64
 
                 orjson.dumps({"data": [{"object": "embedding", "index": i, "embedding": base64.b64encode(v.tobytes()).decode()}
                                        for i, v in enumerate(vectors)]})
+            else:  # integers (jaxserve.http.api.quantize)
+                orjson.dumps({"data": [{"object": "embedding", "index": i, "embedding": v}
+                                       for i, v in enumerate(api.quantize(vectors, fmt))]},
+                             option=orjson.OPT_SERIALIZE_NUMPY)
             t3 = clock()
             decode.append(t1 - t0)
             tokenize.append(t2 - t1)
@@ -405,7 +411,7 @@ def main() -> None:
     ap.add_argument("--docs", type=int, default=100, help="documents per request")
     ap.add_argument("--tflops", type=float, default=DEFAULT_TFLOPS, help="simulated achieved device rate")
     ap.add_argument("--step-overhead-us", type=float, default=DEFAULT_STEP_OVERHEAD_US)
-    ap.add_argument("--format", default="float", choices=["float", "base64"])
+    ap.add_argument("--format", default="float", choices=api.ENCODING_FORMATS, help="/v1/embeddings' encoding_format")
     ap.add_argument("--d2h-gbps", type=float, default=DEFAULT_D2H_GBPS,
                     help="simulated device-to-host bandwidth for a batch's output")
     ap.add_argument("--full-slots", action="store_true",

@@ -2,7 +2,7 @@
 
 Clients: openai (sync and async), huggingface_hub's InferenceClient (TEI's `POST /`),
 text-embeddings-inference-client 0.1.0, langchain-openai's OpenAIEmbeddings (token ids by
-default), llama-index's TextEmbeddingsInference. Most are synchronous, so each server runs on
+default), llama-index's TextEmbeddingsInference, cohere's ClientV2 (Cohere's v2 API). Most are synchronous, so each server runs on
 its own thread's event loop (aiohttp's AppRunner), sharing the in-process `Encoder` the vectors
 and scores are checked against. A middleware records what each client actually sent.
 
@@ -13,6 +13,7 @@ of the module the rows are written to results/clients.md, the docs' client table
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import dataclasses
 import json
@@ -238,6 +239,10 @@ def test_openai_sync(embedder, client_table):
         v = np.array(resp.data[0].embedding)
         assert v.shape == (128,) and np.linalg.norm(v) == pytest.approx(1.0, abs=1e-5)
         row.parity = cosine_parity(v[None], normalize_rows(want[:1, :128]))
+    with client_table.call("openai", "`embeddings.create(encoding_format=\"ubinary\")` (outside its type hints)") as row:
+        resp = oai.embeddings.create(model=MODEL, input=TEXTS, encoding_format="ubinary")
+        np.testing.assert_array_equal([d.embedding for d in resp.data], api.quantize(want, "ubinary"))
+        row.parity = "exact (packed sign bits, as integers)"
     with client_table.call("openai", "error: 33 inputs, over `--max-client-batch 32`") as row:
         with pytest.raises(openai.APIStatusError) as err:
             oai.embeddings.create(model=MODEL, input=["x"] * 33)
@@ -519,3 +524,91 @@ async def test_llama_index_async(embedder, client_table):
         got = await li.aget_query_embedding(QUERY)
         assert server.last()[1]["inputs"] == ["query: " + QUERY]
         row.parity = cosine_parity([got], embed(enc, ["query: " + QUERY]))
+
+
+# ---- 6. cohere: ClientV2, Cohere's v2 API (/v2/embed, /v2/rerank) ----
+
+COHERE_TYPES = ["float", "int8", "uint8", "binary", "ubinary", "base64"]
+
+
+def test_cohere_embed(embedder, client_table):
+    import cohere
+
+    server, enc = embedder
+    co = cohere.ClientV2(api_key="unused", base_url=server.url)
+    want = embed(enc, TEXTS, prompt_name="query")  # input_type search_query: the checkpoint's "query" prompt
+    with client_table.call("cohere", "`ClientV2().embed(input_type=\"search_query\", embedding_types=[all six])`") as row:
+        resp = co.embed(model=MODEL, texts=TEXTS, input_type="search_query", embedding_types=COHERE_TYPES)
+        assert server.last() == ("/v2/embed", {"model": MODEL, "texts": TEXTS, "input_type": "search_query",
+                                               "embedding_types": COHERE_TYPES})
+        e = resp.embeddings
+        got = np.array(e.float_, np.float32)
+        for kind in ("binary", "ubinary"):  # exact against the in-process vectors
+            np.testing.assert_array_equal(getattr(e, kind), api.quantize(want, kind))
+        for kind in ("int8", "uint8"):  # exact from the float vectors of the same response
+            np.testing.assert_array_equal(getattr(e, kind), api.quantize(got, kind))
+        np.testing.assert_array_equal([np.frombuffer(base64.b64decode(s), "<f4") for s in e.base64], got)
+        assert resp.texts == TEXTS and resp.meta.billed_units.input_tokens > 256
+        row.parity = cosine_parity(got, want) + "; binary, ubinary exact; int8, uint8, base64 exact from float"
+    with client_table.call("cohere", "`embed(input_type=\"search_document\", output_dimension=128)`") as row:
+        resp = co.embed(model=MODEL, texts=TEXTS, input_type="search_document", output_dimension=128,
+                        embedding_types=["float", "ubinary"])
+        cut = normalize_rows(embed(enc, TEXTS)[:, :128])  # no "document" prompt in the checkpoint: none
+        np.testing.assert_array_equal(resp.embeddings.ubinary, api.quantize(cut, "ubinary"))
+        row.parity = cosine_parity(resp.embeddings.float_, cut) + "; ubinary exact"
+    with client_table.call("cohere", "`embed(truncate=\"START\")` (an over-length text)") as row:
+        resp = co.embed(model=MODEL, texts=[LONG], input_type="search_document", truncate="START")
+        pieces = enc.tokenizer.documents([LONG], "truncate", direction="left")
+        row.parity = cosine_parity(resp.embeddings.float_, normalize_rows(pieces.combine(enc.run(pieces), 1)))
+    with client_table.call("cohere", "error: `embed(truncate=\"NONE\")` over-length, `output_dimension=1000`") as row:
+        with pytest.raises(cohere.BadRequestError) as err:
+            co.embed(model=MODEL, texts=[LONG], input_type="search_document", truncate="NONE")
+        assert set(err.value.body) == {"id", "message"} and "tokens" in err.value.body["message"]
+        with pytest.raises(cohere.BadRequestError) as err:
+            co.embed(model=MODEL, texts=TEXTS, input_type="search_query", output_dimension=1000)
+        assert "from 1 to 384" in err.value.body["message"]
+        row.parity = "400 `BadRequestError`, Cohere's `{id, message}`"
+    with client_table.call("cohere", "error: 33 texts, over `--max-client-batch 32`") as row:
+        with pytest.raises(cohere.core.api_error.ApiError) as err:
+            co.embed(model=MODEL, texts=["x"] * 33, input_type="search_query")
+        assert err.value.status_code == 413 and "at most 32" in err.value.body["message"]
+        row.parity = "413 `ApiError`, the server's message"
+
+
+async def test_cohere_async_embed(embedder, client_table):
+    import cohere
+
+    server, enc = embedder
+    co = cohere.AsyncClientV2(api_key="unused", base_url=server.url)
+    with client_table.call("cohere", "`AsyncClientV2().embed(embedding_types=[\"ubinary\", \"int8\"])`, 3 concurrent"
+                           ) as row:
+        resps = await asyncio.gather(*(co.embed(model=MODEL, texts=TEXTS[i:], input_type="clustering",
+                                                embedding_types=["ubinary", "int8"]) for i in range(3)))
+        want = embed(enc, TEXTS)
+        for i, r in enumerate(resps):
+            np.testing.assert_array_equal(r.embeddings.ubinary, api.quantize(want[i:], "ubinary"))
+            assert np.abs(np.array(r.embeddings.int8) - api.quantize(want[i:], "int8")).max() <= 1
+        row.parity = "ubinary exact, int8 within 1 of the in-process vectors' (12 vectors)"
+
+
+def test_cohere_rerank(embedder, cross_encoder, client_table):
+    import cohere
+
+    server, enc = cross_encoder
+    texts = ["a document", "jax", "the query of the model", "batch"]
+    co = cohere.ClientV2(api_key="unused", base_url=server.url)
+    with client_table.call("cohere", "`ClientV2().rerank(query, documents, top_n=2)` (cross-encoder)") as row:
+        resp = co.rerank(model="tiny-cross-encoder", query="the query", documents=texts, top_n=2)
+        assert server.last() == ("/v2/rerank", {"model": "tiny-cross-encoder", "query": "the query",
+                                                "documents": texts, "top_n": 2})
+        scores = 1 / (1 + np.exp(-enc.rerank("the query", texts).astype(np.float64)))
+        best = np.argsort(-scores, kind="stable")[:2]
+        assert [r.index for r in resp.results] == best.tolist()
+        row.parity = score_parity([r.relevance_score for r in resp.results], scores[best])
+    server, enc = embedder
+    co = cohere.ClientV2(api_key="unused", base_url=server.url)
+    with client_table.call("cohere", "`rerank(query, documents)` (embedding model: cosine)") as row:
+        resp = co.rerank(model=MODEL, query=QUERY, documents=TEXTS)
+        cosine = embed(enc, TEXTS) @ embed(enc, [QUERY], prompt_name="query")[0]
+        assert [r.index for r in resp.results] == np.argsort(-cosine, kind="stable").tolist()
+        row.parity = score_parity([r.relevance_score for r in sorted(resp.results, key=lambda r: r.index)], cosine)

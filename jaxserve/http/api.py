@@ -1,16 +1,18 @@
-"""Request validation and response shapes of the HTTP API (OpenAI- and TEI-compatible), without HTTP.
+"""Request validation and response shapes of the HTTP API (OpenAI-, TEI- and Cohere-compatible), without HTTP.
 
 Each `parse_*` turns a decoded JSON body into a typed request or raises
 `ApiError` with the status and a message naming the offending field. An
 error is written in the shape its route's clients read: OpenAI's
 `{"error": {"message", "type", ...}}` on /v1/*, TEI's
-`{"error", "error_type"}` with TEI's status codes on TEI's routes (`tei()`).
+`{"error", "error_type"}` with TEI's status codes on TEI's routes (`tei()`),
+Cohere's `{"id", "message"}` on Cohere's /v2 routes (`cohere()`).
 """
 
 from __future__ import annotations
 
 import base64
 import dataclasses
+import uuid
 
 import numpy as np
 import orjson
@@ -41,6 +43,10 @@ class ApiError(Exception):
     def body(self) -> dict:
         """OpenAI's error shape."""
         return {"error": {"message": self.message, "type": self.type, "param": None, "code": None}}
+
+    def cohere(self) -> tuple[int, dict]:
+        """Cohere's error shape (`{"id", "message"}`), with our status: the SDK picks its exception by status."""
+        return self.status, {"id": uuid.uuid4().hex, "message": self.message}
 
     def tei(self) -> tuple[int, dict]:
         """TEI's status and error shape."""
@@ -176,8 +182,8 @@ def parse_openai_embeddings(body, limits: Limits, dim: int, default_long: str) -
         raise ApiError(400, "`model` must be a string")
     texts, ids = _inputs(body["input"], "input", limits, allow_tokens=True)
     fmt = body.get("encoding_format") or "float"
-    if fmt not in ("float", "base64"):
-        raise ApiError(400, f"`encoding_format` must be 'float' or 'base64', not {_show(fmt)}")
+    if fmt not in ENCODING_FORMATS:
+        raise ApiError(400, f"`encoding_format` must be one of {', '.join(ENCODING_FORMATS)}, not {_show(fmt)}")
     return EmbedRequest(texts, ids, _long_mode(body, default_long), True, _dimensions(body, dim), fmt,
                         *_prompt(body, limits), model=model)
 
@@ -194,10 +200,15 @@ def parse_multivector_embeddings(body, limits: Limits) -> tuple[list[str], str]:
     return texts, "query" if _bool(body, "is_query", True) else "document"
 
 
-def _dimensions(body: dict, dim: int) -> int | None:
-    dims = body.get("dimensions")
+def _dimensions(body: dict, dim: int, declared: tuple[int, ...] = (), key: str = "dimensions") -> int | None:
+    """The width a request cuts its vectors to (`key`); with the checkpoint's Matryoshka dimensions `declared`,
+    one of them or the full width: the model was trained to be cut there only."""
+    dims = body.get(key)
     if dims is not None and (not isinstance(dims, int) or isinstance(dims, bool) or not 1 <= dims <= dim):
-        raise ApiError(400, f"`dimensions` must be an integer from 1 to {dim}, not {_show(dims)}")
+        raise ApiError(400, f"`{key}` must be an integer from 1 to {dim}, not {_show(dims)}")
+    if dims is not None and declared and dims != dim and dims not in declared:
+        raise ApiError(400, f"`{key}` {dims} is not one of this model's Matryoshka dimensions "
+                            f"({', '.join(map(str, sorted({*declared, dim})))})")
     return dims
 
 
@@ -299,17 +310,48 @@ def shape_vectors(vectors: np.ndarray, dimensions: int | None) -> np.ndarray:
     return cut / np.maximum(np.linalg.norm(cut, axis=1, keepdims=True), 1e-12)
 
 
+# Vectors as integers: Cohere's embedding types, and the same names on /v1/embeddings' `encoding_format` (Azure AI
+# Model Inference's values there). See `quantize`.
+QUANTIZED = ("int8", "uint8", "binary", "ubinary")
+ENCODING_FORMATS = ("float", "base64", *QUANTIZED)
+
+
+def quantize(vectors: np.ndarray, kind: str) -> np.ndarray:
+    """[N, D] float vectors as one of `QUANTIZED`, each vector on its own (no other input of the request moves it).
+
+    ubinary: the bits of `v > 0`, packed 8 to a byte, first dimension in the high bit (np.packbits: [N, ceil(D/8)]
+    uint8; Hamming distance compares them); binary: ubinary - 128 as int8. int8: round(127 * v / max|v|), the
+    vector's own largest magnitude as its scale, so it uses the whole range and clips nothing; uint8: int8 + 128.
+    The scale is not returned: compare int8 vectors by cosine (or normalise them), not by raw dot products."""
+    if kind in ("binary", "ubinary"):
+        packed = np.packbits(vectors > 0, axis=-1)
+        return packed if kind == "ubinary" else (packed ^ np.uint8(0x80)).view(np.int8)
+    if kind not in ("int8", "uint8"):
+        raise ValueError(f"unknown quantized type {kind!r}")
+    vectors = np.asarray(vectors, np.float32)
+    peak = np.abs(vectors).max(axis=-1, keepdims=True)
+    unit = np.divide(vectors, peak, out=np.zeros_like(vectors), where=peak > 0)  # in [-1, 1]; a zero vector: zeros
+    q = np.rint(unit * 127).astype(np.int8)
+    return q if kind == "int8" else q.view(np.uint8) ^ np.uint8(0x80)
+
+
+def b64_rows(vectors: np.ndarray) -> list[str]:
+    """Each vector's little-endian float32 bytes in base64 (OpenAI's and Cohere's `base64`)."""
+    return [base64.b64encode(v.tobytes()).decode("ascii") for v in np.ascontiguousarray(vectors, "<f4")]
+
+
 def openai_body(vectors: np.ndarray, model: str, prompt_tokens: int, encoding_format: str) -> bytes:
-    """The OpenAI embeddings response as JSON bytes (float32 vectors written at float32's shortest repr)."""
+    """The OpenAI embeddings response as JSON bytes: float32 vectors written at float32's shortest repr, base64
+    of their bytes, or (`QUANTIZED`) integers."""
     if encoding_format == "base64":
-        encode = lambda v: base64.b64encode(v.tobytes()).decode("ascii")
-        vectors = np.ascontiguousarray(vectors, "<f4")
+        rows = b64_rows(vectors)
+    elif encoding_format in QUANTIZED:
+        rows = quantize(vectors, encoding_format)
     else:
-        encode = lambda v: v  # orjson writes numpy rows itself
-        vectors = np.ascontiguousarray(vectors, np.float32)
+        rows = np.ascontiguousarray(vectors, np.float32)  # orjson writes numpy rows itself
     return orjson.dumps({
         "object": "list",
-        "data": [{"object": "embedding", "index": i, "embedding": encode(v)} for i, v in enumerate(vectors)],
+        "data": [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(rows)],
         "model": model,
         "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
     }, option=orjson.OPT_SERIALIZE_NUMPY)
@@ -396,3 +438,118 @@ def scores(logits: np.ndarray, raw: bool) -> np.ndarray:
         return 1 / (1 + np.exp(-logits))
     e = np.exp(logits - logits.max(-1, keepdims=True))
     return e / e.sum(-1, keepdims=True)
+
+
+# ---- Cohere's v2 API: /v2/embed and /v2/rerank ----
+
+# Cohere's `input_type` -> the names of the checkpoint prompt it stands for, tried in order, case-insensitively:
+# Nomic's prefixes by their own names, then sentence-transformers' usual "query"/"document" (Qwen3-Embedding,
+# EmbeddingGemma, arctic-embed), then EmbeddingGemma's task names. None found: the request's default prompt.
+INPUT_TYPE_PROMPTS = {
+    "search_query": ("search_query", "query", "retrieval-query"),
+    "search_document": ("search_document", "document", "passage", "retrieval-document"),
+    "classification": ("classification",),
+    "clustering": ("clustering",),
+}
+COHERE_TRUNCATE = {"NONE": ("error", "right"), "START": ("truncate", "left"), "END": ("truncate", "right")}
+COHERE_EMBEDDING_TYPES = ("float", *QUANTIZED, "base64")
+
+
+def cohere_prompt(input_type, prompts) -> str | None:
+    """The name among `prompts` (the checkpoint's prompt names) that Cohere's `input_type` stands for, or None."""
+    if input_type is None:
+        return None
+    if input_type == "image":
+        raise ApiError(400, "`input_type` image: this server embeds text only")
+    if input_type not in INPUT_TYPE_PROMPTS:
+        raise ApiError(400, f"`input_type` must be one of {', '.join(INPUT_TYPE_PROMPTS)}, not {_show(input_type)}")
+    names = {}
+    for name in prompts:
+        names.setdefault(name.lower(), name)
+    return next((names[n] for n in INPUT_TYPE_PROMPTS[input_type] if n in names), None)
+
+
+def _cohere_max_tokens(body: dict, key: str, limit: int) -> None:
+    """`max_tokens` / `max_tokens_per_doc`: inputs are cut at the model's limit, so only a value at or above it."""
+    value = body.get(key)
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < limit):
+        raise ApiError(400, f"`{key}` must be an integer of at least {limit}: this server cuts inputs at the model's "
+                            f"limit of {limit} tokens, not {_show(value)}")
+
+
+def parse_cohere_embed(body, limits: Limits, dim: int, default_long: str, prompts, max_tokens: int,
+                       declared: tuple[int, ...] = ()) -> tuple[EmbedRequest, tuple[str, ...]]:
+    """Cohere /v2/embed: `texts`, `input_type` (a prompt: `cohere_prompt`), `embedding_types` (default float),
+    `output_dimension` (Matryoshka: one of `declared` when the checkpoint declares them), `truncate` NONE/START/END
+    (absent: the server's long-input mode) -> (the embed request, the types to return)."""
+    body = _object(body)
+    for key in ("images", "inputs"):
+        if body.get(key):
+            raise ApiError(400, f"`{key}` is not supported: this server embeds text only; send `texts`")
+    if "texts" not in body:
+        raise ApiError(400, "missing required field `texts`")
+    texts, _ = _inputs(body["texts"], "texts", limits, allow_tokens=False)
+    types = body.get("embedding_types")
+    if types is None:
+        types = ["float"]
+    if not isinstance(types, list) or not types or not all(t in COHERE_EMBEDDING_TYPES for t in types):
+        raise ApiError(400, f"`embedding_types` must be a non-empty list of {', '.join(COHERE_EMBEDDING_TYPES)}, "
+                            f"not {_show(types)}")
+    truncate = body.get("truncate")
+    if truncate is None:
+        long, direction = default_long, "right"
+    elif isinstance(truncate, str) and truncate.upper() in COHERE_TRUNCATE:
+        long, direction = COHERE_TRUNCATE[truncate.upper()]
+    else:
+        raise ApiError(400, f"`truncate` must be one of {', '.join(COHERE_TRUNCATE)}, not {_show(truncate)}")
+    _cohere_max_tokens(body, "max_tokens", max_tokens)
+    return EmbedRequest(texts, None, long, True, _dimensions(body, dim, declared, "output_dimension"), "float",
+                        cohere_prompt(body.get("input_type"), prompts), direction=direction), tuple(dict.fromkeys(types))
+
+
+def cohere_embed_body(vectors: np.ndarray, types: tuple[str, ...], texts: list[str], tokens: int) -> bytes:
+    """Cohere's EmbedByTypeResponse as JSON bytes: per type asked for, every vector in it (`quantize`, `b64_rows`)."""
+    embeddings = {t: np.ascontiguousarray(vectors, np.float32) if t == "float" else
+                  b64_rows(vectors) if t == "base64" else quantize(vectors, t) for t in types}
+    return orjson.dumps({"id": uuid.uuid4().hex, "embeddings": embeddings, "texts": texts,
+                         "meta": {"api_version": {"version": "2"}, "billed_units": {"input_tokens": tokens}},
+                         "response_type": "embeddings_by_type"}, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+@dataclasses.dataclass(frozen=True)
+class CohereRerank:
+    query: str
+    documents: list[str]
+    top_n: int | None = None
+    return_documents: bool = False
+
+
+def parse_cohere_rerank(body, limits: Limits, max_tokens: int) -> CohereRerank:
+    """Cohere /v2/rerank: `query`, `documents` (strings), `top_n`, `return_documents` (v2's earlier field; the
+    latest SDK sends none), `max_tokens_per_doc` (at least the model's limit); `relevant_spans` is accepted and
+    none are returned (Cohere returns spans only where the model found some)."""
+    body = _object(body)
+    for key in ("query", "documents"):
+        if key not in body:
+            raise ApiError(400, f"missing required field `{key}`")
+    query = body["query"]
+    if not isinstance(query, str) or not query.strip():
+        raise ApiError(400, "`query` must be a non-empty string")
+    if len(query) > limits.max_input_chars:
+        raise ApiError(413, f"`query` has {len(query)} characters; at most {limits.max_input_chars}", "request_too_large")
+    documents, _ = _inputs(body["documents"], "documents", limits, allow_tokens=False)
+    top_n = body.get("top_n")
+    if top_n is not None and (not isinstance(top_n, int) or isinstance(top_n, bool) or top_n < 1):
+        raise ApiError(400, f"`top_n` must be a positive integer, not {_show(top_n)}")
+    _cohere_max_tokens(body, "max_tokens_per_doc", max_tokens)
+    return CohereRerank(query, documents, top_n, _bool(body, "return_documents", False))
+
+
+def cohere_rerank_body(scores: np.ndarray, req: CohereRerank, tokens: int) -> bytes:
+    """Cohere's V2RerankResponse as JSON bytes: the best `top_n` documents, best first (ties in input order)."""
+    order = np.argsort(-scores, kind="stable")[: req.top_n].tolist()
+    best = scores[order].tolist()
+    results = [{"index": i, "relevance_score": s, **({"document": {"text": req.documents[i]}}
+                                                     if req.return_documents else {})} for i, s in zip(order, best)]
+    return orjson.dumps({"id": uuid.uuid4().hex, "results": results,
+                         "meta": {"api_version": {"version": "2"}, "billed_units": {"input_tokens": tokens}}})

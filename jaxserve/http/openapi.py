@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from jaxserve.http.api import COHERE_EMBEDDING_TYPES, ENCODING_FORMATS
+
 TEXTS = {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "minItems": 1}]}
 TOKEN_IDS = {"oneOf": [{"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
                        {"type": "array", "items": {"type": "array", "items": {"type": "integer", "minimum": 0},
@@ -25,7 +27,7 @@ EMBEDDINGS_BODY = {
     "properties": {
         "input": {"oneOf": [TEXTS, TOKEN_IDS]},
         "model": {"type": "string"},
-        "encoding_format": {"type": "string", "enum": ["float", "base64"]},
+        "encoding_format": {"type": "string", "enum": list(ENCODING_FORMATS)},
         "dimensions": {"type": "integer", "minimum": 1},
         "user": {"type": "string"},
         "long": LONG,
@@ -47,14 +49,18 @@ ERROR = {
 }
 
 
-def _post(summary: str, body: dict, ok: dict) -> dict:
-    """An OpenAI-shaped route."""
+COHERE_ERROR = {"type": "object", "required": ["message"], "properties": {"id": {"type": "string"},
+                                                                        "message": {"type": "string"}}}
+
+
+def _post(summary: str, body: dict, ok: dict, error: dict = ERROR) -> dict:
+    """An OpenAI-shaped route (`error`: another API's error shape, the same codes)."""
     return {"post": {
         "summary": summary,
         "requestBody": {"required": True, "content": {"application/json": {"schema": body}}},
         "responses": {
             "200": {"description": "OK", "content": {"application/json": {"schema": ok}}},
-            **{code: {"description": what, "content": {"application/json": {"schema": ERROR}}} for code, what in [
+            **{code: {"description": what, "content": {"application/json": {"schema": error}}} for code, what in [
                 ("400", "invalid request, or a route this model does not support"), ("401", "missing or wrong API key"),
                 ("413", "too large: body, inputs, characters, or an over-length input"),
                 ("429", "queue or concurrency limit reached; see Retry-After"),
@@ -153,6 +159,32 @@ def spec(version: str) -> dict:
             "/ping": _get("health (SageMaker)"),
             "/classify": _post("vLLM-style /classify (classifier models)", {"type": "object", "required": ["input"],
                                "properties": {"input": TEXTS, "model": {"type": "string"}}}, {"type": "object"}),
+            "/v1/rerank": _post("vLLM's /v1/rerank (cross-encoder and LLM rerankers)", {
+                "type": "object", "required": ["query", "documents"], "properties": {
+                    "query": {"type": "string", "minLength": 1}, "model": {"type": "string"},
+                    "documents": {"type": "array", "items": {"type": "string"}, "minItems": 1},
+                    "top_n": {"type": "integer", "minimum": 0}, "return_documents": {"type": "boolean"}}},
+                {"type": "object"}),
+            **{path: _post("vLLM's /score: text_1 against each of text_2, or pairwise", {
+                "type": "object", "required": ["text_1", "text_2"], "properties": {
+                    "text_1": TEXTS, "text_2": TEXTS, "model": {"type": "string"}}}, {"type": "object"})
+               for path in ("/score", "/v1/score")},
+            "/v2/embed": _post("Cohere's v2 embed: float, int8, uint8, binary, ubinary and base64 embeddings", {
+                "type": "object", "required": ["texts"], "properties": {
+                    "texts": {"type": "array", "items": {"type": "string"}, "minItems": 1},
+                    "model": {"type": "string"},
+                    "input_type": {"type": "string", "enum": ["search_query", "search_document", "classification",
+                                                              "clustering"]},
+                    "embedding_types": {"type": "array", "items": {"type": "string",
+                                                                   "enum": list(COHERE_EMBEDDING_TYPES)}},
+                    "output_dimension": {"type": "integer", "minimum": 1},
+                    "truncate": {"type": "string", "enum": ["NONE", "START", "END"]}}},
+                {"type": "object"}, COHERE_ERROR),
+            "/v2/rerank": _post("Cohere's v2 rerank", {
+                "type": "object", "required": ["query", "documents"], "properties": {
+                    "query": {"type": "string", "minLength": 1}, "model": {"type": "string"},
+                    "documents": {"type": "array", "items": {"type": "string"}, "minItems": 1},
+                    "top_n": {"type": "integer", "minimum": 1}}}, {"type": "object"}, COHERE_ERROR),
             "/health": _get("200 when ready; 503 while warming or draining (no auth)"),
             "/info": _get("model, device, limits and the bucket table with its memory math"),
             "/metrics": _get("Prometheus metrics", "text/plain"),

@@ -4,7 +4,7 @@ Data flows one way: HTTP -> decode + validate (api.py) -> tokenize + pack
 into a job (a thread) -> batcher -> device pipeline (service.py, its own
 threads) -> scatter -> combine + encode the response (a thread); see
 `jaxserve.http.handling`. Routes: OpenAI's and vLLM's (`openai_routes`), TEI's
-(`tei_routes`), operations (`ops_routes`).
+(`tei_routes`), Cohere's v2 (`cohere_routes`), operations (`ops_routes`).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from jaxserve.encoder import Encoder
 from jaxserve.errors import InputError
 from jaxserve.http.api import ApiError
 from jaxserve.http.handling import json_response
+from jaxserve.http.routes import cohere as cohere_routes
 from jaxserve.http.routes import openai as openai_routes
 from jaxserve.http.routes import ops as ops_routes
 from jaxserve.http.routes import tei as tei_routes
@@ -129,7 +130,6 @@ async def errors_middleware(request: web.Request, handler):
     route = request.match_info.route.resource.canonical if request.match_info.route.resource else "unmatched"
     start = time.perf_counter()
     model_route = request.method == "POST"
-    tei = request.path in tei_routes.PATHS
     cfg = state.config
     # A body without Content-Length may be as large as any body.
     size = (request.content_length if request.content_length is not None else cfg.max_body_bytes) if model_route else 0
@@ -150,18 +150,18 @@ async def errors_middleware(request: web.Request, handler):
             state.active -= model_route
             charge.release()
     except ApiError as err:
-        response = _error(err, tei)
+        response = _error(err, request.path)
     except InputError as err:  # the request's own fault wherever it was found (e.g. an unknown prompt_name)
-        response = _error(ApiError(400, str(err)), tei)
+        response = _error(ApiError(400, str(err)), request.path)
     except web.HTTPException as exc:
         kind = {404: "not_found_error", 405: "method_not_allowed", 413: "body_too_large"}.get(exc.status, "http_error")
         message = {404: f"no route {request.method} {request.path}",
                    405: f"method {request.method} is not allowed on {request.path}",
                    413: f"request body over {state.config.max_body_bytes} bytes"}.get(exc.status, exc.reason)
-        response = _error(ApiError(exc.status, message, kind), tei)
+        response = _error(ApiError(exc.status, message, kind), request.path)
     except Exception as exc:  # a bug: say so without echoing the request
         log.exception("unhandled error on %s", route)
-        response = _error(ApiError(500, f"internal error: {type(exc).__name__}", "server_error"), tei)
+        response = _error(ApiError(500, f"internal error: {type(exc).__name__}", "server_error"), request.path)
     if isinstance(response, web.Response) and isinstance(response.body, bytes) and \
             len(response.body) > STREAM_BODY_BYTES:
         response = await _send_large(request, response)
@@ -214,9 +214,10 @@ def _authorize(request: web.Request, keys: tuple[tuple[bytes, str | None], ...])
     return cls
 
 
-def _error(err: ApiError, tei: bool) -> web.Response:
-    """The error in its route's shape: TEI's on TEI's routes, OpenAI's elsewhere."""
-    status, body = err.tei() if tei else (err.status, err.body())
+def _error(err: ApiError, path: str) -> web.Response:
+    """The error in its route's shape: TEI's on TEI's routes, Cohere's on Cohere's, OpenAI's elsewhere."""
+    status, body = (err.tei() if path in tei_routes.PATHS else err.cohere() if path in cohere_routes.PATHS
+                    else (err.status, err.body()))
     response = json_response(body, status=status, headers=err.headers)
     response.error_type = err.type
     return response
@@ -235,6 +236,7 @@ def create_app(config: ServerConfig, encoder: Encoder | None = None,
     app.on_shutdown.append(on_shutdown)
     openai_routes.add_routes(app)
     tei_routes.add_routes(app)
+    cohere_routes.add_routes(app)
     ops_routes.add_routes(app)
     return app
 

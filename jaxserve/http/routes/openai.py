@@ -1,4 +1,5 @@
-"""OpenAI's embeddings route (and jaxserve's /v1/plan beside it) and vLLM's /classify; errors in OpenAI's shape."""
+"""OpenAI's embeddings route (and jaxserve's /v1/plan beside it), vLLM's /classify and its cross-encoder routes
+(/v1/rerank in Jina's shape, /score); errors in OpenAI's shape."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import orjson
 from aiohttp import web
 
 from jaxserve.http import api
+from jaxserve.http.api import ApiError
 from jaxserve.http.classes import decide
 from jaxserve.http.handling import (
     ask_for,
@@ -24,6 +26,7 @@ from jaxserve.http.handling import (
     vectors_of,
 )
 from jaxserve.http.routes import multivector as multivector_routes
+from jaxserve.http.routes.tei import pair_scores, require_cross_encoder
 from jaxserve.http.state import DICT_FLOATS, STATE
 from jaxserve.scheduling.batcher import BULK, CLASSES
 from jaxserve.scheduling.planner import pack
@@ -44,9 +47,9 @@ async def embeddings(request: web.Request) -> web.Response:
     wants_explain = _wants_explain(request)
     ran = await run_request(state, lambda: embedding_pieces(state, req, openai_ids=True), want_explain=wants_explain,
                             ask=ask, inputs=req.count)
-    body, encode_s = await respond(
+    body, encode_s = await respond(  # every format combines and normalises the vectors first: request-sized
         state, lambda: api.openai_body(vectors_of(ran, req), state.model_name, ran.tokens, req.encoding_format),
-        ran.out.size if req.encoding_format == "float" else 0)
+        ran.out.size)
     if wants_explain:
         measured = dict(ran.phases, encode_s=encode_s, total_s=time.perf_counter() - start)
         explained = dict(ran.explain, measured=measured, dispatched=[
@@ -111,8 +114,86 @@ async def classify(request: web.Request) -> web.Response:
     return bytes_response(body)
 
 
+async def rerank(request: web.Request) -> web.Response:
+    """vLLM's /v1/rerank (Jina's shape): `query`, `documents`, `top_n` -> results best first with
+    `relevance_score` (the cross-encoder's sigmoid, as /rerank) and, unless `return_documents` is false, the text."""
+    state = request.app[STATE]
+    state.require_ready()
+    require_cross_encoder(state, request.path)
+    body = await json_body(request)
+    query, documents, top_n, with_docs = _parse_rerank(body, state)
+    scores, tokens = await pair_scores(state, [(query, d) for d in documents], ask_for(request, body),
+                                       state.config.long != "error")
+
+    def encode():
+        order = sorted(enumerate(scores().tolist()), key=lambda t: -t[1])[:top_n]
+        return orjson.dumps({
+            "id": f"rerank-{time.time_ns():x}", "model": state.model_name, "usage": {"total_tokens": tokens},
+            "results": [{"index": i, "relevance_score": s, **({"document": {"text": documents[i]}} if with_docs else {})}
+                        for i, s in order],
+        })
+
+    encoded, _ = await respond(state, encode, len(documents) * DICT_FLOATS)
+    return bytes_response(encoded)
+
+
+def _parse_rerank(body, state) -> tuple[str, list[str], int, bool]:
+    body = api._object(body)
+    query = body.get("query")
+    if not isinstance(query, str) or not query:
+        raise ApiError(400, "`query` must be a non-empty string")
+    if "documents" not in body:
+        raise ApiError(400, "missing required field `documents`")
+    documents, _ = api._inputs(body["documents"], "documents", state.limits, allow_tokens=False)
+    api._inputs([query], "query", state.limits, allow_tokens=False)  # its length, by the same limits as the documents'
+    top_n = body.get("top_n") or len(documents)  # vLLM: 0 or absent is every document
+    if not isinstance(top_n, int) or isinstance(top_n, bool) or top_n < 0:
+        raise ApiError(400, "`top_n` must be a non-negative integer")
+    with_docs = body.get("return_documents", True)
+    if not isinstance(with_docs, bool):
+        raise ApiError(400, "`return_documents` must be a boolean")
+    return query, documents, top_n, with_docs
+
+
+async def score(request: web.Request) -> web.Response:
+    """vLLM's /score: `text_1` and `text_2`, each a text or a list (one against many, or pairwise) -> per pair its
+    score (the cross-encoder's sigmoid, as /rerank), in pair order."""
+    state = request.app[STATE]
+    state.require_ready()
+    require_cross_encoder(state, request.path)
+    body = api._object(await json_body(request))
+    sides = []
+    for key in ("text_1", "text_2"):
+        if key not in body:
+            raise ApiError(400, f"missing required field `{key}`")
+        texts, _ = api._inputs(body[key], key, state.limits, allow_tokens=False)
+        sides.append(texts)
+    first, second = sides
+    if len(first) == 1:
+        first = first * len(second)
+    if len(first) != len(second):
+        raise ApiError(400, f"`text_1` has {len(first)} texts and `text_2` {len(second)}: give one `text_1`, "
+                            "or as many as `text_2`")
+    scores, tokens = await pair_scores(state, list(zip(first, second)), ask_for(request, body),
+                                       state.config.long != "error")
+
+    def encode():
+        return orjson.dumps({
+            "id": f"score-{time.time_ns():x}", "object": "list", "created": int(time.time()),
+            "model": state.model_name,
+            "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores().tolist())],
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0},
+        })
+
+    encoded, _ = await respond(state, encode, len(second) * DICT_FLOATS)
+    return bytes_response(encoded)
+
+
 def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/embeddings", embeddings)
     app.router.add_post("/embeddings", embeddings)  # TEI serves OpenAI's route under this name too
     app.router.add_post("/v1/plan", plan)
     app.router.add_post("/classify", classify)
+    app.router.add_post("/v1/rerank", rerank)
+    for path in ("/score", "/v1/score"):
+        app.router.add_post(path, score)
