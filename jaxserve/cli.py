@@ -186,7 +186,7 @@ def cmd_embed(args) -> int:
         return 0
     if args.ray:
         return embed_on_ray(args, corpus, sink, table_for(enc, args), total)
-    enc.warmup(table_for(enc, args), progress=True)
+    enc.start(table_for(enc, args), progress=True)  # as `serve` starts: from the warm artifact, else warm and save
     done = sink.resume()
     if done:
         print(f"resuming at row {done} of {total}", flush=True)
