@@ -73,8 +73,7 @@ async def rerank(request: web.Request) -> web.Response:
     state.require_ready()
     body = await json_body(request)
     ask = ask_for(request, body)
-    head = state.encoder.head
-    kind = "reranker" if head.kind == "classifier" and head.num_labels == 1 else head.kind
+    head, kind = state.encoder.head, tei_routes.kind(state)
     if kind not in SCORERS:
         what = f"a classifier with {head.num_labels} labels" if kind == "classifier" else f"a {kind} model"
         raise ApiError(400, f"/v2/rerank needs a cross-encoder (one label), an embedding or a multi-vector model; "
