@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import threading
 from functools import partial
 from pathlib import Path
 
@@ -21,7 +20,7 @@ from jaxserve.checkpoint.config import EmbeddingConfig, HeadConfig, read_head_co
 from jaxserve.checkpoint.tokenize import Pieces, TextTokenizer, from_sequences
 from jaxserve.dims import ModelDims
 from jaxserve.errors import CheckpointError, InputError
-from jaxserve.heads import multivector, sparse
+from jaxserve.heads import bge_m3, multivector, sparse
 from jaxserve.heads.forwards import classify_forward, embed_forward, tokens_forward
 from jaxserve.models import ArchConfig, Family
 from jaxserve.models import attention as attention_kernels
@@ -31,7 +30,7 @@ from jaxserve.runtime.buckets import BucketTable
 from jaxserve.runtime.derivation import TableOptions
 from jaxserve.runtime.device import DEFAULT_HEADROOM
 from jaxserve.runtime.engine import Engine
-from jaxserve.scheduling.jobs import Job, ragged_arange
+from jaxserve.scheduling.jobs import Job
 from jaxserve.scheduling.pipeline import run_jobs
 from jaxserve.scheduling.planner import Rows, pack
 
@@ -68,11 +67,12 @@ class Encoder:
     attention: str = "auto"  # the --attention choice (each bucket's implementation: engine.attention_of)
     # an LLM reranker's chat template or prompt for (query, document) pairs (jaxserve.checkpoint.llm_reranker)
     pair_template: llm_reranker.PairTemplate | llm_reranker.Qwen3RerankerPrompt | None = None
+    m3: bge_m3.M3Config | None = None  # a BGE-M3 checkpoint's sparse and multi-vector heads (jaxserve.heads.bge_m3)
 
     @classmethod
     def from_pretrained(
         cls, name: str | None = None, dtype: str = "auto", buckets: BucketTable | str | Path | None = None,
-        devices: int | str = 1, attention: str = "auto",
+        devices: int | str = 1, attention: str = "auto", task: str | None = None,
     ) -> "Encoder":
         """Load a checkpoint. With `buckets` (a table or its JSON file) the engine is warmed at once;
         otherwise on first use, with the table derived for this device.
@@ -82,12 +82,14 @@ class Encoder:
         `devices`: how many local devices share each batch (an int, or "all"): data parallel,
         weights replicated, batch axis sharded.
         `attention`: auto, pallas, cudnn, xla or blockwise (`attention.plan`); per bucket, an
-        implementation that cannot take it or fails to compile falls back to the next."""
+        implementation that cannot take it or fails to compile falls back to the next.
+        `task`: the task adapter (LoRA) of a checkpoint that has them (Jina-embeddings-v3), merged into the
+        weights at load (default `$JAXSERVE_TASK`; unset: none); its prompt is the default prompt."""
         dtype = resolve_dtype(dtype)
         if attention not in ATTENTION_CHOICES:
             raise ValueError(f"attention must be one of {', '.join(ATTENTION_CHOICES)}, not {attention!r}")
         path = loader.resolve(name)
-        family, cfg = read_model_config(path)
+        family, cfg = read_model_config(path, loader.task_named(task))
         head = read_head_config(path, loader.named(name))
         emb = EmbeddingConfig.from_checkpoint(path, cfg)
         tokenizer = TextTokenizer.from_dir(path, emb.max_seq_length)
@@ -115,6 +117,12 @@ class Encoder:
             emb = dataclasses.replace(emb, max_seq_length=max(colbert.lengths))
             if colbert.dense:
                 params["dense"] = loader.load_dense(path, colbert.dense)
+        m3 = None
+        if head.kind == "embedding" and bge_m3.is_checkpoint(path):  # its dense output is CLS, normalised
+            if emb.dense:
+                raise CheckpointError(f"{path}: a BGE-M3 checkpoint with Dense modules is not supported")
+            m3, params["m3"] = bge_m3.from_checkpoint(path, tokenizer.tokenizer, cfg.hidden_size)
+            emb = dataclasses.replace(emb, pooling="cls", normalize=True)
         params = jax.device_put(params)
         platform = jax.devices()[0].platform
 
@@ -125,6 +133,8 @@ class Encoder:
                     impl, slots)), colbert, cfg.vocab_size, slots)
             module = family.encoder(cfg, jdtype, attention=attention_kernels.Kernel(implementation, slots))
             if output == "tokens":
+                if m3 is not None:
+                    return partial(bge_m3.forward, module, m3, slots)
                 return partial(tokens_forward, module, slots)
             if splade is not None:
                 return partial(sparse.sparse_forward, module, cfg, splade, slots)
@@ -139,10 +149,11 @@ class Encoder:
         dims = cfg.dims(jnp.dtype(jdtype).itemsize)
         head_dim = dims.head_dim or dims.hidden // dims.heads
         engine = Engine(forward, params, local[:count],
-                        plan=partial(attention_kernels.plan, attention, platform, head_dim=head_dim, dtype=dtype))
+                        plan=partial(attention_kernels.plan, attention, platform, head_dim=head_dim, dtype=dtype),
+                        spill=splade)
         template = llm_reranker.pair_template(path, loader.named(name)) if head.logit_score is not None else None
         enc = cls(path, family, cfg, emb, tokenizer, engine, dtype, head, splade, colbert, attention=attention,
-                  pair_template=template)
+                  pair_template=template, m3=m3)
         if buckets is not None:
             enc.warmup(buckets if isinstance(buckets, BucketTable) else BucketTable.load(buckets))
         return enc
@@ -161,7 +172,10 @@ class Encoder:
 
     @property
     def token_dim(self) -> int:
-        """Width of one token's output: the hidden size (/embed_all), or a multi-vector model's projection."""
+        """Width of one token's output: the hidden size (/embed_all), a multi-vector model's projection, or a
+        BGE-M3 model's three outputs in one row (`bge_m3.M3Config.width`)."""
+        if self.m3 is not None:
+            return self.m3.width
         return self.colbert.dim if self.colbert is not None else self.model_config.hidden_size
 
     @property
@@ -262,10 +276,10 @@ class Encoder:
 
     def warmup_tokens(self, progress: bool = False) -> BucketTable:
         """Compile and time token outputs at each seqlen's smallest batch of the warm table (/embed_all), or at
-        every bucket of it (a multi-vector model: per-token outputs are all it serves)."""
+        every bucket of it (a multi-vector or BGE-M3 model: its per-token outputs are served as its pooled ones)."""
         table = self.warm_table()
         smallest = tuple(table.at(s)[0] for s in table.seqlens)
-        chosen = table.buckets if self.colbert is not None else smallest
+        chosen = table.buckets if self.colbert is not None or self.m3 is not None else smallest
         return warm.given(self.engine, dataclasses.replace(table, buckets=chosen), progress=progress, output="tokens",
                           check=self._fits_check())
 
@@ -282,7 +296,8 @@ class Encoder:
 
     def run(self, pieces: Pieces, rows: Rows | None = None) -> np.ndarray | sparse.SparseRows:
         """Run sequences through the device -> [P, out_dim] (pooled, not normalised), in input order; a SPLADE
-        model's as `sparse.SparseRows`, the full rows of sequences over the cap kept.
+        model's as `sparse.SparseRows`, the non-zeros of sequences over the cap kept from their full rows in the
+        same pass (`Job.kept`).
 
         The batches are formed by the same batcher as the server's, drained at
         once; `last_dispatches` keeps the batches that ran (what `explain` reports).
@@ -290,23 +305,8 @@ class Encoder:
         table = self.warm_table()
         rows = rows if rows is not None else pack(pieces.lengths, table)
         job = Job(rows, pieces.ids, pieces.offsets, pieces.types, self.out_dim)
-        engine = self.engine if self.splade is None else _KeepingFull(self.engine, self.splade)
-        self.last_dispatches = run_jobs(engine, table, [job], streams=device.streams())
-        return job.out if self.splade is None else sparse.SparseRows(job.out, engine.full)
-
-    def complete_sparse(self, pieces: Pieces, out: np.ndarray) -> sparse.SparseRows:
-        """A SPLADE model's compact rows from a pass that kept no spill (the server's pipeline) -> `SparseRows`:
-        the sequences over the cap run again, through the same executables, their full rows kept."""
-        over = sparse.over_cap(out, self.splade)
-        if not len(over):
-            return sparse.SparseRows(out)
-        lengths = pieces.lengths[over]
-        tokens = ragged_arange(pieces.offsets[over], lengths)
-        again = self.run(Pieces(pieces.ids[tokens], np.concatenate([[0], np.cumsum(lengths)]), pieces.doc[over],
-                                pieces.weight[over], None if pieces.types is None else pieces.types[tokens]))
-        merged = np.array(out)
-        merged[over] = again.compact
-        return sparse.SparseRows(merged, again.full)
+        self.last_dispatches = run_jobs(self.engine, table, [job], streams=device.streams())
+        return job.out if self.splade is None else sparse.SparseRows(job.out, job.kept)
 
     def run_tokens(self, pieces: Pieces) -> list[np.ndarray]:
         """Run sequences for their token outputs -> per sequence its [tokens, token_dim] float32 states, in order."""
@@ -341,13 +341,17 @@ class Encoder:
         """Texts -> per text its [tokens, hidden] last hidden states, special tokens included (truncated to the
         model's length), as TEI's /embed_all."""
         self._require("embedding")
+        if self.m3 is not None:
+            raise InputError("a BGE-M3 model's token outputs are its heads' (embed_m3), not its hidden states")
         pieces = self.tokenizer.documents(list(texts), "truncate", prompt=self.embedding_config.prompt(prompt_name, prompt))
         return self.run_tokens(pieces)
 
     def embed_sparse(self, texts: list[str], long: str = "truncate", prompt_name: str | None = None,
                      prompt: str | None = None) -> list[list[dict]]:
         """Texts -> per text its non-zero weights [{"index", "value"}] in index order, as SparseEncoder's
-        `encode` (a SPLADE checkpoint; `long`: truncate or error)."""
+        `encode` (a SPLADE checkpoint; `long`: truncate or error), or a BGE-M3 checkpoint's lexical weights."""
+        if self.m3 is not None:
+            return bge_m3.index_values(self.m3_outputs(texts, ("sparse",), long, prompt_name, prompt)["sparse"])
         self._require("sparse")
         if long == "chunk":
             raise InputError("sparse embeddings are per sequence: `long: chunk` does not apply")
@@ -368,32 +372,73 @@ class Encoder:
     def embed_multivector(self, texts: list[str], kind: str = "document", long: str = "truncate",
                           prompt: str | None = None) -> list[np.ndarray]:
         """Texts -> per text its [tokens, dim] float32 token vectors, as MultiVectorEncoder's `encode_query`
-        (kind="query") / `encode_document` (kind="document") and PyLate's `encode(is_query=...)` give them."""
+        (kind="query") / `encode_document` (kind="document") and PyLate's `encode(is_query=...)` give them; a
+        BGE-M3 checkpoint's ColBERT vectors (the same for either kind, as FlagEmbedding's)."""
+        if self.m3 is not None:
+            if kind not in multivector.KINDS:
+                raise InputError(f"kind must be one of {', '.join(multivector.KINDS)}, not {kind!r}")
+            return self.m3_outputs(texts, ("multivector",), long, prompt=prompt)["multivector"]
         pieces = self.multivector_pieces(texts, kind, long, prompt)
         return multivector.outputs(self.colbert, kind, pieces.seqs, self.run_tokens(pieces))
+
+    def m3_outputs(self, texts: list[str], outputs: tuple[str, ...] = bge_m3.OUTPUTS, long: str = "truncate",
+                   prompt_name: str | None = None, prompt: str | None = None) -> dict:
+        """A BGE-M3 checkpoint's `outputs` (any of dense, sparse, multivector) of texts, from one forward: dense
+        [N, hidden] (not normalised), sparse per text (token ids, weights), multivector per text [tokens - 1, dim]
+        (`bge_m3.outputs`). `long`: truncate or error."""
+        if self.m3 is None:
+            raise InputError(f"{self.path.name} is not a BGE-M3 model (no {bge_m3.COLBERT_FILE} and "
+                             f"{bge_m3.SPARSE_FILE} beside it)")
+        unknown = [o for o in outputs if o not in bge_m3.OUTPUTS]
+        if unknown or not outputs:
+            raise InputError(f"outputs must be some of {', '.join(bge_m3.OUTPUTS)}, not {list(outputs)}")
+        if long == "chunk":
+            raise InputError("BGE-M3's outputs are per sequence: `long: chunk` does not apply")
+        pieces = self.tokenizer.documents(list(texts), long, prompt=self.embedding_config.prompt(prompt_name, prompt))
+        return bge_m3.outputs(self.m3, pieces.ids, pieces.offsets, self.run_tokens(pieces), tuple(outputs))
+
+    def embed_m3(self, texts: list[str], return_dense: bool = True, return_sparse: bool = True,
+                 return_colbert_vecs: bool = True, long: str = "truncate", prompt_name: str | None = None,
+                 prompt: str | None = None) -> dict:
+        """Texts -> FlagEmbedding's `BGEM3FlagModel.encode` result, every output asked for from one forward:
+        {"dense_vecs": [N, hidden] normalised, "lexical_weights": per text {str(token id): weight},
+        "colbert_vecs": per text its [tokens - 1, dim] normalised vectors}, None for an output not asked for.
+        Unlike FlagEmbedding's, every flag defaults to true."""
+        wanted = tuple(o for o, on in zip(bge_m3.OUTPUTS, (return_dense, return_sparse, return_colbert_vecs)) if on)
+        if not wanted:
+            raise InputError("ask for at least one of return_dense, return_sparse, return_colbert_vecs")
+        got = self.m3_outputs(texts, wanted, long, prompt_name, prompt)
+        return {"dense_vecs": normalize_rows(got["dense"]) if "dense" in got else None,
+                "lexical_weights": bge_m3.lexical_weights(got["sparse"]) if "sparse" in got else None,
+                "colbert_vecs": got.get("multivector")}
 
     def classify(self, inputs: list, truncate: bool = True) -> np.ndarray:
         """Texts, or (text, text) pairs, mixed -> [N, num_labels] logits (a classifier checkpoint)."""
         self._require("classifier")
         return self.run(self.prepare_pairs(inputs, truncate))
 
-    def rerank(self, query: str, texts: list[str], truncate: bool = True) -> np.ndarray:
+    def rerank(self, query: str, texts: list[str], truncate: bool = True, instruction: str | None = None) -> np.ndarray:
         """Cross-encoder relevance logits [N] of (query, text) pairs, in input order (an LLM reranker's: the
-        true token's logit minus the false one's at the last position, as LogitScore)."""
-        return self.classify([(query, t) for t in texts], truncate)[:, 0]
+        true token's logit minus the false one's at the last position, as LogitScore). `instruction`: the task in
+        a Qwen3-Reranker's prompt (default its model card's); a model without that slot refuses one."""
+        self._require("classifier")
+        return self.run(self.prepare_pairs([(query, t) for t in texts], truncate, instruction=instruction))[:, 0]
 
-    def prepare_pairs(self, inputs: list, truncate: bool, direction: str = "right") -> Pieces:
+    def prepare_pairs(self, inputs: list, truncate: bool, direction: str = "right",
+                      instruction: str | None = None) -> Pieces:
         """Texts (one sequence each) or pairs ([CLS] a [SEP] b [SEP]), mixed, as model sequences; an LLM
-        reranker with a chat template or a model card's prompt: each pair rendered through it."""
-        if self.pair_template is None:
+        reranker with a chat template or a model card's prompt: each pair rendered through it, with `instruction`
+        in the prompt's slot (`llm_reranker.with_instruction`)."""
+        template = llm_reranker.with_instruction(self.pair_template, instruction)
+        if template is None:
             return self.tokenizer.pairs(inputs, truncate, direction)
-        return self._templated_pairs(inputs, truncate, direction)
+        return self._templated_pairs(template, inputs, truncate, direction)
 
-    def _templated_pairs(self, inputs: list, truncate: bool, direction: str) -> Pieces:
+    def _templated_pairs(self, template, inputs: list, truncate: bool, direction: str) -> Pieces:
         """Pairs through the LLM reranker's template (`llm_reranker`), one sequence each."""
         if any(isinstance(x, str) for x in inputs):
             raise InputError("an LLM reranker scores (query, document) pairs, not single texts")
-        seqs = self.pair_template.sequences(self.tokenizer, [tuple(x) for x in inputs], truncate, direction)
+        seqs = template.sequences(self.tokenizer, [tuple(x) for x in inputs], truncate, direction)
         return from_sequences(seqs, np.arange(len(seqs)), np.ones(len(seqs)))
 
     def _require(self, kind: str) -> None:
@@ -401,28 +446,3 @@ class Encoder:
             raise InputError(f"{self.path.name} is a{'n' if self.head.kind == 'embedding' else ''} {self.head.kind} "
                              f"model; this needs a{'n' if kind == 'embedding' else ''} {kind} model")
 
-
-class _KeepingFull:
-    """The engine as `run_jobs` drives it for a SPLADE model: each batch's spill (its full weights) is copied
-    back only when one of its sequences is over the cap, and those sequences' non-zeros kept in `full`."""
-
-    def __init__(self, engine: Engine, splade: sparse.SparseConfig):
-        self.engine = engine
-        self.splade = splade
-        self.full: list = []
-        self._lock = threading.Lock()  # fetches run on several threads (device.streams)
-
-    def put(self, *args):
-        return self.engine.put(*args)
-
-    def launch(self, prepared):
-        return self.engine.launch(prepared, spill=True)
-
-    def fetch(self, launched) -> np.ndarray:
-        result, spill = launched
-        out = self.engine.fetch(result)
-        if (out[..., 0] <= self.splade.cap).all():
-            return out
-        weights = self.engine.fetch(spill)
-        with self._lock:
-            return sparse.keep_full(out, weights, self.splade, self.full)

@@ -4,8 +4,8 @@ The tiny checkpoint (2 layers, hidden 32, 2 query heads of 16 sharing 1 key/valu
 transformers itself (Llama's tensor names: q/k/v/o_proj, gate/up/down_proj, input_layernorm, ...) with a
 <bos> ... <eos> template as EuroBERT's tokenizer has, and saved by sentence-transformers with mean pooling and
 a query prompt. The hub's config.json (remote code: `rope_theta`, `rope_scaling: null`, `clf_pooling`) reads
-into the config transformers' gives. The classifier (attention biases on) is checked for both of the
-poolings jaxserve runs; "late" is refused when a classifier loads, not when the same config embeds.
+into the config transformers' gives. The classifier (attention biases on) is checked here for "bos" and
+"mean" pooling; "late" in test_eurobert_late.py.
 """
 
 import dataclasses
@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 from conftest import TINY_TABLE, cosine_rows, warm_encoder
 
-from jaxserve import Encoder
 from jaxserve.errors import CheckpointError
 from jaxserve.models import FAMILIES, eurobert
 from jaxserve.runtime.buckets import fixed
@@ -153,17 +152,6 @@ def test_classifier_logits_match_transformers(tmp_path, pooling):
     model = hf_tiny.torch_model(path, "EuroBertForSequenceClassification")
     want = np.stack([hf_tiny.logits(model, np.asarray(ids, np.int32)) for ids in enc.tokenizer.encode(TEXTS[:4])])
     np.testing.assert_allclose(enc.classify(TEXTS[:4]), want, atol=1e-4, rtol=1e-4)
-
-
-def test_late_classifier_is_refused_but_embeds(checkpoint, tmp_path):
-    """"late" (the head on every token, logits averaged): refused as a classifier; transformers' default, so the
-    embedding checkpoint has it too and loads."""
-    path = hf_tiny.write(tmp_path / "late", "EuroBertForSequenceClassification", hf_config(num_labels=1),
-                         kind="gemma", seed=6, scale=0.3)
-    with pytest.raises(CheckpointError, match="classifier_pooling 'late'"):
-        Encoder.from_pretrained(str(path))
-    _, enc = checkpoint
-    assert enc.model_config.classifier_pooling == "late" and enc.head.kind == "embedding"
 
 
 @pytest.mark.parametrize("edit, message", [

@@ -147,9 +147,9 @@ def test_dense_rows_match_sparse_encoder(dense_splade):
 
 
 def test_rows_over_the_cap_read_from_their_full_rows(monkeypatch):
-    """A batch's rows over the cap point at their non-zeros, kept from its full weights; `decode` and `json_rows`
-    read those there (JSON in blocks of JSON_BLOCK weights) and the others from the compact rows. Compact rows
-    over the cap without their full rows are a caller's error, never a request's."""
+    """A batch's sequences over the cap are the ones whose full rows are kept (`needed`, `keep`), by sequence;
+    `decode` and `json_rows` read those there (JSON in blocks of JSON_BLOCK weights) and the others from the compact
+    rows. Compact rows over the cap without their full rows are a caller's error, never a request's."""
     import orjson
 
     cfg = sparse.SparseConfig(6, cap=2)
@@ -157,15 +157,14 @@ def test_rows_over_the_cap_read_from_their_full_rows(monkeypatch):
     weights[0, 0, [1, 4]] = [0.5, 2.0]
     weights[0, 1, [0, 2, 5]] = [1.5, 0.25, 3.0]
     compact = np.array([[[2, 0.5, 2.0, 1, 4], [3, 1.5, 0.25, 0, 2]]], np.float32)  # as the device ships them
-    full = []
-    rows = sparse.SparseRows(sparse.keep_full(compact, weights, cfg, full)[0], full)
+    assert cfg.needed(compact).tolist() == [[False, True]]
+    rows = sparse.SparseRows(compact[0], {1: cfg.keep(weights[0, 1])})
     want = [[{"index": 1, "value": 0.5}, {"index": 4, "value": 2.0}],
             [{"index": 0, "value": 1.5}, {"index": 2, "value": 0.25}, {"index": 5, "value": 3.0}]]
-    assert len(full) == 1 and sparse.decode(rows, cfg) == want
+    assert sparse.decode(rows, cfg) == want
     monkeypatch.setattr(sparse, "JSON_BLOCK", 2)
     assert [orjson.loads(r) for r in sparse.json_rows(rows, cfg)] == want
-    under = compact[:, :1]
-    assert sparse.keep_full(under, weights[:, :1], cfg, full) is under and len(full) == 1  # as shipped
+    assert not cfg.needed(compact[:, :1]).any()  # as shipped
     with pytest.raises(ValueError, match="without their full rows"):
         sparse.decode(compact[0], cfg)
 
@@ -282,8 +281,8 @@ async def test_embed_sparse_at_its_largest_keeps_the_event_loop_free(make_server
 
 async def test_embed_sparse_over_the_cap_serves_every_weight(make_server, dense_splade, monkeypatch):
     """/embed_sparse on a model whose rows are dense: every non-zero of every input, rows over the cap and under it
-    in one request (over the cap was the request's 422), each from a second pass on a thread, never the event
-    loop (tests/loopwatch.py), and TEI's root alike."""
+    in one request (over the cap was the request's 422), none of it read on the event loop (tests/loopwatch.py),
+    and TEI's root alike."""
     import loopwatch
 
     path, enc, want = dense_splade
@@ -319,3 +318,35 @@ def test_jaxserve_embed_writes_dense_rows(dense_splade, tmp_path, monkeypatch):
     assert main(["embed", "--input", str(corpus), "--model", str(path), "--buckets", str(table), "--chunk", "2",
                  "--output", str(out)]) == 0
     assert_same_sparse([json.loads(line) for line in out.read_text().splitlines()], want)
+
+
+async def test_embed_sparse_runs_each_sequence_once(make_server, dense_splade, monkeypatch):
+    """/embed_sparse with sequences over the cap is one pass: every sequence reaches the device once, and its full
+    row comes back with its batch (the server ran those sequences a second time, outside the batcher, to read
+    theirs). Counted at the engine's launches; the weights are still SparseEncoder.encode's."""
+    import threading
+
+    _, enc, want = dense_splade
+    launched, lock = [], threading.Lock()
+    launch = enc.engine.launch
+
+    def counting(prepared, **kw):
+        with lock:  # sequences per batch: each row's highest segment id
+            launched.append(int(np.asarray(prepared.inputs[1]).max(axis=1).sum()))
+        return launch(prepared, **kw)
+
+    from jaxserve.runtime import device
+
+    monkeypatch.setattr(enc.engine, "launch", counting)
+    assert sum(int(np.count_nonzero(w)) > enc.splade.cap for w in want) >= 2
+    for streams in (1, 2):  # one device thread launching (an accelerator's), or each running its batch (a CPU's)
+        client = await make_server(enc, streams=streams)
+        launched.clear()
+        resp = await client.post("/embed_sparse", json={"inputs": TEXTS})
+        assert resp.status == 200
+        assert_same_sparse(await resp.json(), want)
+        assert sum(launched) == len(TEXTS), streams  # before: len(TEXTS) + the sequences over the cap
+        monkeypatch.setattr(device, "streams", lambda: streams)
+        launched.clear()
+        assert_same_sparse(enc.embed_sparse(TEXTS), want)  # the Python API: one pass alike
+        assert sum(launched) == len(TEXTS)

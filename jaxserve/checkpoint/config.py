@@ -89,6 +89,11 @@ class EmbeddingConfig:
     dense: tuple[DenseLayer, ...] = ()
     prompts: tuple[tuple[str, str], ...] = ()  # (name, text): prepended to the text before tokenizing
     default_prompt_name: str | None = None
+    # the widths config.json says the vectors may be cut to (Matryoshka; as vLLM reads it); (): any width
+    matryoshka_dimensions: tuple[int, ...] = ()
+    # Task adapters (Jina-embeddings-v3): the one merged into the weights, and the others, whose prompts are refused
+    task: str | None = None
+    other_tasks: tuple[str, ...] = ()
 
     @property
     def modes(self) -> tuple[str, ...]:
@@ -107,6 +112,10 @@ class EmbeddingConfig:
         name = name if name is not None else self.default_prompt_name
         if name is None:
             return None
+        if name in self.other_tasks:
+            runs = f"the {self.task!r} adapter" if self.task else "no task adapter"
+            raise InputError(f"prompt_name {name!r} is the prompt of another task adapter; this server runs {runs} "
+                             f"(load the model with task {name!r} for it)")
         known = dict(self.prompts)
         if name not in known:
             names = ", ".join(repr(k) for k in known) or "none"
@@ -142,10 +151,28 @@ class EmbeddingConfig:
         st_config = st_modules.st_config(path)
         prompts = tuple((str(k), str(v)) for k, v in (st_config.get("prompts") or {}).items())
         default = st_config.get("default_prompt_name")
+        task, adapters = getattr(model, "task", None), getattr(model, "adapters", ())
+        if adapters:  # config.json's task_instructions where the save has none of that name; the task's is default
+            prompts += tuple(p for p in model.task_prompts if p[0] not in dict(prompts))
+            if task in dict(prompts):
+                default = task
+            elif default in adapters:  # another task's prompt is never the default
+                default = None
         if default is not None and default not in dict(prompts):
             raise CheckpointError(f"default_prompt_name {default!r} is not one of the checkpoint's prompts")
         return cls(pooling=pooling, max_seq_length=max_len, normalize=normalize, dense=tuple(dense),
-                   prompts=prompts, default_prompt_name=default)
+                   prompts=prompts, default_prompt_name=default, task=task,
+                   other_tasks=tuple(t for t in adapters if t != task),
+                   matryoshka_dimensions=matryoshka_dimensions(path))
+
+
+def matryoshka_dimensions(path: Path) -> tuple[int, ...]:
+    """The widths config.json's `matryoshka_dimensions` says the vectors may be cut to, sorted (its integers
+    only; absent or not a list: none, any width)."""
+    dims = _read_config(path).get("matryoshka_dimensions")
+    if not isinstance(dims, list):
+        return ()
+    return tuple(sorted({d for d in dims if isinstance(d, int) and not isinstance(d, bool) and d > 0}))
 
 
 # sentence-transformers' Transformer module config, under its current and its legacy names, first found wins
@@ -226,11 +253,17 @@ def dense_layer(raw: dict, folder: str, reads: str = "sentence_embedding") -> De
         raise CheckpointError(f"Dense module {folder}: config.json lacks in_features/out_features ({exc})") from None
 
 
-def read_model_config(path: Path) -> tuple[Family, ArchConfig]:
-    """The checkpoint's architecture family and its frozen config."""
+def read_model_config(path: Path, task: str | None = None) -> tuple[Family, ArchConfig]:
+    """The checkpoint's architecture family and its frozen config; `task` chooses a task adapter (LoRA) where
+    the checkpoint has them (Jina-embeddings-v3), merged into the weights at load."""
     raw = _read_config(path)
     family = family_of(raw)
-    return family, family.configure(raw)
+    cfg = family.configure(raw)
+    if task is None:
+        return family, cfg
+    if not getattr(cfg, "adapters", ()):
+        raise CheckpointError(f"task {task!r} asked for, but {path} has no task adapters (lora_adaptations)")
+    return family, cfg.with_task(task)
 
 
 def read_head_config(path: Path, name: str | None = None) -> HeadConfig:

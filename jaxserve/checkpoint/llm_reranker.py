@@ -7,7 +7,8 @@ state h, so the head is a single-output linear layer on the last token, never a 
 
 A pair reaches the model as sentence-transformers feeds it: through the chat template with one message per role
 (`query`, `document`) when the save's Transformer module takes messages, else as the tokenizer's own pair. The hub's
-Qwen3-Reranker (a plain causal LM, no sentence-transformers modules) gets its model card's prompt instead.
+Qwen3-Reranker (a plain causal LM, no sentence-transformers modules) gets its model card's prompt instead, whose
+instruction a request may set (`with_instruction`: the card's `format_instruction(instruction, query, doc)`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from tokenizers import Tokenizer
 
 from jaxserve.checkpoint import modules as st_modules
 from jaxserve.checkpoint.tokenize import TextTokenizer
-from jaxserve.errors import CheckpointError, TooLongError
+from jaxserve.errors import CheckpointError, InputError, TooLongError
 
 PAIR_ROLES = ("query", "document")  # sentence-transformers' roles for the two halves of a pair
 LM_HEAD = "lm_head.weight"
@@ -153,6 +154,22 @@ class Qwen3RerankerPrompt:
                 body = body[:room] if direction == "right" else body[-room:]
             seqs.append(np.concatenate([head, body, tail]))
         return seqs
+
+
+def with_instruction(template: PairTemplate | Qwen3RerankerPrompt | None, instruction: str | None):
+    """The pairs' template with a request's `instruction` in its slot (Qwen3-Reranker's `<Instruct>`, where the card's
+    default stands otherwise); None: the template as loaded. A template without that slot refuses one: a chat
+    template or the tokenizer's pair would silently drop it."""
+    if instruction is None:
+        return template
+    if not isinstance(template, Qwen3RerankerPrompt):
+        raise InputError("`instruction` is for rerankers whose prompt has an instruction slot (Qwen3-Reranker); "
+                         "this model's has none")
+    if not isinstance(instruction, str):
+        raise InputError(f"`instruction` must be a string, not {type(instruction).__name__}")
+    if not instruction.strip():
+        raise InputError("`instruction` must not be empty (leave it out for the model card's)")
+    return dataclasses.replace(template, instruction=instruction)
 
 
 def _check_truncate(truncate: bool, i: int, n: int, limit: int) -> None:

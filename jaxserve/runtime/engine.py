@@ -7,7 +7,8 @@ overlap them: `put` (one host-to-device copy of the batch's [4, B, S] inputs),
 asynchronous) and `fetch` (wait for the result and copy it to the host). A
 pooled result comes back in slot chunks (`jaxserve.runtime.output_chunks`): only those
 that hold the batch's sequences are copied. A pooled forward may return a second output,
-its spill, copied only by a caller that asks (`launch(spill=True)`, then `fetch`). Compiling
+its spill (SPLADE's full rows), copied back in the same pass only for a batch whose out says it is
+needed (`launch(spill=True)`, then `fetch_kept`: the engine's `Spill` decides). Compiling
 a whole table and timing its buckets is `jaxserve.runtime.warm`'s job; the engine compiles one
 shape at a time.
 """
@@ -19,7 +20,7 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +38,16 @@ from jaxserve.runtime.buckets import INPUT_NAMES, Bucket, BucketTable
 log = logging.getLogger("jaxserve.runtime.engine")
 
 Forward = Callable[[dict, dict], jax.Array]  # (params, {name: [B, S] int32}) -> [B, K, D] (or with a spill)
+
+
+class Spill(Protocol):
+    """What a pooled forward's second output (its spill) is read for: SPLADE's `heads.sparse.SparseConfig`."""
+
+    def needed(self, out: np.ndarray) -> np.ndarray:
+        """A batch's fetched out [B, k, D] -> [B, k] bool: the sequences whose spill rows are needed."""
+
+    def keep(self, row: np.ndarray) -> object:
+        """One such sequence's spill row -> what its job keeps of it."""
 
 
 class Attention(NamedTuple):
@@ -91,7 +102,7 @@ def compiled_bytes(compiled: jax.stages.Compiled) -> int:
 
 class Engine:
     def __init__(self, make_forward: Callable[[int, int, str, str], Forward], params: dict, devices: list | None = None,
-                 plan: Callable[[int], Plan] = xla_plan):
+                 plan: Callable[[int], Plan] = xla_plan, spill: Spill | None = None):
         """`make_forward(slots, seqlen, output, implementation)` gives the pure forward for rows of `seqlen`
         tokens and up to `slots` documents, its attention run by `implementation`; `output` is `pooled`
         ([B, K, D] per sequence) or `tokens` ([B, S, D] per token, TEI's /embed_all). Each output has
@@ -101,10 +112,14 @@ class Engine:
         fails to trace or compile is compiled with the next one, and the failure logged; which one
         it runs, and why, is `attention_of` (and each served bucket's `attention` fields).
 
+        `spill`: the pooled forward returns (out, spill), and this says which spill rows a batch needs
+        (`spills`, `fetch_kept`); None: it returns its out alone.
+
         With several `devices`: a 1-D mesh; weights replicated on each, every bucket's
         batch axis sharded across them, one compile per bucket for the whole mesh.
         """
         self._make_forward = make_forward
+        self.spill = spill
         devices = devices or jax.devices()[:1]
         self.devices = len(devices)
         mesh = Mesh(np.array(devices), ("data",))
@@ -279,6 +294,22 @@ class Engine:
             return result
         first = len(output_chunks.ends(prepared.bucket.slots))
         return result, outs[first : first + prepared.chunks]
+
+    def spills(self, output: str) -> bool:
+        """Whether a batch of `output` is launched with its spill (`launch(spill=True)`, then `fetch_kept`)."""
+        return output == "pooled" and self.spill is not None
+
+    def fetch_kept(self, launched) -> tuple[np.ndarray, dict]:
+        """Wait for a batch launched with its spill -> (its out as `fetch` gives it, {(batch row, slot): kept}): the
+        spill is copied back only when the out says a sequence needs it, and only those sequences' rows are kept
+        (`Spill`), in the same pass."""
+        result, spill = launched
+        out = self.fetch(result)
+        need = self.spill.needed(out)
+        if not need.any():
+            return out, {}
+        full = self.fetch(spill)
+        return out, {(int(b), int(k)): self.spill.keep(full[b, k]) for b, k in zip(*np.nonzero(need))}
 
     @staticmethod
     def fetch(result: tuple[jax.Array, ...]) -> np.ndarray:

@@ -13,7 +13,9 @@ Glossary (one meaning each, everywhere):
 `assemble` copies a dispatch's rows out of their jobs into one [4, B, S]
 int32 array (token ids, segment ids, positions, type ids: one host-to-device
 transfer); `scatter` copies the [B, k, D] output (the slots the batch fills)
-back into each job's per-sequence output, in input order.
+back into each job's per-sequence output, in input order; `keep` puts what
+the engine kept of some sequences' full outputs (SPLADE rows over the cap)
+into their jobs' `kept`.
 """
 
 from __future__ import annotations
@@ -41,7 +43,9 @@ class Job:
     `types` the token type ids alike (sentence pairs) or None for zeros.
     `output`: `pooled` fills `out` [P, D], one vector per sequence; `tokens`
     fills `out` [T, D], one per token (TEI's /embed_all), in row order:
-    `token_vectors(p)` gives sequence p's.
+    `token_vectors(p)` gives sequence p's. `kept`: by sequence, what the engine
+    kept of its full output where `out` could not hold it (a SPLADE row over the
+    cap: `Engine.fetch_kept`), filled in the same pass.
     """
 
     def __init__(self, rows: Rows, ids: np.ndarray, offsets: np.ndarray, types: np.ndarray | None, out_dim: int,
@@ -65,6 +69,17 @@ class Job:
         size = len(src) if output == "tokens" else len(lengths)
         self.out = np.zeros((size, out_dim), np.float32)  # [P, D] per sequence, or [T, D] per token
         self.remaining = len(lengths)  # sequences not yet done
+        self.kept: dict[int, object] = {}
+
+    def __getstate__(self) -> dict:
+        """A job sent to the engine process (scheduling/link.py) leaves its empty outputs behind: made there."""
+        state = dict(self.__dict__)
+        state["out"] = state["out"].shape
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.out = np.zeros(state["out"], np.float32)
 
     def token_vectors(self, p: int) -> np.ndarray:
         """[L, D] sequence p's token vectors (a `tokens` job)."""
@@ -94,6 +109,20 @@ def most_per_row(parts, jobs: dict[int, Job]) -> int:
     """The most sequences any of a dispatch's rows holds (0: all its jobs are gone): the output slots to copy back."""
     return max((int(job.rows.docs[rows].max()) for job_id, rows in parts
                 if (job := jobs.get(job_id)) is not None and len(rows)), default=0)
+
+
+def keep(parts, kept: dict | None, jobs: dict[int, Job]) -> None:
+    """A batch's kept full outputs {(batch row, slot): value} (`Engine.fetch_kept`) -> the `kept` of the sequences
+    in those slots (before `scatter`, which finishes their jobs). Python per kept sequence only: a few, and only
+    in a batch that has them."""
+    first = 0
+    for job_id, rows in parts:
+        if kept and (job := jobs.get(job_id)) is not None:
+            r = job.rows
+            for (b, k), value in kept.items():
+                if first <= b < first + len(rows):
+                    job.kept[int(r.members[r.starts[rows[b - first]] + k])] = value
+        first += len(rows)
 
 
 def scatter(parts, result: np.ndarray, jobs: dict[int, Job]) -> list[int]:

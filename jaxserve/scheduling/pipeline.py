@@ -14,7 +14,9 @@ Three threads, one stage each, with bounded hand-offs between them
   run their batch to the end;
 - respond: waits for each launched batch in order, copies its output to the
   host, scatters it into its jobs, and hands finished jobs to the event loop
-  (`call_soon_threadsafe`).
+  (`call_soon_threadsafe`). A SPLADE model's batches are launched with their
+  spill, and the full rows of sequences over the cap are copied back with
+  them (`Engine.fetch_kept`) into their jobs: one pass, nothing run again.
 
 The batcher and the jobs are shared with the event loop (submit, cancel)
 under one lock, held only for bookkeeping. `run_jobs` runs the same steps in
@@ -40,8 +42,8 @@ import numpy as np
 from jaxserve.runtime.buckets import BucketTable
 from jaxserve.runtime.engine import Engine
 from jaxserve.scheduling.batcher import BULK, CLASSES, Batcher, Classes, Dispatch, queue_tokens
-from jaxserve.scheduling.explain import LiveTimings
-from jaxserve.scheduling.jobs import Job, assemble, most_per_row, scatter
+from jaxserve.scheduling.explain import LiveTimings, explain
+from jaxserve.scheduling.jobs import Job, assemble, keep, most_per_row, scatter
 from jaxserve.scheduling.prepared import PreparedQueue, room
 
 log = logging.getLogger("jaxserve.scheduling.pipeline")
@@ -97,6 +99,9 @@ class Metrics:
 
     def phase(self, name: str, seconds: float) -> None: ...
 
+    def device_busy(self, seconds: float) -> None:
+        """The device was busy this much longer (`jaxserve_device_busy_seconds_total`)."""
+
     def sequences(self, outcome: str, n: int) -> None:
         """Every sequence submitted is, in the end, dispatched (with its job still waiting for it) or dropped
         (its client left while it waited): submitted = dispatched + dropped + waiting."""
@@ -136,6 +141,8 @@ class Pipeline:
         # per output, device time per bucket, refreshed from every device step (a token-output bucket of the same
         # shape as a pooled one runs a different executable)
         self.timings = {lane: LiveTimings(t) for lane, t in tables.items()}
+        self.tables = tables
+        self.spills = {lane: _spills(engine, lane) for lane in tables}
         self.metrics = metrics or Metrics()
         self.max_inflight = max_inflight
         self.streams = streams  # device threads: 1 launches for the device; >1 each runs its batch (CPU)
@@ -155,6 +162,7 @@ class Pipeline:
         self.failures = 0  # device steps failed in a row
         self.broken: str | None = None  # why a pipeline thread died
         self.device_batches = 0
+        self._busy_seen = 0.0  # the engine's own busy clock at the last batch (`_busy`)
 
     # ---- lifecycle ----
 
@@ -227,6 +235,21 @@ class Pipeline:
     def batches_in_flight(self) -> int:
         """Batches on the device or prepared for it."""
         return self._pipeline
+
+    def explain(self, rows, doc, output: str, max_wait_s: float) -> dict:
+        """The latency math of one request's rows (`scheduling.explain`), given what waits and runs ahead now."""
+        with self._lock:
+            backlog = self.batchers[output].backlog()
+        return explain(rows, self.tables[output], self.timings[output], doc, backlog, self.batches_in_flight,
+                       max_wait_s)
+
+    def status(self) -> dict:
+        """What a front-end process shows of this pipeline (`scheduling/link.py`)."""
+        with self._lock:
+            waiting = self.batcher.waiting()
+        return {"draining": self.draining, "healthy": self.healthy, "queued": self.queued,
+                "batches_in_flight": self.batches_in_flight, "max_queued": self.batcher.max_queued,
+                "waiting": waiting}
 
     # ---- requests (event loop) ----
 
@@ -404,9 +427,9 @@ class Pipeline:
             lane, jobs, prepared = item
             launched = time.perf_counter()
             try:
-                result, error = self.engine.launch(prepared), None
+                result, error = _launch(self.engine, prepared, self.spills[lane]), None
                 if self.streams > 1:
-                    result = self.engine.fetch(result)
+                    result = _fetch(self.engine, result, self.spills[lane])
             except Exception as exc:
                 result, error = None, exc
             self._launched.put((d, lane, jobs, result, error, launched))
@@ -424,7 +447,7 @@ class Pipeline:
                 if error is not None:
                     raise error
                 # waits for the device, then copies to the host (device threads that ran their batch fetched it)
-                out = self.engine.fetch(result) if self.streams == 1 else result
+                out, kept = _fetch(self.engine, result, self.spills[lane]) if self.streams == 1 else result
             except Exception as exc:
                 self._on_device.release()
                 self._fail(d, jobs, exc, "launched" if error is not None else "fetched")
@@ -440,8 +463,10 @@ class Pipeline:
             self.device_batches += 1
             self.timings[lane].observe(d.bucket, device_s)
             self.metrics.phase("device", device_s)
+            self.metrics.device_busy(self._busy(device_s))
             self.metrics.dispatch_time(d.lead, device_s)
             try:
+                keep(d.parts, kept, jobs)
                 finished = scatter(d.parts, out, jobs)
             except Exception as exc:
                 self._fail(d, jobs, exc, "scattered")
@@ -452,6 +477,15 @@ class Pipeline:
                     entry.timing.batches.append((d.bucket.shape, len(rows), d.reason, device_s))
             for jid in finished:
                 self._loop.call_soon_threadsafe(self._answer, jid)
+
+    def _busy(self, device_s: float) -> float:
+        """The device's busy time since the last batch: its own clock where it keeps one (a simulated device),
+        else this batch's time from its launch or the previous batch's end (the host's view: an upper bound)."""
+        clock = getattr(self.engine, "busy_s", None)
+        if clock is None:
+            return device_s
+        busy, self._busy_seen = clock - self._busy_seen, clock
+        return busy
 
     def _fail(self, d: Dispatch, jobs: dict[int, Job], exc: Exception, stage: str) -> None:
         """Fail exactly the requests with rows in this batch, which failed being `stage` (assembled, copied,
@@ -472,6 +506,21 @@ class Pipeline:
             self._loop.call_soon_threadsafe(self._answer, jid, error)
 
 
+def _spills(engine: Engine, output: str) -> bool:
+    """Whether `output`'s batches are launched with their spill (`Engine.spills`; engines without one, such as
+    the tests' and benchmarks' stand-ins, never are)."""
+    return hasattr(engine, "spills") and engine.spills(output)
+
+
+def _launch(engine: Engine, prepared, spill: bool):
+    return engine.launch(prepared, spill=True) if spill else engine.launch(prepared)
+
+
+def _fetch(engine: Engine, launched, spill: bool) -> tuple[np.ndarray, dict | None]:
+    """A launched batch -> (its out, what was kept of its spill: `Engine.fetch_kept`; None without one)."""
+    return engine.fetch_kept(launched) if spill else (engine.fetch(launched), None)
+
+
 def run_jobs(engine: Engine, table: BucketTable, jobs: list[Job], max_inflight: int = MAX_INFLIGHT,
              streams: int = 1) -> list[Dispatch]:
     """Run jobs (of one output, on its `table`) to completion, through a batcher of their own; returns the
@@ -488,7 +537,8 @@ def run_jobs(engine: Engine, table: BucketTable, jobs: list[Job], max_inflight: 
     inflight: collections.deque = collections.deque()
     ran = []
     pool = _stream_pool(streams)
-    run = lambda prepared: engine.fetch(engine.launch(prepared))
+    spill = _spills(engine, output)
+    run = lambda prepared: _fetch(engine, _launch(engine, prepared, spill), spill)
     # with threads of their own, one batch more than they run waits ready, so none idles while this one scatters
     most = streams + 1 if pool else max_inflight
     while True:
@@ -496,11 +546,13 @@ def run_jobs(engine: Engine, table: BucketTable, jobs: list[Job], max_inflight: 
         if d is not None:
             inputs, _ = assemble(d.bucket, d.parts, by_id)
             prepared = engine.put(d.bucket, inputs, output, most_per_row(d.parts, by_id))
-            inflight.append((d, pool.submit(run, prepared) if pool else engine.launch(prepared)))
+            inflight.append((d, pool.submit(run, prepared) if pool else _launch(engine, prepared, spill)))
             ran.append(d)
         elif inflight:
             done, result = inflight.popleft()
-            scatter(done.parts, result.result() if pool else engine.fetch(result), by_id)
+            out, kept = result.result() if pool else _fetch(engine, result, spill)
+            keep(done.parts, kept, by_id)
+            scatter(done.parts, out, by_id)
         else:
             return ran
 

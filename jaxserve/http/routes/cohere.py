@@ -3,7 +3,7 @@
 
 - `POST /v2/embed`: an embedding model's vectors in any of Cohere's embedding types at once (`api.quantize`),
   `input_type` read as the checkpoint's prompt (`api.cohere_prompt`), `output_dimension` limited to the
-  checkpoint's Matryoshka dimensions where config.json declares them (`matryoshka_dimensions`, as vLLM reads it).
+  checkpoint's Matryoshka dimensions where config.json declares them (`EmbeddingConfig.matryoshka_dimensions`).
 - `POST /v2/rerank`: relevance scores, best first: a cross-encoder's probability (sigmoid of its logit, TEI's
   /rerank score), an embedding model's cosine of query (input_type search_query) and document (search_document)
   as vLLM scores them, a multi-vector model's MaxSim (its /rerank score).
@@ -12,13 +12,10 @@
 from __future__ import annotations
 
 import asyncio
-import functools
-from pathlib import Path
 
 import numpy as np
 from aiohttp import web
 
-from jaxserve.checkpoint import modules as st_modules
 from jaxserve.heads import multivector
 from jaxserve.http import api
 from jaxserve.http.api import ApiError, EmbedRequest
@@ -41,13 +38,6 @@ from jaxserve.http.state import DICT_FLOATS, STATE, AppState
 PATHS = ("/v2/embed", "/v2/rerank")
 
 
-@functools.cache
-def matryoshka_dimensions(path: Path) -> tuple[int, ...]:
-    """The widths config.json says the checkpoint may be cut to (`matryoshka_dimensions`; none: any width)."""
-    dims = (st_modules.read_json(path / "config.json", missing={}) or {}).get("matryoshka_dimensions")
-    return tuple(d for d in dims if isinstance(d, int) and not isinstance(d, bool)) if isinstance(dims, list) else ()
-
-
 def _prompt_names(state: AppState) -> list[str]:
     return [name for name, _ in state.encoder.embedding_config.prompts]
 
@@ -61,7 +51,7 @@ async def embed(request: web.Request) -> web.Response:
     enc = state.encoder
     req, types = await parsed(state, ask, lambda: api.parse_cohere_embed(
         body, state.limits, enc.dim, state.config.long, _prompt_names(state), enc.tokenizer.max_length,
-        matryoshka_dimensions(enc.path)))
+        enc.embedding_config.matryoshka_dimensions))
     ran = await run_request(state, lambda: embedding_pieces(state, req), ask=ask, inputs=req.count)
     encoded, _ = await respond(state, lambda: api.cohere_embed_body(vectors_of(ran, req), types, req.texts, ran.tokens),
                                ran.out.size * len(types))

@@ -26,7 +26,7 @@ from jaxserve.http.handling import (
     vectors_of,
 )
 from jaxserve.http.routes import multivector as multivector_routes
-from jaxserve.http.routes.tei import pair_scores, require_cross_encoder
+from jaxserve.http.routes.tei import instruction_of, pair_scores, require_cross_encoder
 from jaxserve.http.state import DICT_FLOATS, STATE
 from jaxserve.scheduling.batcher import BULK, CLASSES
 from jaxserve.scheduling.planner import pack
@@ -42,8 +42,7 @@ async def embeddings(request: web.Request) -> web.Response:
     require_kind(state, "embedding", "/v1/embeddings")
     body = await json_body(request)
     ask = ask_for(request, body)
-    req = await parsed(state, ask, lambda: api.parse_openai_embeddings(body, state.limits, state.encoder.dim,
-                                                                        state.config.long))
+    req = await parsed(state, ask, lambda: _parse_embeddings(state, body))
     wants_explain = _wants_explain(request)
     ran = await run_request(state, lambda: embedding_pieces(state, req, openai_ids=True), want_explain=wants_explain,
                             ask=ask, inputs=req.count)
@@ -59,6 +58,14 @@ async def embeddings(request: web.Request) -> web.Response:
     return bytes_response(body)
 
 
+def _parse_embeddings(state, body) -> api.EmbedRequest:
+    """OpenAI's embeddings body (/v1/embeddings, /v1/plan); its `dimensions` limited to the checkpoint's Matryoshka
+    widths where it declares them (`EmbeddingConfig.matryoshka_dimensions`)."""
+    enc = state.encoder
+    return api.parse_openai_embeddings(body, state.limits, enc.dim, state.config.long,
+                                       enc.embedding_config.matryoshka_dimensions)
+
+
 def _wants_explain(request: web.Request) -> bool:
     flag = request.query.get("explain") or request.headers.get("X-Jaxserve-Explain") or ""
     return flag.lower() in ("1", "true", "yes")
@@ -71,8 +78,7 @@ async def plan(request: web.Request) -> web.Response:
     require_kind(state, "embedding", "/v1/plan")
     body = await json_body(request)
     ask = ask_for(request, body, "/v1/embeddings")  # the class it would get there
-    req = await parsed(state, ask, lambda: api.parse_openai_embeddings(body, state.limits, state.encoder.dim,
-                                                                        state.config.long))
+    req = await parsed(state, ask, lambda: _parse_embeddings(state, body))
 
     def plan_only():
         pieces = tokenized(lambda: embedding_pieces(state, req, openai_ids=True))
@@ -123,7 +129,7 @@ async def rerank(request: web.Request) -> web.Response:
     body = await json_body(request)
     query, documents, top_n, with_docs = _parse_rerank(body, state)
     scores, tokens = await pair_scores(state, [(query, d) for d in documents], ask_for(request, body),
-                                       state.config.long != "error")
+                                       state.config.long != "error", instruction=instruction_of(state, body))
 
     def encode():
         order = sorted(enumerate(scores().tolist()), key=lambda t: -t[1])[:top_n]
@@ -175,7 +181,7 @@ async def score(request: web.Request) -> web.Response:
         raise ApiError(400, f"`text_1` has {len(first)} texts and `text_2` {len(second)}: give one `text_1`, "
                             "or as many as `text_2`")
     scores, tokens = await pair_scores(state, list(zip(first, second)), ask_for(request, body),
-                                       state.config.long != "error")
+                                       state.config.long != "error", instruction=instruction_of(state, body))
 
     def encode():
         return orjson.dumps({

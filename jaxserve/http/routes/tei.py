@@ -15,6 +15,8 @@ import numpy as np
 import orjson
 from aiohttp import web
 
+from jaxserve.checkpoint import llm_reranker
+from jaxserve.errors import InputError
 from jaxserve.heads import sparse
 from jaxserve.http import api
 from jaxserve.http.api import ApiError
@@ -24,7 +26,6 @@ from jaxserve.http.handling import (
     bytes_response,
     embedding_pieces,
     json_body,
-    on_thread,
     on_tokenizer,
     parsed,
     request_prompt,
@@ -34,11 +35,12 @@ from jaxserve.http.handling import (
     tokenized,
     vectors_of,
 )
+from jaxserve.http.routes import bge_m3 as m3_routes
 from jaxserve.http.routes import multivector as multivector_routes
 from jaxserve.http.state import DICT_FLOATS, STATE, AppState
 
 PATHS = ("/", "/invocations", "/embed", "/embed_all", "/embed_sparse", "/similarity", "/predict", "/rerank",
-         "/tokenize", "/decode")
+         "/tokenize", "/decode", "/embed_m3")
 
 
 def kind(state: AppState) -> str:
@@ -60,12 +62,15 @@ async def _embed(state: AppState, body, ask: Ask = NO_ASK) -> web.Response:
 
 async def _embed_sparse(state: AppState, body, ask: Ask = NO_ASK) -> web.Response:
     """Per input its non-zero SPLADE weights [{"index", "value"}], index order (TEI's EmbedSparseResponse): every
-    one, a sequence over the cap from its full row (`Encoder.complete_sparse`, on a thread: it runs the device)."""
+    one, a sequence over the cap from its full row, kept into the job by the same pass (`Job.kept`). A BGE-M3
+    model's lexical weights in the same shape."""
+    if state.encoder.m3 is not None:
+        return await m3_routes.embed_sparse(state, body, ask)
     require_kind(state, "sparse", "/embed_sparse")
     req = await parsed(state, ask, lambda: api.parse_tei_embed_sparse(body, state.limits, state.config.long))
     ran = await run_request(state, lambda: embedding_pieces(state, req), ask=ask, inputs=req.count)
     enc = state.encoder
-    rows = await on_thread(state, lambda: enc.complete_sparse(ran.pieces, ran.out))
+    rows = sparse.SparseRows(ran.out, ran.job.kept)
     floats = rows.compact.size + len(rows.full) * enc.splade.vocab_size  # at most
     # joined, not added: a large bytes join lets go of the GIL, and so of the event loop
     encoded, _ = await respond(state, lambda: b"".join((b"[", b",".join(sparse.json_rows(rows, enc.splade)), b"]")),
@@ -75,6 +80,8 @@ async def _embed_sparse(state: AppState, body, ask: Ask = NO_ASK) -> web.Respons
 
 async def _embed_all(state: AppState, body, ask: Ask = NO_ASK) -> web.Response:
     require_kind(state, "embedding", "/embed_all")
+    if state.encoder.m3 is not None:
+        raise ApiError(400, "a BGE-M3 server's token outputs are its heads' (/embed_m3), not its hidden states")
     if "tokens" not in state.encoder.engine.tables:
         raise ApiError(400, "/embed_all is off on this server (started with --no-embed-all)")
     req = await parsed(state, ask, lambda: api.parse_tei_embed(body, state.limits, state.encoder.dim, state.config.long))
@@ -124,12 +131,13 @@ async def _predict(state: AppState, body, ask: Ask = NO_ASK) -> web.Response:
 
 async def _rerank(state: AppState, body, ask: Ask = NO_ASK) -> web.Response:
     """(query, text) pairs through the cross-encoder, sorted by score (a multi-vector model: by MaxSim)."""
+    instruction = instruction_of(state, body)
     if state.encoder.head.kind == "multivector":
         return await multivector_routes.rerank(state, body, ask)
     require_cross_encoder(state, "/rerank")
     query, texts, raw, return_text, truncate, direction = api.parse_rerank(body, state.limits,
                                                                            state.config.long != "error")
-    scores, _ = await pair_scores(state, [(query, t) for t in texts], ask, truncate, direction, raw)
+    scores, _ = await pair_scores(state, [(query, t) for t in texts], ask, truncate, direction, raw, instruction)
 
     def ranked() -> bytes:
         order = sorted(enumerate(scores().tolist()), key=lambda t: -t[1])
@@ -147,12 +155,28 @@ def require_cross_encoder(state: AppState, route: str) -> None:
                             f"{state.encoder.head.num_labels} labels (use /predict)")
 
 
+def instruction_of(state: AppState, body) -> str | None:
+    """A rerank body's `instruction` (as Qwen3-Reranker's card, and the hosted APIs that serve it, name it): the task
+    in the prompt's instruction slot, at most an input's length; a model without that slot refuses one
+    (`llm_reranker.with_instruction`), before anything is tokenized."""
+    instruction = body.get("instruction") if isinstance(body, dict) else None
+    if isinstance(instruction, str) and len(instruction) > state.limits.max_input_chars:
+        raise ApiError(413, f"`instruction` has {len(instruction)} characters; at most {state.limits.max_input_chars}",
+                       "request_too_large")
+    try:
+        llm_reranker.with_instruction(state.encoder.pair_template, instruction)
+    except InputError as err:
+        raise ApiError(400, str(err)) from None
+    return instruction
+
+
 async def pair_scores(state: AppState, pairs: list[tuple[str, str]], ask: Ask, truncate: bool,
-                      direction: str = "right", raw: bool = False):
+                      direction: str = "right", raw: bool = False, instruction: str | None = None):
     """(text, text) pairs through the cross-encoder, the one run behind /rerank, /v1/rerank and /score ->
-    (their scores, lazily: the sigmoid of each logit, as CrossEncoder.predict; `raw`: the logits; tokens)."""
-    ran = await run_request(state, lambda: state.encoder.prepare_pairs(pairs, truncate, direction), ask=ask,
-                            inputs=len(pairs))
+    (their scores, lazily: the sigmoid of each logit, as CrossEncoder.predict; `raw`: the logits; tokens).
+    `instruction`: in the prompt's slot (`instruction_of`)."""
+    ran = await run_request(state, lambda: state.encoder.prepare_pairs(pairs, truncate, direction, instruction),
+                            ask=ask, inputs=len(pairs))
     return (lambda: api.scores(ran.out, raw)[:, 0]), ran.tokens
 
 
@@ -184,7 +208,7 @@ async def _decode(state: AppState, body) -> web.Response:
 
 
 HANDLERS = {"/embed": _embed, "/embed_all": _embed_all, "/embed_sparse": _embed_sparse, "/similarity": _similarity, "/predict": _predict,
-            "/rerank": _rerank, "/tokenize": _tokenize, "/decode": _decode}
+            "/rerank": _rerank, "/tokenize": _tokenize, "/decode": _decode, "/embed_m3": m3_routes.embed_m3}
 
 
 def route(handler):
