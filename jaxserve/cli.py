@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -18,7 +19,7 @@ def cmd_demo(args) -> int:
     """Embed a few sentences and print their cosine similarities."""
     from jaxserve import Encoder
 
-    enc = Encoder.from_pretrained(args.model, dtype=args.dtype, attention=args.attention)
+    enc = Encoder.from_pretrained(args.model, dtype=args.dtype, attention=args.attention, task=args.task)
     vecs = enc.embed(DEMO_TEXTS)
     print(f"model {enc.path} ({enc.model_config.model_type}, dim {enc.dim}, pooling {enc.embedding_config.pooling})")
     sims = vecs @ vecs.T
@@ -54,7 +55,7 @@ def cmd_buckets(args) -> int:
     from jaxserve import Encoder
     from jaxserve.runtime.buckets import BucketTable, format_table
 
-    enc = Encoder.from_pretrained(args.model, dtype=args.dtype, attention=args.attention)
+    enc = Encoder.from_pretrained(args.model, dtype=args.dtype, attention=args.attention, task=args.task)
     table = table_for(enc, args)
     if not isinstance(table, BucketTable):
         o = table
@@ -76,7 +77,7 @@ def cmd_warmup(args) -> int:
     started = startup.Startup()
     started.add("import", startup.since_process_start())
     with started.phase("weights"):
-        enc = Encoder.from_pretrained(args.model, dtype=args.dtype, attention=args.attention)
+        enc = Encoder.from_pretrained(args.model, dtype=args.dtype, attention=args.attention, task=args.task)
     cache = None if args.no_cache else startup.cache_root(args.cache_dir)
     table = startup.start(enc, table_for(enc, args), tokens=args.embed_all, cache=cache, startup=started,
                          progress=True, keep=args.keep_artifacts)
@@ -114,12 +115,19 @@ def api_keys(args) -> tuple[tuple[str, str | None], ...]:
     return tuple(parse_key(line) for line in lines)
 
 
-def cmd_serve(args) -> int:
-    """Serve the model over HTTP (OpenAI and TEI routes)."""
-    from jaxserve.http.server import ServerConfig, serve
+def serve_config(args):
+    """`jaxserve serve`'s options as a ServerConfig."""
+    from jaxserve.http.server import ServerConfig
+    from jaxserve.runtime import host
 
+    simulate = None
+    if args.simulate_device is not None:
+        from jaxserve.runtime.simulated import SimSpec
+
+        simulate = SimSpec(args.simulate_device, args.simulate_overhead_us,
+                           sizes=tuple(args.simulate_size) if args.simulate_size else None)
     config = ServerConfig(
-        model=args.model, model_name=args.served_model_name, dtype=args.dtype, attention=args.attention,
+        model=args.model, model_name=args.served_model_name, dtype=args.dtype, attention=args.attention, task=args.task,
         buckets=args.buckets,
         ladder=args.ladder, layout=args.layout, max_wait_ms=args.max_wait_ms, max_queue_tokens=args.max_queue_tokens,
         max_client_batch=args.max_client_batch, max_input_chars=args.max_input_chars,
@@ -135,8 +143,25 @@ def cmd_serve(args) -> int:
         interactive_max_tokens=args.interactive_max_tokens,
         bulk_dispatch_ms=args.bulk_dispatch_ms,
         tokenizer_threads=args.tokenizer_threads, respond_threads=args.respond_threads,
+        workers=host.frontend_workers() if args.workers == "auto" else args.workers,
+        engine_restarts=args.engine_restarts, simulate=simulate, access_log=args.access_log,
     )
-    serve(config, args.host, args.port)
+    if simulate is not None:  # token outputs are not simulated: /embed_all is off
+        config = dataclasses.replace(config, embed_all=False, use_cache=False)
+    return config
+
+
+def cmd_serve(args) -> int:
+    """Serve the model over HTTP (OpenAI, TEI and Cohere routes)."""
+    from jaxserve.http.server import serve
+
+    config = serve_config(args)
+    if config.workers > 1:
+        from jaxserve.http.workers import serve_workers
+
+        serve_workers(config, args.host, args.port)
+    else:
+        serve(config, args.host, args.port)
     return 0
 
 
@@ -168,7 +193,7 @@ def cmd_embed(args) -> int:
     total = corpus.check()  # a streaming pass: nothing is held in memory
     from jaxserve import Encoder
 
-    enc = Encoder.from_pretrained(args.model, dtype=args.dtype, attention=args.attention)  # loads weights; compiles nothing
+    enc = Encoder.from_pretrained(args.model, dtype=args.dtype, attention=args.attention, task=args.task)  # loads weights; compiles nothing
     if enc.head.kind == "multivector":
         raise JaxserveError("jaxserve embed does not write multi-vector (ColBERT) embeddings; use "
                             "Encoder.embed_multivector or POST /v1/embeddings with is_query (docs/models.md)")
@@ -236,7 +261,7 @@ def cmd_explain(args) -> int:
     corpus = Corpus(args.file, args.field)
     corpus.check()  # before any compile
     docs = list(corpus.texts())
-    enc = Encoder.from_pretrained(args.model, dtype=args.dtype, attention=args.attention)
+    enc = Encoder.from_pretrained(args.model, dtype=args.dtype, attention=args.attention, task=args.task)
     table = enc.warmup(table_for(enc, args), progress=True)
     pieces, rows = enc.prepare(docs, long=args.long)
     measured = None
@@ -380,8 +405,42 @@ def build_parser() -> argparse.ArgumentParser:
                        "(default $JAXSERVE_CACHE_DIR or ~/.cache/jaxserve)")
     serve.add_argument("--no-cache", action="store_true", help="neither start from a warm artifact nor save one")
     _keep_artifacts_arg(serve)
+    serve.add_argument("--workers", default="auto", type=_workers, metavar="N|auto",
+                       help="front-end processes (HTTP, tokenizing, encoding) feeding one engine process that owns "
+                            "the device; 1: one process does everything; auto: 1 below 4 usable cores, else all "
+                            "cores but two (at most 32)")
+    serve.add_argument("--access-log", action="store_true",
+                       help="log one line per request (off by default: at thousands of requests per second the "
+                            "log line costs more CPU than a small request's own work)")
+    serve.add_argument("--engine-restarts", type=int, default=3, metavar="N",
+                       help="with several workers: how many times an engine process that died is restarted "
+                            "(then /health stays 503)")
+    sim = serve.add_argument_group("simulated device (capacity planning: NO MODEL RUNS, outputs are zeros)")
+    sim.add_argument("--simulate-device", type=float, metavar="TFLOPS",
+                     help="serve on a simulated device of this achieved rate: each dispatch costs overhead + "
+                          "FLOPs / rate on one device clock; measures this host's request path without a GPU")
+    sim.add_argument("--simulate-overhead-us", type=float, default=30.0, metavar="US",
+                     help="the simulated device's launch and synchronisation time per dispatch")
+    sim.add_argument("--simulate-size", type=_sizes, metavar="H,I,L",
+                     help="simulate a model of this hidden size, intermediate size and layer count (e.g. "
+                          "768,3072,12 for bge-base) instead of the checkpoint's")
     serve.set_defaults(func=cmd_serve)
     return parser
+
+
+def _workers(text: str) -> int | str:
+    if text == "auto":
+        return text
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be auto or a whole number of at least 1, not {text!r}")
+    return int(text)
+
+
+def _sizes(text: str) -> list[int]:
+    parts = text.split(",")
+    if len(parts) != 3 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"must be three positive whole numbers H,I,L, not {text!r}")
+    return [int(p) for p in parts]
 
 
 def _keep_artifacts_arg(p: argparse.ArgumentParser) -> None:
@@ -419,6 +478,10 @@ def _table_args(p: argparse.ArgumentParser) -> None:
 
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="checkpoint directory or hub id (default: $JAXSERVE_MODEL, else the bundled all-MiniLM-L6-v2)")
+    p.add_argument("--task", default=None,
+                   help="the task adapter of a checkpoint that has them (Jina-embeddings-v3's LoRA: retrieval.query, "
+                        "retrieval.passage, separation, classification, text-matching), merged at load; default "
+                        "$JAXSERVE_TASK, else none")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="weights and activations (auto: float32 on CPU, bfloat16 on GPU/TPU)")
     p.add_argument("--attention", default="auto", choices=["auto", "pallas", "cudnn", "xla", "blockwise"],

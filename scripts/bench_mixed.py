@@ -6,7 +6,7 @@ as before request classes); "classes" is the automatic default (a 1-text query i
 request bulk). Modes alternate within one invocation (the host is shared and drifts).
 
   --engine real   `jaxserve serve` on this machine's device (the bundled MiniLM).
-  --engine sim    bench_host.py's simulated device: the real server, tokenizer and batcher, each step taking
+  --engine sim    `jaxserve serve --simulate-device`: the real server, tokenizer and batcher, each step taking
                   its FLOPs at --tflops; --scale 8b takes Qwen3-Embedding-8B's FLOPs per token (the bundled
                   model's tokenizer, seqlens and outputs).
 
@@ -133,14 +133,12 @@ async def measure(url: str, bulk_clients: int, bulk_docs: int, seconds: float, e
 
 
 def server_command(args, priority: str, port: int) -> list[str]:
-    """`jaxserve serve` (real) or bench_host.py's simulated server, with `--default-priority priority`."""
+    """`jaxserve serve` on this device (real) or on a simulated one (sim), with `--default-priority priority`."""
+    base = [sys.executable, "-m", "jaxserve.cli", "serve", "--port", str(port), "--default-priority", priority]
     if args.engine == "real":
-        return [sys.executable, "-m", "jaxserve.cli", "serve", "--port", str(port), "--default-priority", priority,
-                "--no-embed-all"] + args.serve_args
+        return base + ["--no-embed-all"] + args.serve_args
     dims = SCALES[args.scale]
-    return ([sys.executable, str(ROOT / "scripts" / "bench_host.py"), "--serve", str(port), "--tflops",
-             str(args.tflops), "--default-priority", priority] + (["--sim-dims", dims] if dims else [])
-            + (["--no-knee"] if args.sim_table == "memory" else []))
+    return base + ["--simulate-device", str(args.tflops)] + (["--simulate-size", dims] if dims else [])
 
 
 def one_mode(args, mode: str, priority: str, results: list) -> None:
@@ -149,7 +147,7 @@ def one_mode(args, mode: str, priority: str, results: list) -> None:
         idle = asyncio.run(measure(srv.url, 0, args.bulk_docs, args.idle_seconds, args.every_s))
         loaded = asyncio.run(measure(srv.url, args.bulk_clients, args.bulk_docs, args.seconds, args.every_s))
     res = {"idle": idle, "loaded": loaded, "mode": mode, "round": sum(r["mode"] == mode for r in results),
-           "engine": args.engine, "scale": args.scale, "sim_table": args.sim_table}
+           "engine": args.engine, "scale": args.scale}
     results.append(res)
     print(json.dumps(res), flush=True)
 
@@ -189,9 +187,6 @@ def main() -> None:
     ap.add_argument("--engine", choices=("real", "sim"), default="real")
     ap.add_argument("--scale", choices=tuple(SCALES), default="minilm", help="sim: whose FLOPs per step")
     ap.add_argument("--tflops", type=float, default=400.0, help="sim: the simulated device's achieved rate")
-    ap.add_argument("--sim-table", choices=("knee", "memory"), default="knee",
-                    help="sim: batches cut at the throughput knee (a step linear in FLOPs keeps them small), or "
-                         "only by memory (large batches, as a GPU's knee keeps where throughput still grows)")
     ap.add_argument("--bulk-clients", type=int, default=2)
     ap.add_argument("--bulk-docs", type=int, default=1000)
     ap.add_argument("--seconds", type=float, default=30.0)

@@ -8,8 +8,10 @@
 - `write_result`, `print_table`: a result JSON with the command, commit and machine; an aligned table.
 - `ModelDims`: THIS tree's `jaxserve/dims.py`, loaded by path, whose `forward_flops` is the one FLOP counter
   (a process running another commit's jaxserve costs its buckets the same way).
+- `closed_loop`: a closed-loop load from several client processes (raw HTTP/1.1 keep-alive connections), cheap
+  enough not to be the limit; `HttpResponses` cuts responses off a socket's bytes.
 
-Nothing here imports jax or jaxserve at import time (bench_host's server imports this under older trees).
+Nothing here imports jax or jaxserve at import time (`closed_loop`'s client processes import this module).
 """
 
 from __future__ import annotations
@@ -130,6 +132,242 @@ def get(url: str, path: str, timeout_s: float = 60.0) -> str:
     """GET url + path; the body as text."""
     with urllib.request.urlopen(url + path, timeout=timeout_s) as r:
         return r.read().decode()
+
+
+# ---- a closed-loop load -----------------------------------------------------------------------
+
+class HttpResponses:
+    """HTTP/1.1 responses cut off a byte stream as it arrives (Content-Length or chunked bodies); each body is
+    handed to `read(buffer, start, end)` in place, so a caller that wants one number of a large body copies
+    nothing."""
+
+    def __init__(self, read: Callable = lambda buf, start, end: bytes(buf[start:end])):
+        self._buf = bytearray()
+        self._head: tuple[int, int, int | None] | None = None  # status, body start, length (None: chunked)
+        self._read = read
+
+    def feed(self, data: bytes) -> list[tuple[int, object]]:
+        """The responses `data` completes: (status, what `read` made of the body)."""
+        self._buf += data
+        out = []
+        while True:
+            if self._head is None:
+                end = self._buf.find(b"\r\n\r\n")
+                if end < 0:
+                    return out
+                head = bytes(self._buf[:end]).lower()
+                length = re.search(rb"\r\ncontent-length: *(\d+)", head)
+                self._head = (int(head[9:12]), end + 4, int(length.group(1)) if length else None)
+            status, start, length = self._head
+            if length is not None:
+                if len(self._buf) < start + length:
+                    return out
+                out.append((status, self._read(self._buf, start, start + length)))
+                del self._buf[: start + length]
+            else:
+                body = self._chunked(start)
+                if body is None:
+                    return out
+                body, used = body
+                out.append((status, self._read(body, 0, len(body))))
+                del self._buf[:used]
+            self._head = None
+
+    def _chunked(self, at: int) -> tuple[bytes, int] | None:
+        """A chunked body starting at `at`, when all of it is here: (the body, bytes used with the head)."""
+        pieces = []
+        while True:
+            line = self._buf.find(b"\r\n", at)
+            if line < 0:
+                return None
+            size = int(bytes(self._buf[at:line]).split(b";")[0], 16)
+            if size == 0:
+                end = self._buf.find(b"\r\n", line + 2)  # after any trailers, the empty line
+                return None if end < 0 else (b"".join(pieces), end + 2)
+            if len(self._buf) < line + 2 + size + 2:
+                return None
+            pieces.append(bytes(self._buf[line + 2 : line + 2 + size]))
+            at = line + 2 + size + 2
+
+
+_TOKENS = re.compile(rb' *(\d+)')
+
+
+def prompt_tokens(buf, start: int, end: int) -> int:
+    """An OpenAI-shaped body's `usage.prompt_tokens` (0 if it has none), read in place from its end."""
+    at = buf.rfind(b'"prompt_tokens":', start, end)
+    found = _TOKENS.match(buf, at + len(b'"prompt_tokens":')) if at >= 0 else None
+    return int(found.group(1)) if found else 0
+
+
+@dataclasses.dataclass
+class Load:
+    """What a closed-loop load did: answered requests (200), errors (any other status, or a lost connection),
+    the prompt tokens of the answered ones, each one's latency, the wall time from the start to the last
+    answer, and the client processes' own CPU time over it."""
+
+    requests: int
+    errors: int
+    tokens: int
+    latencies: list[float]
+    wall_s: float
+    client_cpu_s: float
+
+
+def closed_loop(url: str, path: str, bodies: list[bytes], concurrency: int, seconds: float, processes: int = 2,
+                max_requests: int = 20_000, on_start: Callable[[], None] = lambda: None,
+                timeout_s: float = 300.0) -> Load:
+    """POST `bodies` (JSON, in turn) to `url` + `path` from `concurrency` keep-alive HTTP/1.1 connections spread
+    over `processes` client processes, each connection sending its next request when the last is answered, for
+    `seconds` or until `max_requests` were sent (then the ones in flight are answered).
+
+    Cheap enough not to be the limit: the requests are built once, each process runs an event loop (uvloop
+    where installed) of raw protocol objects, and a response is read only for its status and its prompt tokens.
+    Every connection first sends one request unmeasured; `on_start` runs once all are answered, just before
+    the measured run (a caller reads its counters there). Stuck past `timeout_s`: the clients are stopped and
+    TimeoutError raised."""
+    import multiprocessing
+    import queue
+    from urllib.parse import urlparse
+
+    where = urlparse(url)
+    head = (f"POST {path} HTTP/1.1\r\nHost: {where.hostname}:{where.port}\r\nContent-Type: application/json\r\n"
+            "Content-Length: {}\r\n\r\n")
+    requests = [head.format(len(b)).encode() + b for b in bodies]
+    shares = [n for n in (concurrency // processes + (i < concurrency % processes) for i in range(processes)) if n]
+    ctx = multiprocessing.get_context("spawn")
+    ready, results, go, start = ctx.Queue(), ctx.Queue(), ctx.Event(), ctx.Value("d", 0.0)
+    procs = [ctx.Process(target=_load_client, daemon=True,
+                         args=(where.hostname, where.port, requests, n, i * len(requests) // len(shares),
+                               max_requests // len(shares), seconds, ready, results, go, start))
+             for i, n in enumerate(shares)]
+    for p in procs:
+        p.start()
+    try:
+        for _ in procs:
+            if (why := _get(ready, procs, timeout_s)) is not None:
+                raise RuntimeError(f"a load client failed: {why}")
+        on_start()
+        start.value = time.perf_counter()  # CLOCK_MONOTONIC: the same clock in every process
+        go.set()
+        done = [_get(results, procs, seconds + timeout_s) for _ in procs]
+    except queue.Empty:
+        raise TimeoutError(f"the load on {url}{path} did not finish within {seconds + timeout_s:.0f} s") from None
+    finally:
+        for p in procs:
+            p.join(timeout=10 if go.is_set() else 0)  # clients never started wait for nothing: stopped at once
+            if p.is_alive():
+                p.kill()
+                p.join()
+    failed = [d for d in done if "error" in d]
+    if failed:
+        raise RuntimeError(f"a load client failed: {failed[0]['error']}")
+    return Load(requests=sum(d["requests"] for d in done), errors=sum(d["errors"] for d in done),
+                tokens=sum(d["tokens"] for d in done), latencies=[x for d in done for x in d["latencies"]],
+                wall_s=max(d["end"] for d in done) - start.value, client_cpu_s=sum(d["cpu_s"] for d in done))
+
+
+def _get(q, procs: list, timeout_s: float):
+    """The next item of `q`; a client process that died without a word fails at once, not at the timeout."""
+    import queue
+
+    give_up = time.monotonic() + timeout_s
+    while True:
+        try:
+            return q.get(timeout=0.2)
+        except queue.Empty:
+            if any(p.exitcode not in (None, 0) for p in procs):
+                raise RuntimeError(f"a load client exited with {[p.exitcode for p in procs]}") from None
+            if time.monotonic() > give_up:
+                raise
+
+
+def _load_client(host, port, requests, connections, first, bound, seconds, ready, results, go, start) -> None:
+    """One client process of `closed_loop`: its connections, one unmeasured round, then the measured run."""
+    import asyncio
+
+    try:
+        import uvloop
+
+        loop = uvloop.new_event_loop()
+    except ImportError:
+        loop = asyncio.new_event_loop()
+    run = {"next": first, "sent": 0, "requests": 0, "errors": 0, "tokens": 0, "latencies": [], "busy": 0,
+           "deadline": None, "idle": loop.create_future()}
+
+    def measured() -> bool:
+        return run["deadline"] is not None
+
+    class Connection(asyncio.Protocol):
+        def __init__(self):
+            self.responses = HttpResponses(prompt_tokens)
+            self.sent_at = 0.0
+            self.busy = False
+
+        def connection_made(self, transport):
+            self.transport = transport
+
+        def send(self):
+            if self.transport.is_closing():
+                run["errors"] += measured()
+                return
+            i = run["next"]
+            run["next"] = (i + 1) % len(requests)
+            run["sent"] += 1
+            self.busy = True
+            run["busy"] += 1
+            self.sent_at = time.perf_counter()
+            self.transport.write(requests[i])
+
+        def answered(self):
+            self.busy = False
+            run["busy"] -= 1
+            if measured() and time.perf_counter() < run["deadline"] and run["sent"] < bound:
+                self.send()
+            if run["busy"] == 0 and not run["idle"].done():
+                run["idle"].set_result(None)
+
+        def data_received(self, data):
+            for status, tokens in self.responses.feed(data):
+                if measured() and status == 200:
+                    run["requests"] += 1
+                    run["tokens"] += tokens
+                    run["latencies"].append(time.perf_counter() - self.sent_at)
+                else:
+                    run["errors"] += measured()
+                self.answered()
+
+        def connection_lost(self, exc):
+            if self.busy:
+                run["errors"] += measured()
+                self.answered()
+
+    def round_trip() -> None:
+        run["idle"] = loop.create_future()
+        for c in conns:
+            c.send()
+        if run["busy"]:
+            loop.run_until_complete(run["idle"])
+
+    conns = []
+    try:
+        conns = [loop.run_until_complete(loop.create_connection(Connection, host, port))[1] for _ in range(connections)]
+        round_trip()  # settle: one unmeasured request each
+        ready.put(None)
+        go.wait()
+        run["deadline"], run["sent"] = start.value + seconds, 0
+        cpu = time.process_time()
+        round_trip()
+        results.put({"requests": run["requests"], "errors": run["errors"], "tokens": run["tokens"],
+                     "latencies": run["latencies"], "end": time.perf_counter(), "cpu_s": time.process_time() - cpu})
+    except Exception as exc:
+        ready.put(f"{type(exc).__name__}: {exc}")
+        results.put({"error": f"{type(exc).__name__}: {exc}"})
+    finally:
+        for c in conns:
+            c.busy = False
+            c.transport.close()
+        loop.close()
 
 
 # ---- the corpus --------------------------------------------------------------------------------

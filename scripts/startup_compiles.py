@@ -5,7 +5,7 @@
 
 No weights and no compiler: memory comes from the analytic estimate
 (`ModelDims.activation_bytes`, what the derivation bounds its candidates
-with) and timings from the simulated H200 of `scripts/bench_host.py` (FLOPs at
+with) and timings from the simulated H200 of `jaxserve.runtime.simulated` (FLOPs at
 400 TFLOP/s plus 30 us a step, the host's time per dispatch as the floor), so
 the counts are exact for the algorithms and repeatable; on a real device the
 knee comes from its own timings.
@@ -39,7 +39,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
 
-    from bench_host import DEFAULT_STEP_OVERHEAD_US, step_seconds
+    from jaxserve.runtime.simulated import SimSpec, step_seconds
     from jaxserve.runtime import buckets, derivation, device
     from jaxserve.runtime.device import ACCELERATOR_MAX_BATCH_TOKENS, UNCAPPED
     from jaxserve.models import family_of
@@ -61,7 +61,7 @@ def main() -> None:
                              multiple=8, layout="packed", batch_ladder=True)
         before = len(old.buckets) + len(old.seqlens) + len(old.seqlens)  # ladder, probes, token outputs
 
-        step_s = lambda bucket: step_seconds(dims, bucket, args.tflops * 1e12, DEFAULT_STEP_OVERHEAD_US * 1e-6)
+        step_s = lambda bucket: step_seconds(dims, bucket, args.tflops * 1e12, SimSpec(args.tflops).step_overhead_us * 1e-6)
         ladders = derivation.climbs(seqlens, dims, weights, budget, ACCELERATOR_MAX_BATCH_TOKENS, UNCAPPED,
                                     multiple=8, layout="packed")
         derivation.climb(ladders, lambda shapes: [weights + dims.activation_bytes(*s) for s in shapes], step_s)

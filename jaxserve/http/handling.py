@@ -28,6 +28,8 @@ from jaxserve.http.state import (
     API_KEY_CLASS,
     BODY_BYTES,
     CHARGE,
+    INLINE_BODY_BYTES,
+    INLINE_INPUTS,
     OFFLOAD_BODY_BYTES,
     OFFLOAD_FLOATS,
     RETRY_AFTER_S,
@@ -35,7 +37,6 @@ from jaxserve.http.state import (
     AppState,
 )
 from jaxserve.scheduling.batcher import CLASSES, QueueFull, TooLarge
-from jaxserve.scheduling.explain import explain
 from jaxserve.scheduling.jobs import Job
 from jaxserve.scheduling.pipeline import BatchError, Draining
 from jaxserve.scheduling.planner import pack
@@ -137,12 +138,14 @@ def tokenized(fn):
         raise TokenizerError(f"the tokenizer could not read an input (it panicked: {exc})") from None
 
 
-async def on_tokenizer(state: AppState, fn, interactive: bool = False):
-    """fn() on a tokenizer thread (`interactive`: the interactive requests' own); an InputError it raises (too
-    long, an unknown prompt, the tokenizer refusing a text: see `tokenized`) is the request's 400. Anything else
-    is a bug, and stays a 500."""
+async def on_tokenizer(state: AppState, fn, interactive: bool = False, inline: bool = False):
+    """fn() on a tokenizer thread (`interactive`: the interactive requests' own; `inline`: here, for a request
+    too small to be worth two thread hand-offs); an InputError it raises (too long, an unknown prompt, the
+    tokenizer refusing a text: see `tokenized`) is the request's 400. Anything else is a bug, and stays a 500."""
     pool = state.interactive_pool if interactive else state.tokenizer_pool
     try:
+        if inline:
+            return fn()
         return await asyncio.get_running_loop().run_in_executor(pool, fn)
     except TokenizerError as err:
         raise ApiError(400, str(err), "tokenizer_error") from None
@@ -179,10 +182,7 @@ def ask_for(request: web.Request, body, route: str | None = None) -> Ask:
 
 def explain_rows(state: AppState, rows, pieces, output: str = "pooled") -> dict:
     """The latency math of one request's rows on its output's table, given what waits and runs ahead of it now."""
-    service = state.service
-    table = state.encoder.engine.tables[output]
-    return explain(rows, table, service.timings[output], pieces.doc, service.batchers[output].backlog(),
-                   service.batches_in_flight, state.config.max_wait_ms / 1000)
+    return state.service.explain(rows, pieces.doc, output, state.config.max_wait_ms / 1000)
 
 
 async def run_request(state: AppState, make_pieces, want_explain: bool = False, output: str = "pooled",
@@ -206,7 +206,9 @@ async def run_request(state: AppState, make_pieces, want_explain: bool = False, 
 
     policy = state.config.class_policy
     small = inputs is not None and likely_interactive(ask, inputs, policy, most_bytes=OFFLOAD_BODY_BYTES)
-    pieces, job, explained, phases = await on_tokenizer(state, prepare, interactive=small)
+    tiny = inputs is not None and inputs <= INLINE_INPUTS and 0 < ask.body_bytes <= INLINE_BODY_BYTES
+    pieces, job, explained, phases = await on_tokenizer(state, prepare, interactive=small,
+                                                        inline=tiny and not want_explain)
     timeout = state.config.request_timeout_s
     cls, source = decide(ask, int(job.rows.docs.sum()), int(pieces.lengths.sum()), policy)
     try:

@@ -2,11 +2,16 @@
 
 Everything is a counter, gauge or histogram updated in O(1) per dispatch or
 request; rates (tokens per second, ...) are PromQL's job: `rate(jaxserve_tokens_total[1m])`.
+Served by several processes (`--workers N`), each writes its values to files in
+$PROMETHEUS_MULTIPROC_DIR (prometheus_client's multiprocess mode) and any
+front-end's /metrics adds them up: one view of the front-ends and the engine.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+import os
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
 from prometheus_client.core import CounterMetricFamily
 
 from jaxserve.runtime import compiles
@@ -28,9 +33,15 @@ class _Compiles:
         yield c
 
 
+def multiprocess_dir() -> str | None:
+    """Where this process's metric values go when several processes serve (None: one process)."""
+    return os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+
+
 class ServerMetrics(Metrics):
     def __init__(self):
         r = self.registry = CollectorRegistry()
+        self.shared = multiprocess_dir() is not None
         self.requests = Counter("jaxserve_requests", "HTTP requests", ["route", "status"], registry=r)
         self.errors = Counter("jaxserve_errors", "Error responses by kind", ["type"], registry=r)
         self.request_duration = Histogram("jaxserve_request_duration_seconds", "Request duration", ["route"],
@@ -52,13 +63,16 @@ class ServerMetrics(Metrics):
                                           "that led it", ["class"], buckets=DISPATCH_BUCKETS, registry=r)
         for cls in CLASSES:
             self.class_sequences_total.labels(cls)
-        self.depth = Gauge("jaxserve_queue_depth", "Tokens waiting for the device (each row at its seqlen)", registry=r)
+        self.depth = Gauge("jaxserve_queue_depth", "Tokens waiting for the device (each row at its seqlen)", registry=r,
+                           multiprocess_mode="livemostrecent")
         self.batch_fill = Histogram("jaxserve_batch_fill_ratio", "Rows used / rows of the bucket", ["bucket"],
                                     buckets=RATIO_BUCKETS, registry=r)
         self.padding = Histogram("jaxserve_padding_ratio", "Padding tokens / computed tokens", ["bucket"],
                                  buckets=RATIO_BUCKETS, registry=r)
         self.batches = Counter("jaxserve_batches", "Dispatches by bucket and reason", ["bucket", "reason"], registry=r)
-        self.device_seconds = Counter("jaxserve_device_seconds", "Device busy time", registry=r)
+        self.device_seconds = Counter("jaxserve_device_busy_seconds", "Time the device was busy: batches one after "
+                                      "another, each from its launch (or the end of the one before) to its outputs' "
+                                      "arrival", registry=r)
         self.tokens = Counter("jaxserve_tokens", "Real (unpadded) tokens run through the model", registry=r)
         self.inputs = Counter("jaxserve_inputs", "Documents embedded", registry=r)
         self.sequence_outcomes = Counter("jaxserve_sequences", "Model sequences by outcome: submitted, dispatched "
@@ -68,8 +82,12 @@ class ServerMetrics(Metrics):
             self.sequence_outcomes.labels(outcome)  # present from the start, zero until counted
         self.startup_seconds = Gauge("jaxserve_startup_seconds", "Start-up time by phase (jaxserve.runtime.startup): "
                                      "import, weights, deserialize, table, compile, timing, save", ["phase"],
-                                     registry=r)
-        r.register(_Compiles())
+                                     registry=r, multiprocess_mode="livemax")
+        if self.shared:  # the engine process adds its compiles as they happen (`sync_compiles`)
+            self.compiles = Counter("jaxserve_xla_compiles", "XLA executables built since process start", registry=r)
+            self._compiles_seen = 0
+        else:
+            r.register(_Compiles())
         self._children: dict[tuple, object] = {}
 
     def child(self, metric, *labels):
@@ -92,8 +110,9 @@ class ServerMetrics(Metrics):
 
     def phase(self, name: str, seconds: float) -> None:
         self.child(self.phases, name).observe(seconds)
-        if name == "device":
-            self.device_seconds.inc(seconds)
+
+    def device_busy(self, seconds: float) -> None:
+        self.device_seconds.inc(seconds)
 
     def startup(self, phases: dict[str, float]) -> None:
         for name, seconds in phases.items():
@@ -115,5 +134,15 @@ class ServerMetrics(Metrics):
         if timing.deadline_s is not None:
             self.deadlines.labels(cls, "met" if timing.total_s <= timing.deadline_s else "missed").inc()
 
+    def sync_compiles(self) -> None:
+        """Several processes: count the XLA compiles of this one (the engine) since the last call."""
+        now = compiles.xla_compiles_total()
+        self.compiles.inc(now - self._compiles_seen)
+        self._compiles_seen = now
+
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        if not self.shared:
+            return generate_latest(self.registry)
+        every = CollectorRegistry()
+        multiprocess.MultiProcessCollector(every)
+        return generate_latest(every)

@@ -10,6 +10,7 @@ threads) -> scatter -> combine + encode the response (a thread); see
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import logging
 import time
@@ -51,8 +52,18 @@ log = logging.getLogger("jaxserve.http.server")
 # ---- start-up: load, warm, then serve ----
 
 def load_encoder(config: ServerConfig) -> Encoder:
-    return Encoder.from_pretrained(config.model, dtype=config.dtype, devices=config.devices,
-                                   attention=config.attention)
+    """The checkpoint, on its device; with `config.simulate`, on a simulated device instead (capacity planning:
+    the real host path, no model run, zeros out)."""
+    enc = Encoder.from_pretrained(config.model, dtype=config.dtype, devices=config.devices,
+                                  attention=config.attention, task=config.task)
+    if config.simulate is not None:
+        from jaxserve.runtime.simulated import simulated_engine
+
+        log.warning("SIMULATED DEVICE: no model runs; every output is zeros (--simulate-device, capacity planning)")
+        engine = simulated_engine(enc.engine, enc.model_config, enc.embedding_config.max_seq_length, enc.out_dim,
+                                  config.simulate)
+        enc = dataclasses.replace(enc, engine=engine)
+    return enc
 
 
 def check_prompt(config: ServerConfig, encoder: Encoder) -> None:
@@ -61,22 +72,32 @@ def check_prompt(config: ServerConfig, encoder: Encoder) -> None:
         encoder.embedding_config.prompt(config.default_prompt_name)
 
 
-def start_engine(state: AppState) -> BucketTable:
+def start_engine(cfg: ServerConfig, enc: Encoder, started: startup.Startup) -> BucketTable:
     """Ready the engine (blocking; runs in a thread while /health says 503): from the warm artifact when one
-    matches, else compiled and timed, then saved. An encoder the caller warmed (tests, scripts) is used as is."""
-    enc, cfg = state.encoder, state.config
+    matches, else compiled and timed, then saved. An encoder the caller warmed (tests, scripts, a simulated
+    device) is used as is."""
     check_prompt(cfg, enc)
-    tokens = (cfg.embed_all and enc.head.kind == "embedding") or enc.head.kind == "multivector"
+    # token outputs: /embed_all's, a multi-vector model's, BGE-M3's (/embed_m3 and its sparse weights); a simulated
+    # device has pooled outputs only
+    tokens = ((cfg.embed_all and enc.head.kind == "embedding") or enc.head.kind == "multivector"
+              or enc.m3 is not None) and cfg.simulate is None
     if enc.engine.table is not None and cfg.buckets == "auto":
-        state.startup.source = {"source": "given"}
+        started.source = {"source": "given"}
         if tokens and "tokens" not in enc.engine.tables:
             enc.warmup_tokens(progress=True)
         return enc.engine.table
     spec = BucketTable.load(cfg.buckets) if cfg.buckets != "auto" else cfg.table_options
     cache = startup.cache_root(cfg.cache_dir) if cfg.use_cache else None
-    table = startup.start(enc, spec, tokens, cache, state.startup, progress=True, keep=cfg.keep_artifacts)
-    log.info("start-up: %s; table %s", state.startup.summary(), state.startup.source.get("source"))
+    table = startup.start(enc, spec, tokens, cache, started, progress=True, keep=cfg.keep_artifacts)
+    log.info("start-up: %s; table %s", started.summary(), started.source.get("source"))
     return table
+
+
+def make_pipeline(cfg: ServerConfig, enc: Encoder, table: BucketTable, metrics) -> Pipeline:
+    return Pipeline(enc.engine, table, cfg.max_wait_ms / 1000, cfg.max_queue_tokens, metrics,
+                    max_inflight=cfg.max_inflight,
+                    streams=cfg.streams or (1 if cfg.simulate is not None else device.streams()),
+                    classes=server_classes(cfg.bulk_dispatch_ms / 1000))
 
 
 async def lifecycle(app: web.Application):
@@ -88,24 +109,28 @@ async def lifecycle(app: web.Application):
         try:
             if state.encoder is None:
                 state.encoder = await loop.run_in_executor(None, load_encoder, cfg)
-            state.table = await loop.run_in_executor(None, start_engine, state)
+            state.table = await loop.run_in_executor(None, start_engine, cfg, state.encoder, state.startup)
         except Exception as exc:
             state.failed = f"warmup failed: {type(exc).__name__}: {exc}"
             log.error(state.failed)
             return
-        state.service = Pipeline(state.encoder.engine, state.table, cfg.max_wait_ms / 1000, cfg.max_queue_tokens,
-                                         state.metrics, max_inflight=cfg.max_inflight,
-                                         streams=cfg.streams or device.streams(),
-                                         classes=server_classes(cfg.bulk_dispatch_ms / 1000))
+        state.service = make_pipeline(cfg, state.encoder, state.table, state.metrics)
         await state.service.start()
+        state.device = device.info_of(state.table)
         state.ready = True
         state.startup.doing = "ready"
         state.metrics.startup(state.startup.phases)
         log.info("ready: %d buckets, %d XLA compiles so far", len(state.table.buckets), compiles.xla_compiles_total())
 
-    starting = asyncio.create_task(start())
+    if state.link is not None:  # a front-end process: the engine process does all of the above
+        state.service = state.link
+        await state.link.start()
+        starting = None
+    else:
+        starting = asyncio.create_task(start())
     yield
-    starting.cancel()
+    if starting is not None:
+        starting.cancel()
     if state.service is not None:
         await state.service.stop()
     state.tokenizer_pool.shutdown(wait=False)
@@ -224,14 +249,15 @@ def _error(err: ApiError, path: str) -> web.Response:
 
 
 def create_app(config: ServerConfig, encoder: Encoder | None = None,
-               started: startup.Startup | None = None) -> web.Application:
+               started: startup.Startup | None = None, link=None) -> web.Application:
     """The aiohttp application. With `encoder` given (already loaded, maybe warmed), it is used as is;
-    `started` carries the phases timed before the app existed (import, weights)."""
+    `started` carries the phases timed before the app existed (import, weights). With `link` (a front-end
+    process: `scheduling.link.EngineLink`), the engine process loads, warms and runs the model instead."""
     # auto_decompress off: aiohttp would answer a body it cannot inflate with plain text, or fail mid-read and
     # leave the connection broken; handling.json_body undoes Content-Encoding itself, with JSON errors.
     app = web.Application(client_max_size=config.max_body_bytes, middlewares=[errors_middleware],
                           handler_args={"auto_decompress": False})
-    app[STATE] = AppState(config, encoder, started)
+    app[STATE] = AppState(config, encoder, started, link)
     app.cleanup_ctx.append(lifecycle)
     app.on_shutdown.append(on_shutdown)
     openai_routes.add_routes(app)
@@ -239,6 +265,20 @@ def create_app(config: ServerConfig, encoder: Encoder | None = None,
     cohere_routes.add_routes(app)
     ops_routes.add_routes(app)
     return app
+
+
+def new_loop() -> asyncio.AbstractEventLoop:
+    """uvloop's event loop where it is installed (libuv: less CPU per request than asyncio's own), else asyncio's."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
+def access_logger(config: ServerConfig):
+    """aiohttp's access log when asked for (`--access-log`), else none."""
+    return logging.getLogger("aiohttp.access") if config.access_log else None
 
 
 def serve(config: ServerConfig, host: str, port: int) -> None:
@@ -252,4 +292,5 @@ def serve(config: ServerConfig, host: str, port: int) -> None:
     log.info("loaded %s (%s, dim %d) in %s; warming up", encoder.path, encoder.model_config.model_type, encoder.dim,
              started.summary())
     web.run_app(create_app(config, encoder, started), host=host, port=port, handler_cancellation=True,
+                access_log=access_logger(config), loop=new_loop(),
                 shutdown_timeout=DRAIN_TIMEOUT_S, print=lambda msg: log.info(msg))

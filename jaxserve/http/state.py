@@ -6,6 +6,8 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import functools
+import json
+import os
 import time
 
 from aiohttp import web
@@ -37,6 +39,10 @@ MAX_INFLIGHT_BODY_BYTES = 256 * 2**20  # bytes of request bodies being handled a
 # before the queue: 16 full-size bodies, or thousands of ordinary ones)
 REQUEST_TIMEOUT_S = 60.0  # a model request still unanswered after this gets 503 and its waiting rows are dropped
 OFFLOAD_BODY_BYTES = 64 * 2**10  # bodies larger than this are decoded on a thread, not on the event loop
+# A request of at most this many inputs and body bytes is tokenized and packed on the event loop: its tokenizing
+# costs less than the two thread hand-offs that would move it (a few hundred tokens at most: bounded, not growing)
+INLINE_INPUTS = 2
+INLINE_BODY_BYTES = 2048
 OFFLOAD_FLOATS = 16_384  # responses with more floats than this are encoded on a thread
 DICT_FLOATS = 32  # building one result object (a label's or a text's score) costs about as much as this many floats
 TOKEN_ID_MODES = ("openai", "model")  # whose ids /v1/embeddings' token-id inputs are
@@ -47,6 +53,7 @@ class ServerConfig:
     model: str | None = None  # checkpoint dir or hub id; None = $JAXSERVE_MODEL, else bundled all-MiniLM-L6-v2
     model_name: str | None = None  # name reported in responses (default: the model argument or directory name)
     dtype: str = "auto"  # float32 on CPU, bfloat16 on accelerators
+    task: str | None = None  # task adapter merged at load (Jina-embeddings-v3's LoRA); None: $JAXSERVE_TASK, else none
     attention: str = "auto"  # attention implementation per bucket (jaxserve.models.attention.plan), with fallback
     buckets: str = "auto"  # a bucket table JSON file, or auto (derived for this device)
     ladder: str = "default"
@@ -80,6 +87,10 @@ class ServerConfig:
     respond_threads: int | None = None  # combine/normalise/encode pool (None: a quarter of the usable cores, at least 2)
     embed_all: bool = True  # compile token outputs for TEI's /embed_all (one more shape per seqlen)
     table: TableOptions | None = None  # all of the derivation's options (default: `ladder` and `layout`, else the device's)
+    workers: int = 1  # front-end processes (http/workers.py); 1: one process does everything
+    engine_restarts: int = 3  # with workers > 1: times the supervisor restarts an engine process that died
+    simulate: object | None = None  # a runtime.simulated.SimSpec: serve on a simulated device (capacity planning)
+    access_log: bool = False  # one log line per request (aiohttp's access log): off, it costs more than a small request
 
     @functools.cached_property
     def keys(self) -> tuple[tuple[bytes, str | None], ...]:
@@ -119,15 +130,21 @@ class ServerConfig:
 class AppState:
     """Everything the handlers share; `ready` once the buckets are warm."""
 
-    def __init__(self, config: ServerConfig, encoder: Encoder | None, started: Startup | None = None):
+    def __init__(self, config: ServerConfig, encoder: Encoder | None, started: Startup | None = None, link=None):
         self.config = config
         self.encoder = encoder
         self.startup = started or Startup()
         self.metrics = ServerMetrics()
-        self.service: Pipeline | None = None
+        self.service: Pipeline | None = None  # or, in a front-end process, the EngineLink (`link`)
+        self.link = link
         self.table: BucketTable | None = None
+        self.device: dict | None = None  # the device's description for /info (runtime.device.describe)
+        self.processes_file: str | None = None  # a front-end process: the supervisor's pids by role (http/workers.py)
         self.ready = False
         self.failed: str | None = None
+        if link is not None:
+            link.on_card = self.take_card
+            link.on_status = self.take_status
         # Work that grows with the request, off the event loop: decoding, tokenizing, packing, explaining ...
         self.pool_threads = host.pool_sizes(config.tokenizer_threads, config.respond_threads)
         self.tokenizer_pool = concurrent.futures.ThreadPoolExecutor(self.pool_threads[0],
@@ -141,6 +158,40 @@ class AppState:
         self.limits = Limits(config.max_client_batch, config.max_input_chars)
         self.active = 0  # model requests being handled
         self.budget = ByteBudget(config.max_inflight_bytes)  # bytes their bodies hold, inflated
+
+    def take_card(self, card: dict) -> None:
+        """A front-end process: the engine process is ready; its model view, tables and device (scheduling/link.py)."""
+        self.encoder, self.table, self.device = card["encoder"], card["table"], card["device"]
+        self.startup.source, self.startup.phases = card["source"], card["phases"]
+        self.failed = None
+        self.ready = True
+        self.startup.doing = "ready"
+
+    def take_status(self, status: dict) -> None:
+        """A front-end process: the engine's start-up as it goes (/health shows it while warming)."""
+        if not status.get("ready"):
+            self.failed = status.get("failed")
+            if "doing" in status:
+                self.startup.doing = status["doing"]
+                self.startup.phases = dict(status.get("phases", {}))
+
+    @property
+    def processes(self) -> dict:
+        """Pids by role, for /info: one process does everything, or a supervisor's engine and front-ends."""
+        if self.processes_file is None:
+            return {"engine": os.getpid(), "frontends": [os.getpid()]}
+        try:
+            with open(self.processes_file) as f:
+                return json.load(f)
+        except (OSError, ValueError):
+            return {}
+
+    @property
+    def simulated(self) -> dict | None:
+        """A simulated device's description and its clock (busy seconds, steps); None for a real device."""
+        if self.link is not None:
+            return self.link.status.get("simulated")
+        return simulated_status(getattr(self.encoder, "engine", None))
 
     @property
     def model_name(self) -> str:
@@ -167,6 +218,12 @@ class AppState:
                            {"Retry-After": str(RETRY_AFTER_S)})
         if (why := self.service.healthy) is not None:
             raise ApiError(503, f"this replica is unhealthy: {why}", "unavailable", {"Retry-After": str(RETRY_AFTER_S)})
+
+
+def simulated_status(engine) -> dict | None:
+    if not hasattr(engine, "describe"):
+        return None
+    return {**engine.describe(), "busy_s": engine.busy_s, "steps": engine.steps}
 
 
 STATE = web.AppKey("state", AppState)

@@ -72,6 +72,12 @@ def streams() -> int:
     return 2 if jax.devices()[0].platform == "cpu" else 1
 
 
+def info_of(table) -> dict:
+    """The device a server runs on, for /info: its platform, what the table was derived for, how many."""
+    return {"platform": jax.devices()[0].platform, "kind": table.device, "count": len(jax.devices()),
+            "memory_bytes": table.device_memory}
+
+
 POOL_RULE = {
     "cpu": f"{CPU_MEMORY_SHARE:.0%} of the host's available RAM",
     "gpu": "XLA's allocator limit: XLA_PYTHON_CLIENT_MEM_FRACTION of the card, 75% unless set",

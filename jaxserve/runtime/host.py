@@ -38,3 +38,11 @@ def pool_sizes(tokenizer: int | None = None, respond: int | None = None, cores: 
     if min(sizes) < 1:
         raise ValueError(f"pool threads must be at least 1, not {sizes}")
     return sizes
+
+
+def frontend_workers(cores: int | None = None) -> int:
+    """`jaxserve serve --workers auto`: front-end processes for `cores` (default: usable cores). Below 4 cores
+    one process does everything (the engine's threads and a second interpreter would share too few cores);
+    from 4, all cores but two (the engine's pipeline threads, and the kernel's network work), at most 32."""
+    cores = usable_cores() if cores is None else cores
+    return 1 if cores < 4 else min(cores - 2, 32)

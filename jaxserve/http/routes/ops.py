@@ -86,17 +86,21 @@ async def info(request: web.Request) -> web.Response:
                 "skiplist_ids": list(mv.skiplist), "similarity": mv.similarity,
                 "routes": ["/v1/embeddings", "/rerank"]})
     if state.table is not None:
-        import jax
-
         body["max_batch_tokens"] = max(b.tokens for b in state.table.buckets)
-        body["device"] = {"platform": jax.devices()[0].platform, "kind": state.table.device,
-                          "count": len(jax.devices()), "memory_bytes": state.table.device_memory}
+        body["device"] = state.device
         body["buckets"] = state.table.to_json()  # each bucket's `attention` and `attention_fallback` among them
         if enc is not None:
             used = [b.attention for b in state.table.buckets]
             body["attention"] = {"choice": enc.attention, "implementations": {i: used.count(i) for i in sorted(set(used))},
                                  "fallbacks": sum(bool(b.attention_fallback) for b in state.table.buckets)}
-        body["xla_compiles_total"] = compiles.xla_compiles_total()
+        body["xla_compiles_total"] = (state.link.status.get("xla_compiles_total", 0) if state.link is not None
+                                      else compiles.xla_compiles_total())
+    body["processes"] = state.processes  # pids by role: one process, or a supervisor, an engine and front-ends
+    if (simulated := state.simulated) is not None:
+        body["SIMULATED_DEVICE"] = {
+            "warning": "THIS SERVER RUNS NO MODEL. Its device is simulated (--simulate-device): every output is "
+                       "zeros; use it to measure the host path (capacity planning), never for embeddings.",
+            **simulated}
     body["startup"] = {"table": state.startup.source, "doing": state.startup.doing,
                        "phases": {k: round(v, 3) for k, v in state.startup.phases.items()}}
     return json_response(body)

@@ -1,0 +1,309 @@
+"""Serving from several processes (`jaxserve serve --workers N`): N front-ends and one engine, under a supervisor.
+
+One Python process cannot feed a fast accelerator: the request path (HTTP,
+JSON, validation, tokenizing, packing, response encoding) holds the GIL, and a
+one-document query costs milliseconds of it against a fraction of a
+millisecond of device time. So the work is split as vLLM's API servers do:
+
+    supervisor (this module's `serve_workers`): binds the port, starts the others, restarts them, stops them
+      |-- front-end x N: the aiohttp app (every route, auth, limits, tokenizing, encoding) on the shared
+      |                  listening socket; its jobs go to the engine over a Unix socket (scheduling/link.py)
+      `-- engine x 1:    loads and warms the model (the warm artifact, once), runs the one Pipeline: the
+                         batchers across every front-end's rows, the device threads, scattering
+
+Faults: a front-end that dies is restarted (only its own in-flight requests
+fail: their connections close); an engine that dies fails every waiting
+request with 503, /health says 503 on every front-end until a restarted engine
+is warm again (`engine_restarts` times, then it stays 503 for the orchestrator
+to act). Every child asks the kernel for SIGTERM when the supervisor dies
+(PR_SET_PDEATHSIG) and checks its parent once more after asking: SIGKILL of
+the supervisor leaves no process behind. SIGTERM drains the front-ends first,
+then stops the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import dataclasses
+import json
+import logging
+import math
+import multiprocessing
+import multiprocessing.connection
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+log = logging.getLogger("jaxserve.http.workers")
+
+RESTART_BACKOFF_S = (0.5, 5.0)  # a child that died young waits this long (doubling up to the second) to restart
+YOUNG_S = 10.0  # a child that lived less than this died young
+PROCESSES_FILE = "processes.json"  # the supervisor's list of pids by role, read by /info
+
+
+def frontend_config(config, workers: int):
+    """A front-end's share of the server's limits (requests and body bytes being handled), so that N of them
+    together hold what one process would; its tokenizer and respond threads, a share of the cores."""
+    from jaxserve.runtime import host
+
+    cores = max(2, host.usable_cores() // workers)
+    tokenizer, respond = host.pool_sizes(config.tokenizer_threads, config.respond_threads, cores=cores)
+    return dataclasses.replace(config, max_concurrent=max(1, math.ceil(config.max_concurrent / workers)),
+                               max_inflight_bytes=max(config.max_body_bytes,
+                                                      math.ceil(config.max_inflight_bytes / workers)),
+                               tokenizer_threads=tokenizer, respond_threads=respond)
+
+
+# ---- the children ----
+
+def _follow_parent(parent: int) -> None:
+    """SIGTERM this process when its parent dies (Linux); if it is gone already, exit now."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:
+        os._exit(0)
+
+
+def _logging(role: str) -> None:
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s {role}[%(process)d] %(name)s: %(message)s")
+
+
+def engine_main(config, path: str, run_dir: str, parent: int) -> None:
+    """The engine process: load, warm (from the warm artifact when it matches), serve the pipeline on `path`."""
+    _follow_parent(parent)
+    _logging("engine")
+    from jaxserve.http.server import new_loop
+
+    asyncio.run(_engine(config, path, run_dir), loop_factory=new_loop)
+
+
+async def _engine(config, path: str, run_dir: str) -> None:
+    from jaxserve.http.metrics import ServerMetrics
+    from jaxserve.http.server import DRAIN_TIMEOUT_S, load_encoder, make_pipeline, start_engine
+    from jaxserve.http.state import simulated_status
+    from jaxserve.runtime import device, startup
+    from jaxserve.scheduling.link import LinkServer
+
+    loop = asyncio.get_running_loop()
+    started = startup.Startup()
+    started.add("import", startup.since_process_start())
+    metrics = ServerMetrics()
+    held: dict = {"pipeline": None, "failed": None, "engine": None}
+
+    def status() -> dict:
+        pipeline = held["pipeline"]
+        if pipeline is None:
+            return {"ready": False, "failed": held["failed"], "doing": started.doing,
+                    "phases": {k: round(v, 3) for k, v in started.phases.items()}}
+        metrics.sync_compiles()
+        return {"ready": True, **pipeline.status(), "xla_compiles_total": metrics._compiles_seen,
+                "simulated": simulated_status(held["engine"])}
+
+    link = LinkServer(path, status)
+    await link.start()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    pipeline = None
+    try:
+        with started.phase("weights", "loading weights"):
+            enc = await loop.run_in_executor(None, load_encoder, config)
+        table = await loop.run_in_executor(None, start_engine, config, enc, started)
+        pipeline = make_pipeline(config, enc, table, metrics)
+        await pipeline.start()
+        started.doing = "ready"
+        metrics.startup(started.phases)
+        held["engine"] = enc.engine
+        view = dataclasses.replace(enc, engine=EngineView(dict(enc.engine.tables), table))
+        card = {"encoder": view, "table": table, "device": device.info_of(table), "source": started.source,
+                "phases": {k: round(v, 3) for k, v in started.phases.items()}}
+        held["pipeline"] = pipeline
+        await link.ready(pipeline, card)
+        log.info("ready: %d buckets; %s", len(table.buckets), started.summary())
+    except Exception as exc:
+        held["failed"] = f"warmup failed: {type(exc).__name__}: {exc}"
+        log.exception(held["failed"])
+    await stop.wait()
+    if pipeline is not None:
+        await pipeline.drain(DRAIN_TIMEOUT_S)
+        await pipeline.stop()
+    await link.stop()
+
+
+@dataclasses.dataclass
+class EngineView:
+    """What a front-end sees of the engine inside its model view (`Encoder.engine`): the tables, no device."""
+
+    tables: dict
+    table: object
+    params: None = None
+
+
+def frontend_main(config, sock: socket.socket, path: str, run_dir: str, index: int, parent: int) -> None:
+    """A front-end process: the aiohttp app on the shared listening socket, its jobs sent to the engine."""
+    _follow_parent(parent)
+    _logging(f"frontend-{index}")
+    from aiohttp import web
+
+    from jaxserve.http.server import DRAIN_TIMEOUT_S, access_logger, create_app, new_loop
+    from jaxserve.http.state import STATE
+    from jaxserve.scheduling.link import EngineLink
+
+    app = create_app(config, link=EngineLink(path))
+    app[STATE].processes_file = os.path.join(run_dir, PROCESSES_FILE)
+    web.run_app(app, sock=sock, handler_cancellation=True, shutdown_timeout=DRAIN_TIMEOUT_S, print=None,
+                access_log=access_logger(config), loop=new_loop())
+
+
+# ---- the supervisor ----
+
+@contextlib.contextmanager
+def _env(**values: str):
+    """Environment variables for the children started inside (spawned children copy os.environ)."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+class Supervisor:
+    """Starts the engine and the front-ends, restarts the ones that die, stops them all (front-ends first)."""
+
+    def __init__(self, config, sock: socket.socket, workers: int):
+        self.config = config
+        self.sock = sock
+        self.workers = workers
+        self.run_dir = tempfile.mkdtemp(prefix="jaxserve-")  # 0700: only this user may reach the engine's socket
+        self.path = os.path.join(self.run_dir, "engine.sock")
+        self.metrics_dir = os.path.join(self.run_dir, "metrics")
+        os.mkdir(self.metrics_dir)
+        self.ctx = multiprocessing.get_context("spawn")
+        self.engine: multiprocessing.Process | None = None
+        self.frontends: list[multiprocessing.Process | None] = [None] * workers
+        self.started_at: dict[int, float] = {}
+        self.backoff: dict[str, float] = {}
+        self.engine_restarts = 0
+        self.stopping = False
+
+    def _start(self, target, args, name: str, **env) -> multiprocessing.Process:
+        with _env(PROMETHEUS_MULTIPROC_DIR=self.metrics_dir, **env):
+            proc = self.ctx.Process(target=target, args=(*args, os.getpid()), name=name, daemon=False)
+            proc.start()
+        self.started_at[proc.pid] = time.monotonic()
+        return proc
+
+    def start_engine(self) -> None:
+        self.engine = self._start(engine_main, (self.config, self.path, self.run_dir), "jaxserve-engine")
+        self._write_processes()
+
+    def start_frontend(self, i: int) -> None:
+        # JAX_PLATFORMS=cpu: a front-end never touches the accelerator, even if something asked JAX for a device
+        self.frontends[i] = self._start(frontend_main, (frontend_config(self.config, self.workers), self.sock,
+                                                        self.path, self.run_dir, i),
+                                        f"jaxserve-frontend-{i}", JAX_PLATFORMS="cpu")
+        self._write_processes()
+
+    def _write_processes(self) -> None:
+        pids = {"supervisor": os.getpid(), "engine": self.engine.pid if self.engine else None,
+                "frontends": [p.pid for p in self.frontends if p is not None]}
+        tmp = os.path.join(self.run_dir, PROCESSES_FILE + ".tmp")
+        Path(tmp).write_text(json.dumps(pids))
+        os.replace(tmp, os.path.join(self.run_dir, PROCESSES_FILE))
+
+    def children(self) -> list[multiprocessing.Process]:
+        return [p for p in [self.engine, *self.frontends] if p is not None]
+
+    def run(self) -> None:
+        self.start_engine()
+        for i in range(self.workers):
+            self.start_frontend(i)
+        while not self.stopping:
+            sentinels = {p.sentinel: p for p in self.children()}
+            for sentinel in multiprocessing.connection.wait(list(sentinels), timeout=0.5):
+                self._died(sentinels[sentinel])
+
+    def _died(self, proc: multiprocessing.Process) -> None:
+        proc.join()
+        from prometheus_client import multiprocess
+
+        multiprocess.mark_process_dead(proc.pid, self.metrics_dir)
+        if self.stopping:
+            return
+        role = "engine" if proc is self.engine else "frontend"
+        log.error("the %s process %d exited with %s", role, proc.pid, proc.exitcode)
+        young = time.monotonic() - self.started_at.pop(proc.pid, 0.0) < YOUNG_S
+        delay = min(RESTART_BACKOFF_S[1], 2 * self.backoff.get(role, RESTART_BACKOFF_S[0] / 2)) if young \
+            else RESTART_BACKOFF_S[0]
+        self.backoff[role] = delay
+        if role == "engine":
+            self.engine = None
+            if self.engine_restarts >= self.config.engine_restarts:
+                log.error("the engine was restarted %d times; not again: /health says 503 until this server is "
+                          "stopped", self.engine_restarts)
+                self._write_processes()
+                return
+            self.engine_restarts += 1
+            time.sleep(delay)
+            self.start_engine()
+        else:
+            i = self.frontends.index(proc)
+            self.frontends[i] = None
+            time.sleep(delay)
+            self.start_frontend(i)
+
+    def stop(self, drain_s: float) -> None:
+        """Front-ends first (each finishes what it accepted), then the engine; whatever is left is killed."""
+        self.stopping = True
+        for proc in self.frontends:
+            if proc is not None and proc.is_alive():
+                proc.terminate()
+        for proc in self.frontends:
+            if proc is not None:
+                proc.join(drain_s + 5)
+        if self.engine is not None and self.engine.is_alive():
+            self.engine.terminate()
+            self.engine.join(drain_s + 5)
+        for proc in self.children():
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+
+
+def serve_workers(config, host: str, port: int) -> None:
+    """`jaxserve serve --workers N` (N > 1): bind the port here, so a port in use fails at once and a restarted
+    front-end takes over the same listening socket; then supervise until SIGTERM or SIGINT."""
+    from jaxserve.http.server import DRAIN_TIMEOUT_S
+
+    _logging("supervisor")
+    sock = socket.create_server((host, port), backlog=1024, reuse_port=False)
+    sock.setblocking(False)
+    log.info("serving on http://%s:%d with %d front-end processes and one engine process", host,
+             sock.getsockname()[1], config.workers)
+    supervisor = Supervisor(config, sock, config.workers)
+
+    def on_signal(signum, frame):
+        supervisor.stopping = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        supervisor.run()
+    finally:
+        supervisor.stop(DRAIN_TIMEOUT_S)
+        sock.close()
+    sys.stdout.flush()

@@ -1,0 +1,229 @@
+"""`jaxserve serve --workers N`: front-end processes and one engine process, as a user runs them.
+
+Real processes on loopback (tiny checkpoint). The fault cases run on a simulated device slow enough that a
+request is certainly still waiting when a process is killed: nothing here depends on how long anything takes,
+only on the order of events (every wait is a bounded poll for a state).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import aiohttp
+import numpy as np
+import psutil
+import pytest
+import tiny
+from conftest import TINY_TABLE, cosine_rows
+
+from jaxserve.integrations.launch import free_port, stop, wait_ready
+
+POLL_S = 0.05
+BOUND_S = 120.0  # the most any state is waited for (a slow machine's start-up)
+
+
+def serve(*flags: str) -> tuple[str, subprocess.Popen]:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "jaxserve.cli", "serve", "--port", str(port), *flags],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return f"http://127.0.0.1:{port}", proc
+
+
+async def get_json(url: str, path: str) -> tuple[int, dict]:
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s:
+        async with s.get(url + path) as r:
+            return r.status, await r.json()
+
+
+async def poll(check, what: str):
+    """check() until it returns something true; fail after BOUND_S."""
+    deadline = time.monotonic() + BOUND_S
+    while time.monotonic() < deadline:
+        if result := await check():
+            return result
+        await asyncio.sleep(POLL_S)
+    raise AssertionError(f"not within {BOUND_S:.0f} s: {what}")
+
+
+async def ready(url: str, proc: subprocess.Popen) -> dict:
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s:
+        await wait_ready(s, url, timeout_s=BOUND_S, proc=proc)
+    return (await get_json(url, "/info"))[1]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("workers")
+    TINY_TABLE.save(root / "table.json")
+    return tiny.write_checkpoint(root / "ckpt"), root / "table.json"
+
+
+def test_serve_options_reach_the_config():
+    """--workers, the simulated device and --task as `jaxserve serve` reads them; auto workers by the rule."""
+    from jaxserve import cli
+    from jaxserve.runtime import host
+
+    parse = lambda *a: cli.serve_config(cli.build_parser().parse_args(["serve", *a]))
+    config = parse("--workers", "3", "--simulate-device", "2.5", "--simulate-size", "768,3072,12",
+                   "--task", "retrieval.query", "--engine-restarts", "0", "--access-log")
+    assert (config.workers, config.engine_restarts, config.task, config.access_log) == (3, 0, "retrieval.query", True)
+    assert config.simulate.tflops == 2.5 and config.simulate.sizes == (768, 3072, 12)
+    assert not config.embed_all and not config.use_cache  # a simulated device: pooled outputs only, nothing saved
+    assert parse().workers == host.frontend_workers() and not parse().access_log and parse().simulate is None
+    assert [host.frontend_workers(c) for c in (1, 2, 3, 4, 8, 16, 64)] == [1, 1, 1, 2, 6, 14, 32]
+    for bad in (["--workers", "0"], ["--simulate-size", "768,3072"]):
+        with pytest.raises(SystemExit):
+            parse(*bad)
+
+
+def test_two_front_ends_serve_as_one_process_does(files):
+    """Same vectors as the model in this process; one engine (the batcher sees every front-end's rows); /metrics
+    one view over all processes; errors, explain and /info as a single process gives them."""
+    from conftest import warm_encoder
+
+    path, table = files
+    url, proc = serve("--model", str(path), "--buckets", str(table), "--no-cache", "--workers", "2")
+    try:
+        info = asyncio.run(ready(url, proc))
+        procs = info["processes"]
+        assert procs["supervisor"] == proc.pid and len(procs["frontends"]) == 2 and procs["engine"]
+        children = {p.pid: " ".join(p.cmdline()) for p in psutil.Process(proc.pid).children()}
+        assert {procs["engine"], *procs["frontends"]} <= set(children)
+        assert all("resource_tracker" in cmd for pid, cmd in children.items()  # multiprocessing's own helper
+                   if pid not in (procs["engine"], *procs["frontends"]))
+        assert info["device"]["platform"] == "cpu" and info["buckets"] and "SIMULATED_DEVICE" not in info
+
+        texts = [f"document number {i} " * (1 + i % 5) for i in range(12)]
+
+        async def requests():
+            async def one(i):
+                async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s:
+                    async with s.post(url + "/v1/embeddings", json={"input": texts[i : i + 3]}) as r:
+                        assert r.status == 200, await r.text()
+                        return [d["embedding"] for d in (await r.json())["data"]]
+            vectors = await asyncio.gather(*(one(i) for i in range(0, 12, 3)))
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s:
+                async with s.post(url + "/v1/embeddings", json={"input": ["x"], "dimensions": 0}) as r:
+                    bad = r.status, await r.json()
+                async with s.post(url + "/v1/embeddings?explain=1", json={"input": texts[:4]}) as r:
+                    explained = r.status, await r.json()
+                async with s.get(url + "/metrics") as r:
+                    metrics = await r.text()
+            return [v for part in vectors for v in part], bad, explained, metrics
+
+        vectors, bad, explained, metrics = asyncio.run(requests())
+        reference = warm_encoder(path, TINY_TABLE).embed(texts)
+        assert cosine_rows(np.array(vectors), reference).min() > 0.99999
+        assert bad[0] == 400 and "dimensions" in bad[1]["error"]["message"]
+        assert explained[0] == 200 and explained[1]["explain"]["batches"]
+        count = lambda name: sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                                 if line.startswith(name))
+        # every request counted once, whichever front-end took it; the engine's batches and device time with them
+        assert count('jaxserve_requests_total{route="/v1/embeddings",status="200"}') == 5
+        assert count('jaxserve_inputs_total') == 16
+        assert count("jaxserve_batches_total") >= 1 and count("jaxserve_device_busy_seconds_total") > 0
+    finally:
+        stop(proc)
+    assert proc.returncode == 0
+    for pid in [procs["engine"], *procs["frontends"]]:
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+async def send_raw(url: str, body: dict):
+    """A request on a connection of its own, its response not read yet: (reader, writer, local port)."""
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    data = json.dumps(body).encode()
+    writer.write(b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(data), data))
+    await writer.drain()
+    return reader, writer, writer.get_extra_info("sockname")[1]
+
+
+async def status_of(reader) -> int | None:
+    """The response's status, or None when the connection closed without one."""
+    line = await reader.readline()
+    return int(line.split()[1]) if line else None
+
+
+def holder(frontends: list[int], client_port: int) -> int | None:
+    """The front-end process holding the server side of the client connection from `client_port`."""
+    for pid in frontends:
+        if any(c.raddr and c.raddr.port == client_port for c in psutil.Process(pid).net_connections("tcp")):
+            return pid
+    return None
+
+
+def test_faults_fail_only_what_they_must_and_leave_no_process(files):
+    """A front-end killed: only its own requests fail; it is replaced. The engine killed: every waiting request
+    gets 503 and /health says 503 (no restarts allowed here). The supervisor killed: no child survives."""
+    path, _ = files
+    # 1e-9 TFLOP/s: a dispatch takes hours; every request below is waiting when its process is killed
+    url, proc = serve("--model", str(path), "--simulate-device", "1e-9", "--workers", "2", "--engine-restarts", "0")
+
+    async def scenario():
+        info = await ready(url, proc)
+        assert "SIMULATED_DEVICE" in info and "NO MODEL" in info["SIMULATED_DEVICE"]["warning"]
+        frontends = info["processes"]["frontends"]
+        sent, on = [], []
+        while len(set(on)) < 2:  # requests on connections of their own until both front-ends hold some
+            assert len(sent) < 64, "every connection went to one front-end"
+            sent.append(await send_raw(url, {"input": [f"text {len(sent)}"]}))
+            port = sent[-1][2]
+            on.append(await poll(lambda: _held(frontends, port), "the request held by a front-end"))
+        victim = on[0]
+        survivors = [i for i, pid in enumerate(on) if pid != victim]
+        os.kill(victim, signal.SIGKILL)
+        for i, pid in enumerate(on):
+            if pid == victim:  # its connections close without a response
+                assert await asyncio.wait_for(status_of(sent[i][0]), BOUND_S) is None
+        replaced = await poll(lambda: _replaced(url, victim), "the killed front-end replaced")
+        assert len(replaced) == 2 and victim not in replaced
+        assert (await get_json(url, "/health"))[0] == 200
+
+        engine = (await get_json(url, "/info"))[1]["processes"]["engine"]
+        os.kill(engine, signal.SIGKILL)
+        for i in survivors:  # waiting on the engine: 503, not a hang
+            assert await asyncio.wait_for(status_of(sent[i][0]), BOUND_S) == 503
+        await poll(lambda: _health_is(url, 503), "/health 503 once the engine is gone")
+        status, body = await get_json(url, "/health")
+        assert status == 503 and "engine" in json.dumps(body)
+        return replaced
+
+    try:
+        frontends = asyncio.run(scenario())
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        deadline = time.monotonic() + BOUND_S
+        while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in frontends):
+            assert time.monotonic() < deadline, "a front-end outlived its supervisor's SIGKILL"
+            time.sleep(POLL_S)
+    finally:
+        if proc.poll() is None:
+            stop(proc)
+
+
+async def _held(frontends, port):
+    return holder(frontends, port)
+
+
+async def _replaced(url, victim):
+    try:
+        status, info = await get_json(url, "/info")
+    except aiohttp.ClientError:
+        return None
+    pids = info["processes"]["frontends"]
+    return pids if len(pids) == 2 and victim not in pids and all(psutil.pid_exists(p) for p in pids) else None
+
+
+async def _health_is(url, expected):
+    try:
+        return (await get_json(url, "/health"))[0] == expected
+    except aiohttp.ClientError:
+        return False
