@@ -265,8 +265,18 @@ class Encoder:
         and the model's artifacts pruned to the newest `keep` (default: --keep-artifacts')."""
         from jaxserve.runtime import artifact, startup
 
-        return startup.start(self, table or TableOptions(), tokens, startup.cache_root(cache), progress=progress,
-                             keep=artifact.KEEP if keep is None else keep)
+        started = startup.start(self, table or TableOptions(), tokens, startup.cache_root(cache), progress=progress,
+                                keep=artifact.KEEP if keep is None else keep)
+        self.fit_to(started)
+        return started
+
+    def fit_to(self, table: BucketTable) -> None:
+        """Sequences no longer than the table's longest seqlen: a table derived at fewer seqlens than the model
+        takes (`--seqlens 32,128` for a model of 256) makes its largest seqlen the limit that inputs are
+        truncated to (or refused at, `long="error"`), where they would otherwise fit no bucket."""
+        if table.max_seqlen < self.tokenizer.max_length:
+            self.tokenizer = dataclasses.replace(self.tokenizer, max_length=table.max_seqlen)
+            self.embedding_config = dataclasses.replace(self.embedding_config, max_seq_length=table.max_seqlen)
 
     def warm_table(self) -> BucketTable:
         """The table batches run at: the warm one, or (first use) one derived for this device and warmed now."""

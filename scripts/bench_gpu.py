@@ -92,13 +92,17 @@ class Sizes:
     stage_s: float = 450.0  # a stage stops starting levels past this (device commands end at 10 min)
     reserve_s: float = 90.0  # kept back from --budget-s for the work a stage ends with (stopping, peers)
     start_timeout_s: float = 420.0
+    # the workers stage (scripts/bench_host.py --engine real): its levels; the worker counts come from the cores
+    workers_flags: tuple[str, ...] = ("--docs", "1,16,100", "--concurrency", "64", "--seconds", "6")
+    most_workers: int | None = None  # None: every usable core but two
 
 
 GPU = Sizes()
 DRY = Sizes(serve_flags=("--seqlens", "32,128", "--max-batch", "8", "--batch-ladder", "off", "--no-embed-all"), docs_per_request=8,
             corpus=64, concurrency=(2,), level_s=0.5, load_fractions=(0.5,), peer_docs=24,
             latency=("--docs", "8", "--repeats", "1", "--no-http"),
-            peer_batches=(8, 16), attention_flags=("--dry-run",), shrink=True, stage_s=240.0, start_timeout_s=240.0, reserve_s=0.0)
+            peer_batches=(8, 16), attention_flags=("--dry-run",), shrink=True, stage_s=240.0, start_timeout_s=240.0, reserve_s=0.0,
+            workers_flags=("--docs", "1", "--concurrency", "2", "--seconds", "0.5"), most_workers=2)
 
 
 def log(*a) -> None:
@@ -552,6 +556,35 @@ def jaxserve_peer_child(path: str, docs: list[str], flags: list[str], cache: str
     return out
 
 
+# ---- workers ---------------------------------------------------------------------------------
+
+def worker_counts(cpus: int, most: int | None = None) -> list[int]:
+    """`--workers` values to sweep: 1, 2, 4, 8 ... up to every usable core but two (`--workers auto`'s rule)."""
+    top = max(1, cpus - 2) if most is None else most
+    counts = [1] + [n for n in (2, 4, 8, 16, 32) if n < top] + [top]
+    return sorted(set(counts))
+
+
+def stage_workers(args, sizes: Sizes, pre: dict) -> dict:
+    """The `--workers` sweep on the real device (MiniLM): scripts/bench_host.py --engine real, side by side,
+    each process kind's CPU per request and the projection it makes; the measured docs/s at each count check
+    the projection the simulated device made on a 2-core host (docs/benchmarks.md, "Host path: projection")."""
+    counts = worker_counts(pre["cpus"], sizes.most_workers)
+    out = args.work / "workers-host.json"
+    out.unlink(missing_ok=True)
+    serve = " ".join(("--cache-dir", str(args.work / "cache" / "workers"), *sizes.serve_flags))
+    cmd = [sys.executable, str(ROOT / "scripts" / "bench_host.py"), "--engine", "real", "--model",
+           str(minilm_dir(args)), "--workers", ",".join(map(str, counts)), "--sizes", "checkpoint",
+           "--serve-args", serve, "--out", str(out), *sizes.workers_flags]
+    left = max(30.0, min(sizes.stage_s, args.deadline - time.monotonic() - sizes.reserve_s))
+    log("workers: " + " ".join(cmd))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=left, cwd=ROOT)
+    log(proc.stdout[-6000:])
+    if proc.returncode != 0:
+        raise RuntimeError(f"bench_host.py exited {proc.returncode}: {proc.stderr[-2000:]}")
+    return {"workers": counts, "command": cmd, "bench_host": json.loads(out.read_text())}
+
+
 # ---- attention -------------------------------------------------------------------------------
 
 def stage_attention(args, sizes: Sizes, pre: dict, sampler: Sampler) -> dict:
@@ -591,7 +624,7 @@ def child(kind: str, kwargs: dict, timeout: float) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dry-run", action="store_true", help="every stage on this CPU at tiny sizes")
-    ap.add_argument("--stages", default="preflight,minilm,attention,bge-base,qwen3-0.6b,embeddinggemma")
+    ap.add_argument("--stages", default="preflight,minilm,attention,bge-base,qwen3-0.6b,embeddinggemma,workers")
     ap.add_argument("--out", type=Path, default=ROOT / "results" / "gpu")
     ap.add_argument("--work", type=Path, default=Path("/tmp/jaxserve-bench"), help="models, caches, server logs")
     ap.add_argument("--minilm", help="MiniLM's directory (carried); default: the installed bundled package")
@@ -612,9 +645,9 @@ def main() -> int:
     args.attention_args = args.attention_args.split()
     stages = args.stages.split(",")
     args.models = [s for s in stages if s in MODELS]
-    unknown = [s for s in stages if s not in MODELS and s not in ("preflight", "attention")]
+    unknown = [s for s in stages if s not in MODELS and s not in ("preflight", "attention", "workers")]
     if unknown:
-        ap.error(f"unknown stage(s) {unknown}; choose from preflight, attention, {', '.join(MODELS)}")
+        ap.error(f"unknown stage(s) {unknown}; choose from preflight, attention, workers, {', '.join(MODELS)}")
     args.out.mkdir(parents=True, exist_ok=True)
     args.work.mkdir(parents=True, exist_ok=True)
     pre = stage_preflight(args, sizes)
@@ -649,6 +682,8 @@ def run_stages(args, sizes: Sizes, stages: list[str], pre: dict) -> int:
             try:
                 if stage == "attention":
                     rec = stage_attention(args, sizes, pre, sampler)
+                elif stage == "workers":
+                    rec = stage_workers(args, sizes, pre)
                 elif stage not in dirs:
                     raise RuntimeError("its checkpoint was not made (see above)")
                 else:

@@ -227,3 +227,91 @@ async def _health_is(url, expected):
         return (await get_json(url, "/health"))[0] == expected
     except aiohttp.ClientError:
         return False
+
+
+# ---- every route answers in a front-end as in one process ----
+
+TEXTS = ["the jax model", "a batch of documents for the query " * 3, "hello, world! 42", "x"]
+ROUTES = {  # model kind: the requests sent to both servers
+    "embedding": [
+        ("/v1/embeddings", {"input": TEXTS}), ("/v1/embeddings", {"input": TEXTS, "encoding_format": "base64"}),
+        ("/v1/embeddings", {"input": TEXTS[:2], "encoding_format": "ubinary"}), ("/embed", {"inputs": TEXTS}),
+        ("/embed_all", {"inputs": TEXTS[:2]}), ("/similarity", {"inputs": {"source_sentence": "the model",
+                                                                       "sentences": TEXTS}}),
+        ("/", {"inputs": TEXTS[0]}), ("/tokenize", {"inputs": TEXTS}), ("/decode", {"ids": [[7, 8, 9]]}),
+        ("/v2/embed", {"model": "m", "texts": TEXTS, "input_type": "search_document",
+                       "embedding_types": ["float", "int8", "binary"]}),
+        ("/v1/plan", {"input": TEXTS}), ("/embed", {"inputs": "x" * 10, "truncate": False, "dimensions": 0}),
+        ("/v1/embeddings", {"input": []}),
+    ],
+    "classifier": [
+        ("/predict", {"inputs": TEXTS}), ("/classify", {"input": TEXTS}),
+        ("/predict", {"inputs": [["a question", "an answer"]]}),
+    ],
+    "reranker": [
+        ("/rerank", {"query": "the model", "texts": TEXTS, "return_text": True}),
+        ("/v1/rerank", {"query": "the model", "documents": TEXTS, "top_n": 2}),
+        ("/score", {"text_1": "the model", "text_2": TEXTS}),
+        ("/v2/rerank", {"model": "m", "query": "the model", "documents": TEXTS, "top_n": 3}),
+    ],
+}
+VOLATILE = {"id", "created", "explain", "measured", "would_wait_behind"}  # and times (`*_s`, `predicted*`): each
+# server timed its own buckets
+
+
+def same(a, b, path="") -> None:
+    """JSON bodies equal, floats to 1e-4 (rows may share different batches), timing fields left out."""
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), (path, a.keys(), b)
+        for k in a:
+            if k not in VOLATILE and not k.endswith("_s") and not k.startswith("predicted"):
+                same(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, list):
+        assert isinstance(b, list) and len(a) == len(b), (path, a, b)
+        for i, (x, y) in enumerate(zip(a, b)):
+            same(x, y, f"{path}[{i}]")
+    elif isinstance(a, float) or isinstance(b, float):
+        assert b == pytest.approx(a, rel=1e-4, abs=1e-4), (path, a, b)
+    else:
+        assert a == b, (path, a, b)
+
+
+@pytest.mark.parametrize("kind", ROUTES)
+async def test_every_route_answers_in_a_front_end_as_in_one_process(make_server, files, tmp_path, kind):
+    from conftest import warm_encoder
+
+    path = {"embedding": files[0]}.get(kind) or tiny.write_checkpoint(
+        tmp_path / kind, num_labels={"classifier": 3, "reranker": 1}[kind])
+    one = await make_server(warm_encoder(path, TINY_TABLE), model=str(path))
+    url, proc = serve("--model", str(path), "--buckets", str(files[1]), "--no-cache", "--workers", "2")
+    try:
+        await ready(url, proc)
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s:
+            for route, body in ROUTES[kind]:
+                want = await one.post(route, json=body)
+                async with s.post(url + route, json=body) as got:
+                    assert got.status == want.status, (route, body, await got.text(), await want.text())
+                    if got.content_type == "application/json":
+                        same(await want.json(), await got.json(), route)
+                    else:
+                        assert await got.read() == await want.read(), route
+    finally:
+        stop(proc)
+
+
+def test_a_table_shorter_than_the_model_truncates_at_its_longest_seqlen(tmp_path):
+    """`--seqlens` below the model's limit: inputs are cut to the table's longest seqlen (before: a long input fit
+    no bucket, and its request failed with 500); `long="error"` refuses them at that limit."""
+    from jaxserve import Encoder
+    from jaxserve.errors import InputError
+    from jaxserve.runtime.derivation import TableOptions
+
+    enc = Encoder.from_pretrained(str(tiny.write_checkpoint(tmp_path / "ckpt")))
+    assert enc.tokenizer.max_length > 16
+    enc.start(TableOptions(seqlens=(16,), batch_ladder=False), cache=tmp_path / "cache")
+    long = "the jax model reads a batch of documents " * 20
+    vectors = enc.embed([long, "short"])
+    assert vectors.shape[0] == 2 and np.isfinite(vectors).all()
+    assert enc.tokenizer.max_length == enc.embedding_config.max_seq_length == 16
+    with pytest.raises(InputError):
+        enc.embed([long], long="error")

@@ -310,6 +310,10 @@ class Pipeline:
                 entry.future.set_exception(exc)
         self._check_idle()
 
+    def _answer_all(self, jids: list[int]) -> None:
+        for jid in jids:
+            self._answer(jid)
+
     def _check_idle(self) -> None:
         if not self._entries:
             self._idle.set()
@@ -475,8 +479,8 @@ class Pipeline:
             for jid, rows in d.parts:
                 if (entry := self._entries.get(jid)) is not None:
                     entry.timing.batches.append((d.bucket.shape, len(rows), d.reason, device_s))
-            for jid in finished:
-                self._loop.call_soon_threadsafe(self._answer, jid)
+            if finished:  # one wake-up of the loop for the batch, however many requests it finishes
+                self._loop.call_soon_threadsafe(self._answer_all, finished)
 
     def _busy(self, device_s: float) -> float:
         """The device's busy time since the last batch: its own clock where it keeps one (a simulated device),
