@@ -211,10 +211,15 @@ class Supervisor:
         self._write_processes()
 
     def start_frontend(self, i: int) -> None:
-        # JAX_PLATFORMS=cpu: a front-end never touches the accelerator, even if something asked JAX for a device
+        # JAX_PLATFORMS=cpu: a front-end never touches the accelerator, even if something asked JAX for a device;
+        # RAYON_NUM_THREADS: the tokenizer's own threads, a share of the cores (not every core in every front-end)
+        from jaxserve.runtime import host
+
+        share = str(max(1, host.usable_cores() // self.workers))
         self.frontends[i] = self._start(frontend_main, (frontend_config(self.config, self.workers), self.sock,
                                                         self.path, self.run_dir, i),
-                                        f"jaxserve-frontend-{i}", JAX_PLATFORMS="cpu")
+                                        f"jaxserve-frontend-{i}", JAX_PLATFORMS="cpu",
+                                        RAYON_NUM_THREADS=os.environ.get("RAYON_NUM_THREADS", share))
         self._write_processes()
 
     def _write_processes(self) -> None:
