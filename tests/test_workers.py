@@ -315,3 +315,38 @@ def test_a_table_shorter_than_the_model_truncates_at_its_longest_seqlen(tmp_path
     assert enc.tokenizer.max_length == enc.embedding_config.max_seq_length == 16
     with pytest.raises(InputError):
         enc.embed([long], long="error")
+
+
+def test_sigterm_drains_every_process_and_loses_no_accepted_request(files):
+    """SIGTERM to the supervisor while requests are in flight: the front-ends finish what they accepted (the engine
+    still runs them), then the engine stops; every request is answered 200, or refused cleanly, and all exit."""
+    path, table = files
+    url, proc = serve("--model", str(path), "--buckets", str(table), "--no-cache", "--workers", "2")
+
+    async def scenario():
+        await ready(url, proc)
+        async with aiohttp.ClientSession() as s:
+            async def one(i):
+                async with s.post(url + "/v1/embeddings",
+                                  json={"input": [f"the model {i} {j} " * 8 for j in range(32)]}) as r:
+                    body = await r.json()
+                    return r.status, len(body["data"]) if r.status == 200 else body["error"]["type"]
+
+            tasks = [asyncio.create_task(one(i)) for i in range(40)]
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)  # load is flowing
+            proc.send_signal(signal.SIGTERM)
+            return await asyncio.gather(*tasks, return_exceptions=True)
+
+    try:
+        results = asyncio.run(scenario())
+        proc.wait(timeout=BOUND_S)
+    finally:
+        if proc.poll() is None:
+            stop(proc)
+    answered = [r for r in results if not isinstance(r, Exception)]
+    assert all(r in ((200, 32), (503, "unavailable")) for r in answered), results
+    assert sum(r == (200, 32) for r in answered) >= 2, results  # the first, and those in flight at the signal
+    refused = [r for r in results if isinstance(r, Exception)]
+    assert all(isinstance(e, aiohttp.ClientConnectorError) for e in refused), refused  # never connected
+    assert proc.returncode == 0
+    assert not [p for p in psutil.Process().children(recursive=True) if "jaxserve" in " ".join(p.cmdline())]
