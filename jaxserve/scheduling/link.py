@@ -48,6 +48,22 @@ class Wire:
         self.sock = sock
         self._loop = asyncio.get_running_loop()
         self._sending = asyncio.Lock()
+        self._outbox: list[dict] = []
+        self._flushing: asyncio.Task | None = None
+
+    def post(self, message: dict) -> None:
+        """Send `message` with the others posted in this turn of the event loop, as one (a batch's replies, a
+        burst of requests: one write and one read for all of them, not one each). ConnectionError surfaces to
+        the reader of the other side's replies, not here."""
+        self._outbox.append(message)
+        if self._flushing is None:
+            self._flushing = asyncio.get_running_loop().create_task(self._flush())
+
+    async def _flush(self) -> None:
+        await asyncio.sleep(0)  # let the rest of this turn post theirs
+        messages, self._outbox, self._flushing = self._outbox, [], None
+        with contextlib.suppress(ConnectionError, OSError):
+            await self.send(messages[0] if len(messages) == 1 else {"op": "many", "messages": messages})
 
     async def send(self, message: dict) -> None:
         buffers: list[pickle.PickleBuffer] = []
@@ -164,15 +180,9 @@ class LinkServer:
             if self.card is not None:
                 await wire.send({"op": "card", **self.card})
             while True:
-                message = await wire.recv()
-                op = message["op"]
-                if op == "run":
-                    rid = message["id"]
-                    running[rid] = self._spawn(self._run(wire, rid, message, running))
-                elif op == "cancel" and (task := running.pop(message["id"], None)) is not None:
-                    task.cancel()
-                elif op == "explain":
-                    self._spawn(self._explain(wire, message))
+                received = await wire.recv()
+                for message in received["messages"] if received["op"] == "many" else (received,):
+                    self._handle(wire, message, running)
         except (ConnectionError, OSError):
             pass
         finally:
@@ -180,6 +190,16 @@ class LinkServer:
             for task in running.values():
                 task.cancel()
             wire.close()
+
+    def _handle(self, wire: Wire, message: dict, running: dict) -> None:
+        op = message["op"]
+        if op == "run":
+            rid = message["id"]
+            running[rid] = self._spawn(self._run(wire, rid, message, running))
+        elif op == "cancel" and (task := running.pop(message["id"], None)) is not None:
+            task.cancel()
+        elif op == "explain":
+            self._spawn(self._explain(wire, message))
 
     async def _run(self, wire: Wire, rid: int, message: dict, running: dict) -> None:
         job: Job = message["job"]
@@ -194,8 +214,7 @@ class LinkServer:
             reply = {"op": "error", "id": rid, "error": exc}
         finally:
             running.pop(rid, None)
-        with contextlib.suppress(ConnectionError, OSError):
-            await wire.send(reply)
+        wire.post(reply)
 
     async def _explain(self, wire: Wire, message: dict) -> None:
         try:
@@ -303,14 +322,12 @@ class EngineLink:
         self._pending[rid] = (future, job)
         self._idle.clear()
         try:
-            await wire.send({"op": "run", "id": rid, "job": job, "cls": cls, "deadline_s": deadline_s})
+            wire.post({"op": "run", "id": rid, "job": job, "cls": cls, "deadline_s": deadline_s})
             out, kept, timing = await future
         except asyncio.CancelledError:
             if rid in self._pending and self._wire is wire:
-                asyncio.ensure_future(self._send_quietly(wire, {"op": "cancel", "id": rid}))
+                wire.post({"op": "cancel", "id": rid})
             raise
-        except (ConnectionError, OSError) as exc:
-            raise Draining(f"the engine process went away: {exc}") from None
         finally:
             self._pending.pop(rid, None)
             if not self._pending:
@@ -335,11 +352,6 @@ class EngineLink:
             return await future
         finally:
             self._pending.pop(rid, None)
-
-    @staticmethod
-    async def _send_quietly(wire: Wire, message: dict) -> None:
-        with contextlib.suppress(ConnectionError, OSError):
-            await wire.send(message)
 
     # ---- the connection ----
 
@@ -368,25 +380,29 @@ class EngineLink:
 
     async def _read(self, wire: Wire) -> None:
         while True:
-            message = await wire.recv()
-            op = message.pop("op")
-            if op == "status":
-                message["at"] = time.monotonic()
-                self.status = message
-                if self.on_status is not None:
-                    self.on_status(message)
-            elif op == "card":
-                self.card = message
-                if self.on_card is not None:
-                    self.on_card(message)
-            elif (entry := self._pending.get(message.get("id"))) is not None and not entry[0].done():
-                future = entry[0]
-                if op == "done":
-                    future.set_result((message["out"], message["kept"], message["timing"]))
-                elif op == "explained":
-                    future.set_result(message["body"])
-                elif op == "error":
-                    future.set_exception(message["error"])
+            received = await wire.recv()
+            for message in received["messages"] if received["op"] == "many" else (received,):
+                self._take(message)
+
+    def _take(self, message: dict) -> None:
+        op = message.pop("op")
+        if op == "status":
+            message["at"] = time.monotonic()
+            self.status = message
+            if self.on_status is not None:
+                self.on_status(message)
+        elif op == "card":
+            self.card = message
+            if self.on_card is not None:
+                self.on_card(message)
+        elif (entry := self._pending.get(message.get("id"))) is not None and not entry[0].done():
+            future = entry[0]
+            if op == "done":
+                future.set_result((message["out"], message["kept"], message["timing"]))
+            elif op == "explained":
+                future.set_result(message["body"])
+            elif op == "error":
+                future.set_exception(message["error"])
 
     def _fail_all(self, exc: Exception) -> None:
         for future, _ in list(self._pending.values()):
