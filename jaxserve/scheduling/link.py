@@ -51,19 +51,27 @@ class Wire:
         self._outbox: list[dict] = []
         self._flushing: asyncio.Task | None = None
 
-    def post(self, message: dict) -> None:
-        """Send `message` with the others posted in this turn of the event loop, as one (a batch's replies, a
-        burst of requests: one write and one read for all of them, not one each). ConnectionError surfaces to
-        the reader of the other side's replies, not here."""
+    def post(self, message: dict, nbytes: int = 0) -> None:
+        """Send `message` (its arrays holding `nbytes`): a small one with the others posted in this turn of the
+        event loop, as one (a batch's replies, a burst of requests: one write and one read for all of them, not
+        one each); a large one at once, on its own (joined, large messages would overfill the socket's buffer
+        and cost more than they save). A broken connection surfaces to the reader of the other side, not here."""
+        loop = asyncio.get_running_loop()
+        if nbytes >= JOIN_BYTES:
+            loop.create_task(self._quietly(message))
+            return
         self._outbox.append(message)
         if self._flushing is None:
-            self._flushing = asyncio.get_running_loop().create_task(self._flush())
+            self._flushing = loop.create_task(self._flush())
 
     async def _flush(self) -> None:
         await asyncio.sleep(0)  # let the rest of this turn post theirs
         messages, self._outbox, self._flushing = self._outbox, [], None
+        await self._quietly(messages[0] if len(messages) == 1 else {"op": "many", "messages": messages})
+
+    async def _quietly(self, message: dict) -> None:
         with contextlib.suppress(ConnectionError, OSError):
-            await self.send(messages[0] if len(messages) == 1 else {"op": "many", "messages": messages})
+            await self.send(message)
 
     async def send(self, message: dict) -> None:
         buffers: list[pickle.PickleBuffer] = []
@@ -214,7 +222,7 @@ class LinkServer:
             reply = {"op": "error", "id": rid, "error": exc}
         finally:
             running.pop(rid, None)
-        wire.post(reply)
+        wire.post(reply, reply["out"].nbytes if reply["op"] == "done" else 0)
 
     async def _explain(self, wire: Wire, message: dict) -> None:
         try:
@@ -322,7 +330,7 @@ class EngineLink:
         self._pending[rid] = (future, job)
         self._idle.clear()
         try:
-            wire.post({"op": "run", "id": rid, "job": job, "cls": cls, "deadline_s": deadline_s})
+            wire.post({"op": "run", "id": rid, "job": job, "cls": cls, "deadline_s": deadline_s}, job.flat.nbytes)
             out, kept, timing = await future
         except asyncio.CancelledError:
             if rid in self._pending and self._wire is wire:

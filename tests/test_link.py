@@ -1,0 +1,50 @@
+"""scheduling/link.py's wire: whole messages, arrays out of band, and what one turn of the loop posts sent as one."""
+
+import asyncio
+import socket
+
+import numpy as np
+import pytest
+
+from jaxserve.scheduling.link import JOIN_BYTES, Wire
+
+
+async def pair():
+    a, b = socket.socketpair()
+    return Wire(a), Wire(b)
+
+
+@pytest.mark.parametrize("size", [0, 10, JOIN_BYTES // 4 + 1, 3 * JOIN_BYTES])  # joined, and sent piece by piece
+async def test_arrays_cross_whole_and_writable(size):
+    left, right = await pair()
+    arrays = {"ids": np.arange(size, dtype=np.int32), "out": np.random.default_rng(0).random((size, 3), np.float32),
+              "strided": np.arange(2 * size, dtype=np.int64)[::2]}
+    send = asyncio.create_task(left.send({"op": "run", "id": 7, **arrays}))
+    got = await right.recv()
+    await send
+    assert got["op"] == "run" and got["id"] == 7
+    for name, want in arrays.items():
+        np.testing.assert_array_equal(got[name], want)
+        assert got[name].dtype == want.dtype
+    got["out"][...] = 1  # outputs are scattered into in place: the received buffer is the array's own
+    left.close(), right.close()
+
+
+async def test_posts_of_one_turn_travel_as_one_message_in_order():
+    left, right = await pair()
+    for i in range(3):
+        left.post({"op": "done", "id": i, "out": np.full(4, i, np.float32)})
+    got = await right.recv()
+    assert got["op"] == "many" and [m["id"] for m in got["messages"]] == [0, 1, 2]
+    assert [float(m["out"][0]) for m in got["messages"]] == [0.0, 1.0, 2.0]
+    left.post({"op": "cancel", "id": 9})  # alone in its turn: sent as itself
+    assert await right.recv() == {"op": "cancel", "id": 9}
+    left.close(), right.close()
+
+
+async def test_a_closed_peer_is_a_connection_error():
+    left, right = await pair()
+    left.close()
+    with pytest.raises(ConnectionError):
+        await right.recv()
+    right.close()
