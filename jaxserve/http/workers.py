@@ -263,12 +263,14 @@ class Supervisor:
                 return
             self.engine_restarts += 1
             time.sleep(delay)
-            self.start_engine()
+            if not self.stopping:  # a SIGTERM while it waited
+                self.start_engine()
         else:
             i = self.frontends.index(proc)
             self.frontends[i] = None
             time.sleep(delay)
-            self.start_frontend(i)
+            if not self.stopping:
+                self.start_frontend(i)
 
     def stop(self, drain_s: float) -> None:
         """Front-ends first (each finishes what it accepted), then the engine; whatever is left is killed."""
