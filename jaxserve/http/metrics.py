@@ -134,11 +134,12 @@ class ServerMetrics(Metrics):
         if timing.deadline_s is not None:
             self.deadlines.labels(cls, "met" if timing.total_s <= timing.deadline_s else "missed").inc()
 
-    def sync_compiles(self) -> None:
-        """Several processes: count the XLA compiles of this one (the engine) since the last call."""
+    def sync_compiles(self) -> int:
+        """Several processes: count the XLA compiles of this one (the engine) since the last call; -> all so far."""
         now = compiles.xla_compiles_total()
         self.compiles.inc(now - self._compiles_seen)
         self._compiles_seen = now
+        return now
 
     def render(self) -> bytes:
         if not self.shared:

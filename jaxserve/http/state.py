@@ -21,6 +21,7 @@ from jaxserve.http.metrics import ServerMetrics
 from jaxserve.runtime import artifact, host
 from jaxserve.runtime.buckets import BucketTable
 from jaxserve.runtime.derivation import TableOptions
+from jaxserve.runtime.simulated import described
 from jaxserve.runtime.startup import Startup
 from jaxserve.scheduling.batcher import CLASSES
 from jaxserve.scheduling.pipeline import BULK_DISPATCH_MS, MAX_INFLIGHT, Pipeline
@@ -191,7 +192,7 @@ class AppState:
         """A simulated device's description and its clock (busy seconds, steps); None for a real device."""
         if self.link is not None:
             return self.link.status.get("simulated")
-        return simulated_status(getattr(self.encoder, "engine", None))
+        return described(getattr(self.encoder, "engine", None))
 
     @property
     def model_name(self) -> str:
@@ -218,12 +219,6 @@ class AppState:
                            {"Retry-After": str(RETRY_AFTER_S)})
         if (why := self.service.healthy) is not None:
             raise ApiError(503, f"this replica is unhealthy: {why}", "unavailable", {"Retry-After": str(RETRY_AFTER_S)})
-
-
-def simulated_status(engine) -> dict | None:
-    if not hasattr(engine, "describe"):
-        return None
-    return {**engine.describe(), "busy_s": engine.busy_s, "steps": engine.steps}
 
 
 STATE = web.AppKey("state", AppState)

@@ -88,8 +88,8 @@ def engine_main(config, path: str, run_dir: str, parent: int) -> None:
 async def _engine(config, path: str, run_dir: str) -> None:
     from jaxserve.http.metrics import ServerMetrics
     from jaxserve.http.server import DRAIN_TIMEOUT_S, load_encoder, make_pipeline, start_engine
-    from jaxserve.http.state import simulated_status
     from jaxserve.runtime import device, startup
+    from jaxserve.runtime.simulated import described
     from jaxserve.scheduling.link import LinkServer
 
     loop = asyncio.get_running_loop()
@@ -102,10 +102,9 @@ async def _engine(config, path: str, run_dir: str) -> None:
         pipeline = held["pipeline"]
         if pipeline is None:
             return {"ready": False, "failed": held["failed"], "doing": started.doing,
-                    "phases": {k: round(v, 3) for k, v in started.phases.items()}}
-        metrics.sync_compiles()
-        return {"ready": True, **pipeline.status(), "xla_compiles_total": metrics._compiles_seen,
-                "simulated": simulated_status(held["engine"])}
+                    "phases": started.shown()}
+        return {"ready": True, **pipeline.status(), "xla_compiles_total": metrics.sync_compiles(),
+                "simulated": described(held["engine"])}
 
     link = LinkServer(path, status)
     await link.start()
@@ -124,7 +123,7 @@ async def _engine(config, path: str, run_dir: str) -> None:
         held["engine"] = enc.engine
         view = dataclasses.replace(enc, engine=EngineView(dict(enc.engine.tables), table))
         card = {"encoder": view, "table": table, "device": device.info_of(table), "source": started.source,
-                "phases": {k: round(v, 3) for k, v in started.phases.items()}}
+                "phases": started.shown()}
         held["pipeline"] = pipeline
         await link.ready(pipeline, card)
         log.info("ready: %d buckets; %s", len(table.buckets), started.summary())

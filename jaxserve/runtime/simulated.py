@@ -177,18 +177,24 @@ class SimEngine:
         return output_chunks.join([np.zeros((bucket.batch, w, self.out_dim), np.float32) for w in widths])
 
     def describe(self) -> dict:
-        """What /info says of the simulated device: the spec, the device and the table it serves."""
+        """What /info says of the simulated device (beside its warning): the spec, the device, the table it serves
+        and its clock (busy seconds, steps)."""
         steps = [b.run_s for b in self.table.buckets]
         return {
             "simulated": True,
             "device": DEVICE,
-            "note": "SIMULATED DEVICE: no model runs; every output is zeros. A capacity-planning tool: the real "
-                    "host path over a device that takes overhead + FLOPs / rate per dispatch.",
+            "busy_s": self.busy_s,
+            "steps": self.steps,
             "spec": dataclasses.asdict(self.spec),
             "table": {"buckets": len(self.table.buckets), "seqlens": self.table.seqlens,
                       "largest_batch_tokens": max(b.tokens for b in self.table.buckets),
                       "step_ms": {"min": 1e3 * min(steps), "max": 1e3 * max(steps)}},
         }
+
+
+def described(engine) -> dict | None:
+    """A simulated engine's `describe()` (for /info); None for a real one."""
+    return engine.describe() if isinstance(engine, SimEngine) else None
 
 
 def h200_table(dims: ModelDims, weights_bytes: int, max_seq_length: int,

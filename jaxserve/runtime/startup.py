@@ -47,6 +47,10 @@ class Startup:
     def add(self, name: str, seconds: float) -> None:
         self.phases[name] = self.phases.get(name, 0.0) + seconds
 
+    def shown(self) -> dict[str, float]:
+        """The phases as /health and /info show them: seconds to the millisecond."""
+        return {k: round(v, 3) for k, v in self.phases.items()}
+
     def summary(self) -> str:
         return ", ".join(f"{name} {self.phases[name]:.2f} s" for name in PHASES if name in self.phases)
 

@@ -240,7 +240,7 @@ class LinkServer:
 class RemoteBatcher:
     """What the HTTP layer reads of the engine's batcher, from its last status."""
 
-    def __init__(self, link: "EngineLink"):
+    def __init__(self, link: EngineLink):
         self._link = link
 
     @property
@@ -266,7 +266,7 @@ class EngineLink:
         self.batcher = RemoteBatcher(self)
         self.gone: str | None = None  # why the engine is unreachable (None: connected, or not yet tried)
         self._wire: Wire | None = None
-        self._pending: dict[int, tuple[asyncio.Future, Job | None]] = {}
+        self._pending: dict[int, asyncio.Future] = {}  # by request id: what the engine will answer
         self._ids = itertools.count()
         self._draining = False
         self._idle: asyncio.Event | None = None
@@ -327,7 +327,7 @@ class EngineLink:
             raise Draining(f"the engine process is not available ({self.healthy})")
         rid = next(self._ids)
         future = self._loop.create_future()
-        self._pending[rid] = (future, job)
+        self._pending[rid] = future
         self._idle.clear()
         try:
             wire.post({"op": "run", "id": rid, "job": job, "cls": cls, "deadline_s": deadline_s}, job.flat.nbytes)
@@ -353,7 +353,7 @@ class EngineLink:
             raise Draining(f"the engine process is not available ({self.healthy})")
         rid = next(self._ids)
         future = self._loop.create_future()
-        self._pending[rid] = (future, None)
+        self._pending[rid] = future
         try:
             await wire.send({"op": "explain", "id": rid, "rows": rows, "doc": doc, "output": output,
                              "max_wait_s": max_wait_s})
@@ -403,8 +403,7 @@ class EngineLink:
             self.card = message
             if self.on_card is not None:
                 self.on_card(message)
-        elif (entry := self._pending.get(message.get("id"))) is not None and not entry[0].done():
-            future = entry[0]
+        elif (future := self._pending.get(message.get("id"))) is not None and not future.done():
             if op == "done":
                 future.set_result((message["out"], message["kept"], message["timing"]))
             elif op == "explained":
@@ -413,6 +412,6 @@ class EngineLink:
                 future.set_exception(message["error"])
 
     def _fail_all(self, exc: Exception) -> None:
-        for future, _ in list(self._pending.values()):
+        for future in list(self._pending.values()):
             if not future.done():
                 future.set_exception(exc)

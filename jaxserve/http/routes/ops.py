@@ -18,7 +18,7 @@ async def health(request: web.Request) -> web.Response:
         if state.failed:
             return json_response({"status": state.failed}, status=503)
         return json_response({"status": "warming", "doing": state.startup.doing,
-                              "phases": {k: round(v, 3) for k, v in state.startup.phases.items()}}, status=503)
+                              "phases": state.startup.shown()}, status=503)
     if (why := state.service.healthy) is not None:
         return json_response({"status": "unhealthy", "reason": why}, status=503)
     return json_response({"status": "ok"})
@@ -102,7 +102,7 @@ async def info(request: web.Request) -> web.Response:
                        "zeros; use it to measure the host path (capacity planning), never for embeddings.",
             **simulated}
     body["startup"] = {"table": state.startup.source, "doing": state.startup.doing,
-                       "phases": {k: round(v, 3) for k, v in state.startup.phases.items()}}
+                       "phases": state.startup.shown()}
     return json_response(body)
 
 
