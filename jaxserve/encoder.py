@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 from functools import partial
 from pathlib import Path
 
@@ -16,12 +15,19 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.checkpoint import llm_reranker, loader
-from jaxserve.checkpoint.config import EmbeddingConfig, HeadConfig, read_head_config, read_model_config
-from jaxserve.checkpoint.tokenize import Pieces, TextTokenizer, from_sequences
+from jaxserve.checkpoint.config import EmbeddingConfig, read_head_config, read_model_config
+from jaxserve.checkpoint.tokenize import Pieces, TextTokenizer
 from jaxserve.dims import ModelDims
 from jaxserve.errors import CheckpointError, InputError
 from jaxserve.heads import bge_m3, multivector, sparse
-from jaxserve.heads.forwards import classify_forward, embed_forward, tokens_forward
+from jaxserve.heads.forwards import (
+    classify_forward,
+    embed_forward,
+    m3_forward,
+    multivector_forward,
+    sparse_forward,
+    tokens_forward,
+)
 from jaxserve.models import ArchConfig, Family
 from jaxserve.models import attention as attention_kernels
 from jaxserve.models.attention import CHOICES as ATTENTION_CHOICES
@@ -33,6 +39,7 @@ from jaxserve.runtime.engine import Engine
 from jaxserve.scheduling.jobs import Job
 from jaxserve.scheduling.pipeline import run_jobs
 from jaxserve.scheduling.planner import Rows, pack
+from jaxserve.view import Architecture, ModelView, normalize_rows
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -46,28 +53,15 @@ def resolve_dtype(dtype: str) -> str:
     return dtype
 
 
-def normalize_rows(x: np.ndarray) -> np.ndarray:
-    """L2-normalise on the host (a device op would compile once per new shape)."""
-    return x / np.maximum(np.linalg.norm(x, axis=-1, keepdims=True), 1e-12)
-
-
 @dataclasses.dataclass
-class Encoder:
-    path: Path
-    family: Family
-    model_config: ArchConfig
-    embedding_config: EmbeddingConfig
-    tokenizer: TextTokenizer
+class Encoder(ModelView):
+    """A checkpoint loaded for embedding: its host side (`ModelView`: configs, tokenizer, heads) and its device
+    side (the architecture's Flax module, the engine holding the weights and executables)."""
+
     engine: Engine  # weights on device; compiled buckets
-    dtype: str
-    head: HeadConfig = HeadConfig()  # embedding, a classifier's labels, or sparse
-    splade: sparse.SparseConfig | None = None  # a SPLADE checkpoint's pooling (jaxserve.heads.sparse)
-    colbert: multivector.MultiVectorConfig | None = None  # a multi-vector checkpoint's (jaxserve.heads.multivector)
-    last_dispatches: list = dataclasses.field(default_factory=list, repr=False)  # the batches the last `run` ran
-    attention: str = "auto"  # the --attention choice (each bucket's implementation: engine.attention_of)
-    # an LLM reranker's chat template or prompt for (query, document) pairs (jaxserve.checkpoint.llm_reranker)
-    pair_template: llm_reranker.PairTemplate | llm_reranker.Qwen3RerankerPrompt | None = None
-    m3: bge_m3.M3Config | None = None  # a BGE-M3 checkpoint's sparse and multi-vector heads (jaxserve.heads.bge_m3)
+    family: Family = dataclasses.field(kw_only=True)
+    model_config: ArchConfig = dataclasses.field(kw_only=True)
+    last_dispatches: list = dataclasses.field(default_factory=list, repr=False, kw_only=True)  # the last `run`'s batches
 
     @classmethod
     def from_pretrained(
@@ -129,15 +123,15 @@ class Encoder:
         def forward(slots: int, seqlen: int, output: str, implementation: str):
             if output == "tokens" and colbert is not None:
                 impl = multivector.attention_impl(implementation, colbert, seqlen)
-                return partial(multivector.forward, family.encoder(cfg, jdtype, attention=attention_kernels.Kernel(
+                return partial(multivector_forward, family.encoder(cfg, jdtype, attention=attention_kernels.Kernel(
                     impl, slots)), colbert, cfg.vocab_size, slots)
             module = family.encoder(cfg, jdtype, attention=attention_kernels.Kernel(implementation, slots))
             if output == "tokens":
                 if m3 is not None:
-                    return partial(bge_m3.forward, module, m3, slots)
+                    return partial(m3_forward, module, m3, slots)
                 return partial(tokens_forward, module, slots)
             if splade is not None:
-                return partial(sparse.sparse_forward, module, cfg, splade, slots)
+                return partial(sparse_forward, module, cfg, splade, slots)
             if head.kind == "classifier":
                 head_module = family.head(cfg, head.num_labels, jdtype)
                 return partial(classify_forward, module, head_module, family.pooling_for_head(cfg), slots)
@@ -152,31 +146,11 @@ class Encoder:
                         plan=partial(attention_kernels.plan, attention, platform, head_dim=head_dim, dtype=dtype),
                         spill=splade)
         template = llm_reranker.pair_template(path, loader.named(name)) if head.logit_score is not None else None
-        enc = cls(path, family, cfg, emb, tokenizer, engine, dtype, head, splade, colbert, attention=attention,
-                  pair_template=template, m3=m3)
+        enc = cls(path, Architecture.of(family.name, cfg), emb, tokenizer, engine, dtype, head, splade, colbert,
+                  attention=attention, pair_template=template, m3=m3, family=family, model_config=cfg)
         if buckets is not None:
             enc.warmup(buckets if isinstance(buckets, BucketTable) else BucketTable.load(buckets))
         return enc
-
-    @property
-    def dim(self) -> int:
-        """Width of an embedding: the hidden size, times the pooling modes, or the last Dense layer's."""
-        return self.embedding_config.out_dim(self.model_config.hidden_size)
-
-    @property
-    def out_dim(self) -> int:
-        """Width of one sequence's output: the embedding, or the classifier's logits."""
-        if self.splade is not None:
-            return self.splade.out_dim
-        return self.head.num_labels if self.head.kind == "classifier" else self.dim
-
-    @property
-    def token_dim(self) -> int:
-        """Width of one token's output: the hidden size (/embed_all), a multi-vector model's projection, or a
-        BGE-M3 model's three outputs in one row (`bge_m3.M3Config.width`)."""
-        if self.m3 is not None:
-            return self.m3.width
-        return self.colbert.dim if self.colbert is not None else self.model_config.hidden_size
 
     @property
     def module(self):
@@ -270,14 +244,6 @@ class Encoder:
         self.fit_to(started)
         return started
 
-    def fit_to(self, table: BucketTable) -> None:
-        """Sequences no longer than the table's longest seqlen: a table derived at fewer seqlens than the model
-        takes (`--seqlens 32,128` for a model of 256) makes its largest seqlen the limit that inputs are
-        truncated to (or refused at, `long="error"`), where they would otherwise fit no bucket."""
-        if table.max_seqlen < self.tokenizer.max_length:
-            self.tokenizer = dataclasses.replace(self.tokenizer, max_length=table.max_seqlen)
-            self.embedding_config = dataclasses.replace(self.embedding_config, max_seq_length=table.max_seqlen)
-
     def warm_table(self) -> BucketTable:
         """The table batches run at: the warm one, or (first use) one derived for this device and warmed now."""
         if self.engine.table is None:
@@ -368,17 +334,6 @@ class Encoder:
         pieces, rows = self.prepare(texts, long, self.embedding_config.prompt(prompt_name, prompt))
         return sparse.decode(self.run(pieces, rows), self.splade)
 
-    def multivector_pieces(self, texts: list[str], kind: str, long: str = "truncate",
-                           prompt: str | None = None) -> Pieces:
-        """Texts as a multi-vector model's `kind` (query or document) sequences (no device work)."""
-        self._require("multivector")
-        return multivector.pieces(self.colbert, self._kind_tokenizers, list(texts), kind, prompt, long,
-                                  self.model_config.vocab_size)
-
-    @functools.cached_property
-    def _kind_tokenizers(self) -> dict:
-        return multivector.tokenizers(self.colbert, self.tokenizer)
-
     def embed_multivector(self, texts: list[str], kind: str = "document", long: str = "truncate",
                           prompt: str | None = None) -> list[np.ndarray]:
         """Texts -> per text its [tokens, dim] float32 token vectors, as MultiVectorEncoder's `encode_query`
@@ -433,26 +388,3 @@ class Encoder:
         a Qwen3-Reranker's prompt (default its model card's); a model without that slot refuses one."""
         self._require("classifier")
         return self.run(self.prepare_pairs([(query, t) for t in texts], truncate, instruction=instruction))[:, 0]
-
-    def prepare_pairs(self, inputs: list, truncate: bool, direction: str = "right",
-                      instruction: str | None = None) -> Pieces:
-        """Texts (one sequence each) or pairs ([CLS] a [SEP] b [SEP]), mixed, as model sequences; an LLM
-        reranker with a chat template or a model card's prompt: each pair rendered through it, with `instruction`
-        in the prompt's slot (`llm_reranker.with_instruction`)."""
-        template = llm_reranker.with_instruction(self.pair_template, instruction)
-        if template is None:
-            return self.tokenizer.pairs(inputs, truncate, direction)
-        return self._templated_pairs(template, inputs, truncate, direction)
-
-    def _templated_pairs(self, template, inputs: list, truncate: bool, direction: str) -> Pieces:
-        """Pairs through the LLM reranker's template (`llm_reranker`), one sequence each."""
-        if any(isinstance(x, str) for x in inputs):
-            raise InputError("an LLM reranker scores (query, document) pairs, not single texts")
-        seqs = template.sequences(self.tokenizer, [tuple(x) for x in inputs], truncate, direction)
-        return from_sequences(seqs, np.arange(len(seqs)), np.ones(len(seqs)))
-
-    def _require(self, kind: str) -> None:
-        if self.head.kind != kind:
-            raise InputError(f"{self.path.name} is a{'n' if self.head.kind == 'embedding' else ''} {self.head.kind} "
-                             f"model; this needs a{'n' if kind == 'embedding' else ''} {kind} model")
-

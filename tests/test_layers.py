@@ -21,6 +21,7 @@ LAYERS = (
     ("heads", ("jaxserve.heads",)),
     ("runtime", ("jaxserve.runtime",)),
     ("scheduling", ("jaxserve.scheduling",)),
+    ("view", ("jaxserve.view",)),
     ("encoder", ("jaxserve.encoder",)),
     ("offline", ("jaxserve.offline",)),
     ("http", ("jaxserve.http",)),

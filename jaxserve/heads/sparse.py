@@ -18,6 +18,9 @@ Two things keep it cheap on a device:
   spill, `runtime.engine.Spill`) into its job (`SparseRows`). A model's output
   is never refused; the cost of a dense row falls on the batches that have one
   (docs/models.md).
+
+The device side (the projection in blocks, `compact`, `sparse_forward`) is in `jaxserve.heads.forwards`; this
+module is the host's: the config, the head's weights, decoding what the device shipped.
 """
 
 from __future__ import annotations
@@ -27,14 +30,10 @@ import itertools
 import os
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import orjson
 
 from jaxserve.errors import CheckpointError
-from jaxserve.heads.pooling import HIGHEST
-from jaxserve.models import layers
 
 BLOCK = 4096  # vocabulary entries projected at a time
 CAP_ENV = "JAXSERVE_SPARSE_CAP"  # non-zeros shipped compact per sequence (more: its full row, from the spill)
@@ -123,88 +122,6 @@ def load_head(path: Path, family: str, cfg, dtype) -> dict:
             head.get("decoder", np.zeros((v, d))).shape != (v, d):
         raise CheckpointError(f"{path}: the masked-LM head's shapes do not fit hidden_size {d}, vocab_size {v}")
     return head
-
-
-def transform(cfg, head: dict, hidden_bsd: jax.Array) -> jax.Array:
-    """The MLM head before its vocabulary projection: dense, activation, LayerNorm -> [B, S, D] float32 (its dot at
-    HIGHEST precision, as pooling's)."""
-    kernel = head["transform"]["kernel"].astype(jnp.float32)
-    x = jnp.einsum("bsd,de->bse", hidden_bsd.astype(jnp.float32), kernel, precision=HIGHEST) + head["transform"]["bias"]
-    act = "gelu" if cfg.model_type in ("roberta", "xlm-roberta", "camembert") else cfg.hidden_act
-    x = layers.ACTIVATIONS[act](x)
-    mu = x.mean(-1, keepdims=True)
-    var = ((x - mu) ** 2).mean(-1, keepdims=True)
-    x = (x - mu) / jnp.sqrt(var + cfg.layer_norm_eps)
-    return x * head["ln"]["scale"].astype(jnp.float32) + head["ln"]["bias"].astype(jnp.float32)
-
-
-def _activate(sparse: SparseConfig, x):
-    y = jnp.log1p(jax.nn.relu(x))
-    return jnp.log1p(y) if sparse.activation == "log1p_relu" else y
-
-
-def pooled_weights(sparse: SparseConfig, t_bsd, decoder_vd, bias_v, member_bsk) -> jax.Array:
-    """[B, S, D] head states -> [B, K, V] float32 SPLADE weights per sequence, `sparse.block` vocabulary entries at
-    a time.
-
-    max: the activation is monotone, so the max of the activated logits is the activated max of the logits
-    (exact); padding and other sequences' tokens count as logit 0, as sentence-transformers masks them."""
-    v = decoder_vd.shape[0]
-    # a float32 model's projection at HIGHEST, as pooling's; a bfloat16 model's (a fifth of a SPLADE's FLOPs) at the
-    # device's default, TF32 on a GPU: still finer than its bfloat16 weights, and several times faster than HIGHEST
-    precision = HIGHEST if decoder_vd.dtype == jnp.float32 else None
-    block = min(sparse.block, v)
-    nb = -(-v // block)
-    pad = nb * block - v
-    dec = jnp.pad(decoder_vd.astype(jnp.float32), ((0, pad), (0, 0))).reshape(nb, block, -1)  # [NB, VB, D]
-    bias = jnp.pad(bias_v.astype(jnp.float32), (0, pad)).reshape(nb, block)  # [NB, VB]
-    k = member_bsk.shape[-1]
-
-    def one(args):
-        dec_b, bias_b = args
-        logits = jnp.einsum("bsd,vd->bsv", t_bsd, dec_b, precision=precision) + bias_b  # [B, S, VB]
-        if sparse.strategy == "sum":
-            return jnp.einsum("bsk,bsv->bkv", member_bsk, _activate(sparse, logits),
-                              precision=HIGHEST)  # [B, K, VB]
-        slot_max = [jnp.where(member_bsk[:, :, j : j + 1] > 0, logits, 0.0).max(axis=1) for j in range(k)]
-        return _activate(sparse, jnp.stack(slot_max, axis=1))  # [B, K, VB]
-
-    blocks = jax.lax.map(one, (dec, bias))  # [NB, B, K, VB]
-    b = t_bsd.shape[0]
-    return jnp.moveaxis(blocks, 0, 2).reshape(b, k, nb * block)[..., :v]  # [B, K, V]
-
-
-def compact(weights_bkv: jax.Array, cap: int) -> jax.Array:
-    """[B, K, V] -> [B, K, 1 + 2 cap]: the non-zero count, then up to `cap` values and their indices, in index order."""
-    b, k, v = weights_bkv.shape
-    nonzero = weights_bkv > 0
-    count = nonzero.sum(-1)  # [B, K]
-    place = jnp.where(nonzero, jnp.cumsum(nonzero, -1) - 1, cap)  # [B, K, V] each non-zero's slot, cap: dropped
-    place = jnp.minimum(place, cap)
-    rows = jnp.arange(b)[:, None, None]
-    slots = jnp.arange(k)[None, :, None]
-    values = jnp.zeros((b, k, cap + 1), jnp.float32).at[rows, slots, place].set(weights_bkv)
-    index = jnp.broadcast_to(jnp.arange(v, dtype=jnp.float32), (b, k, v))  # exact below 2**24
-    indices = jnp.zeros((b, k, cap + 1), jnp.float32).at[rows, slots, place].set(index)
-    return jnp.concatenate([count[..., None].astype(jnp.float32), values[..., :cap], indices[..., :cap]], -1)
-
-
-def sparse_forward(module, cfg, sparse: SparseConfig, num_segments: int, params,
-                   batch: dict) -> tuple[jax.Array, jax.Array]:
-    """Pure forward: packed rows -> ([B, K, 1 + 2 cap] compacted SPLADE weights of each sequence, the [B, K, V]
-    weights themselves): the engine ships the first and keeps the second on the device as the spill
-    (`Engine.launch`), read only for a batch with a sequence over the cap."""
-    from jaxserve.heads.pooling import segment_onehot
-
-    head = params["mlm"]
-    hidden = module.apply(
-        {"params": {k: v for k, v in params.items() if k != "mlm"}}, batch["token_ids"], batch["segment_ids"],
-        batch["positions"], batch["type_ids"], packed=num_segments > 1,
-    )  # [B, S, D]
-    decoder = head["decoder"] if "decoder" in head else params["embeddings"]["word"]["embedding"]  # [V, D]
-    member = segment_onehot(batch["segment_ids"], num_segments)  # [B, S, K]
-    weights = pooled_weights(sparse, transform(cfg, head, hidden), decoder, head["bias"], member)
-    return compact(weights, sparse.cap), weights
 
 
 @dataclasses.dataclass

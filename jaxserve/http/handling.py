@@ -18,7 +18,6 @@ import orjson
 from aiohttp import web
 
 from jaxserve.checkpoint.tokenize import openai_token_texts
-from jaxserve.encoder import normalize_rows
 from jaxserve.errors import InputError, TokenizerError
 from jaxserve.http import api
 from jaxserve.http.api import ApiError, EmbedRequest
@@ -40,6 +39,7 @@ from jaxserve.scheduling.batcher import CLASSES, QueueFull, TooLarge
 from jaxserve.scheduling.jobs import Job
 from jaxserve.scheduling.pipeline import BatchError, Draining
 from jaxserve.scheduling.planner import pack
+from jaxserve.view import normalize_rows
 
 
 def json_response(body, status: int = 200, headers=None) -> web.Response:
@@ -268,7 +268,7 @@ def embedding_pieces(state: AppState, req: EmbedRequest, openai_ids: bool = Fals
     if token_ids is not None and openai_ids and state.config.token_ids == "openai":
         texts, token_ids = openai_token_texts(token_ids, req.model), None
     if token_ids is not None:
-        vocab = enc.model_config.vocab_size
+        vocab = enc.arch.vocab_size
         for i, ids in enumerate(token_ids):
             if ids.max() >= vocab:
                 raise InputError(f"input {i} has token id {int(ids.max())}, outside the vocabulary of {vocab}")

@@ -10,14 +10,12 @@ threads) -> scatter -> combine + encode the response (a thread); see
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import hmac
 import logging
 import time
 
 from aiohttp import web
 
-from jaxserve.encoder import Encoder
 from jaxserve.errors import InputError
 from jaxserve.http.api import ApiError
 from jaxserve.http.handling import json_response
@@ -42,65 +40,13 @@ from jaxserve.http.state import (  # noqa: F401
     AppState,
     ServerConfig,
 )
-from jaxserve.runtime import compiles, device, startup
-from jaxserve.runtime.buckets import BucketTable
-from jaxserve.scheduling.pipeline import Pipeline, server_classes
+from jaxserve.runtime import compiles, startup
+from jaxserve.view import ModelView
 
 log = logging.getLogger("jaxserve.http.server")
 
 
 # ---- start-up: load, warm, then serve ----
-
-def load_encoder(config: ServerConfig) -> Encoder:
-    """The checkpoint, on its device; with `config.simulate`, on a simulated device instead (capacity planning:
-    the real host path, no model run, zeros out)."""
-    enc = Encoder.from_pretrained(config.model, dtype=config.dtype, devices=config.devices,
-                                  attention=config.attention, task=config.task)
-    if config.simulate is not None:
-        from jaxserve.runtime.simulated import simulated_engine
-
-        log.warning("SIMULATED DEVICE: no model runs; every output is zeros (--simulate-device, capacity planning)")
-        engine = simulated_engine(enc.engine, enc.model_config, enc.embedding_config.max_seq_length, enc.out_dim,
-                                  config.simulate)
-        enc = dataclasses.replace(enc, engine=engine)
-    return enc
-
-
-def check_prompt(config: ServerConfig, encoder: Encoder) -> None:
-    """A --default-prompt-name must be one of the model's prompts (InputError naming them)."""
-    if config.default_prompt_name is not None:
-        encoder.embedding_config.prompt(config.default_prompt_name)
-
-
-def start_engine(cfg: ServerConfig, enc: Encoder, started: startup.Startup) -> BucketTable:
-    """Ready the engine (blocking; runs in a thread while /health says 503): from the warm artifact when one
-    matches, else compiled and timed, then saved. An encoder the caller warmed (tests, scripts, a simulated
-    device) is used as is."""
-    check_prompt(cfg, enc)
-    # token outputs: /embed_all's, a multi-vector model's, BGE-M3's (/embed_m3 and its sparse weights); a simulated
-    # device has pooled outputs only
-    tokens = ((cfg.embed_all and enc.head.kind == "embedding") or enc.head.kind == "multivector"
-              or enc.m3 is not None) and cfg.simulate is None
-    if enc.engine.table is not None and cfg.buckets == "auto":
-        started.source = {"source": "given"}
-        if tokens and "tokens" not in enc.engine.tables:
-            enc.warmup_tokens(progress=True)
-        enc.fit_to(enc.engine.table)
-        return enc.engine.table
-    spec = BucketTable.load(cfg.buckets) if cfg.buckets != "auto" else cfg.table_options
-    cache = startup.cache_root(cfg.cache_dir) if cfg.use_cache else None
-    table = startup.start(enc, spec, tokens, cache, started, progress=True, keep=cfg.keep_artifacts)
-    enc.fit_to(table)
-    log.info("start-up: %s; table %s", started.summary(), started.source.get("source"))
-    return table
-
-
-def make_pipeline(cfg: ServerConfig, enc: Encoder, table: BucketTable, metrics) -> Pipeline:
-    return Pipeline(enc.engine, table, cfg.max_wait_ms / 1000, cfg.max_queue_tokens, metrics,
-                    max_inflight=cfg.max_inflight,
-                    streams=cfg.streams or (1 if cfg.simulate is not None else device.streams()),
-                    classes=server_classes(cfg.bulk_dispatch_ms / 1000))
-
 
 async def lifecycle(app: web.Application):
     state = app[STATE]
@@ -108,6 +54,10 @@ async def lifecycle(app: web.Application):
     loop = asyncio.get_running_loop()
 
     async def start():
+        # here, not at the top: they import JAX, which a front-end process (`link`, below) never does
+        from jaxserve.http.loading import load_encoder, make_pipeline, start_engine
+        from jaxserve.runtime import device
+
         try:
             if state.encoder is None:
                 state.encoder = await loop.run_in_executor(None, load_encoder, cfg)
@@ -250,7 +200,7 @@ def _error(err: ApiError, path: str) -> web.Response:
     return response
 
 
-def create_app(config: ServerConfig, encoder: Encoder | None = None,
+def create_app(config: ServerConfig, encoder: ModelView | None = None,
                started: startup.Startup | None = None, link=None) -> web.Application:
     """The aiohttp application. With `encoder` given (already loaded, maybe warmed), it is used as is;
     `started` carries the phases timed before the app existed (import, weights). With `link` (a front-end
@@ -285,13 +235,15 @@ def access_logger(config: ServerConfig):
 
 def serve(config: ServerConfig, host: str, port: int) -> None:
     """Load the model (errors end the process at once), then serve; warmup runs while /health says 503."""
+    from jaxserve.http.loading import check_prompt, load_encoder  # JAX: only a process that runs the model
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     started = startup.Startup()
     started.add("import", startup.since_process_start())
     with started.phase("weights", "loading weights"):
         encoder = load_encoder(config)
     check_prompt(config, encoder)
-    log.info("loaded %s (%s, dim %d) in %s; warming up", encoder.path, encoder.model_config.model_type, encoder.dim,
+    log.info("loaded %s (%s, dim %d) in %s; warming up", encoder.path, encoder.arch.model_type, encoder.dim,
              started.summary())
     web.run_app(create_app(config, encoder, started), host=host, port=port, handler_cancellation=True,
                 access_log=access_logger(config), loop=new_loop(),

@@ -13,7 +13,6 @@ import time
 from aiohttp import web
 
 from jaxserve.checkpoint import loader
-from jaxserve.encoder import Encoder
 from jaxserve.http.api import ApiError, Limits
 from jaxserve.http.budget import ByteBudget
 from jaxserve.http.classes import INTERACTIVE_MAX_SEQUENCES, INTERACTIVE_MAX_TOKENS, Policy
@@ -21,10 +20,10 @@ from jaxserve.http.metrics import ServerMetrics
 from jaxserve.runtime import artifact, host
 from jaxserve.runtime.buckets import BucketTable
 from jaxserve.runtime.derivation import TableOptions
-from jaxserve.runtime.simulated import described
 from jaxserve.runtime.startup import Startup
 from jaxserve.scheduling.batcher import CLASSES
 from jaxserve.scheduling.pipeline import BULK_DISPATCH_MS, MAX_INFLIGHT, Pipeline
+from jaxserve.view import ModelView
 
 # Limits, each with its reason.
 MAX_BODY_BYTES = 16 * 2**20  # 1024 inputs of ~16 k characters; larger bodies are refused before parsing (413)
@@ -131,7 +130,7 @@ class ServerConfig:
 class AppState:
     """Everything the handlers share; `ready` once the buckets are warm."""
 
-    def __init__(self, config: ServerConfig, encoder: Encoder | None, started: Startup | None = None, link=None):
+    def __init__(self, config: ServerConfig, encoder: ModelView | None, started: Startup | None = None, link=None):
         self.config = config
         self.encoder = encoder
         self.startup = started or Startup()
@@ -192,6 +191,8 @@ class AppState:
         """A simulated device's description and its clock (busy seconds, steps); None for a real device."""
         if self.link is not None:
             return self.link.status.get("simulated")
+        from jaxserve.runtime.simulated import described  # JAX: a process with the engine has it loaded already
+
         return described(getattr(self.encoder, "engine", None))
 
     @property

@@ -86,8 +86,9 @@ def engine_main(config, path: str, run_dir: str, parent: int) -> None:
 
 
 async def _engine(config, path: str, run_dir: str) -> None:
+    from jaxserve.http.loading import load_encoder, make_pipeline, start_engine
     from jaxserve.http.metrics import ServerMetrics
-    from jaxserve.http.server import DRAIN_TIMEOUT_S, load_encoder, make_pipeline, start_engine
+    from jaxserve.http.server import DRAIN_TIMEOUT_S
     from jaxserve.runtime import device, startup
     from jaxserve.runtime.simulated import described
     from jaxserve.scheduling.link import LinkServer
@@ -121,7 +122,7 @@ async def _engine(config, path: str, run_dir: str) -> None:
         started.doing = "ready"
         metrics.startup(started.phases)
         held["engine"] = enc.engine
-        view = dataclasses.replace(enc, engine=EngineView(dict(enc.engine.tables), table))
+        view = enc.view(EngineView(dict(enc.engine.tables), table))
         card = {"encoder": view, "table": table, "device": device.info_of(table), "source": started.source,
                 "phases": started.shown()}
         held["pipeline"] = pipeline

@@ -27,7 +27,8 @@ from ray import serve
 from starlette.requests import Request
 from starlette.responses import Response
 
-from jaxserve.http.server import ServerConfig, create_app, load_encoder
+from jaxserve.http.loading import load_encoder
+from jaxserve.http.server import ServerConfig, create_app
 from jaxserve.integrations.launch import wait_ready
 
 log = logging.getLogger("jaxserve.integrations.ray_serve")

@@ -45,12 +45,9 @@ import struct
 import tempfile
 from pathlib import Path
 
-import jax
-
 from jaxserve.runtime import host
 from jaxserve.runtime.buckets import BucketTable
 from jaxserve.runtime.derivation import TableOptions
-from jaxserve.runtime.engine import Attention
 
 FORMAT = 4  # 2: attention per executable; 3: pooled outputs in slot chunks; 4: the JSON header before the payload
 MAGIC = b"JAXSERVE-WARM\n"
@@ -119,6 +116,7 @@ def jax_flags() -> dict[str, str]:
     """The JAX flags that change a traced program or its compile: those JAX's own trace cache is keyed by (its
     trace context, whatever this jax version holds there) and those its compile options read. Set from
     `JAX_*` environment variables or `jax.config.update`, they are read here as they are now."""
+    import jax
     from jax._src import config
 
     names = set(COMPILE_FLAGS) | set(getattr(config, "trace_context_names", tuple)())
@@ -127,6 +125,7 @@ def jax_flags() -> dict[str, str]:
 
 def key_fields(encoder, spec: BucketTable | TableOptions, outputs: tuple[str, ...]) -> dict:
     """Everything that changes the executables or the table, as a JSON-able dict."""
+    import jax  # here, not at the top: a front-end process reads this module's names without JAX
     import jaxlib
 
     devices = encoder.engine.device_list
@@ -382,6 +381,8 @@ def install(engine, path: Path, header: dict, payload: dict, outputs: tuple[str,
     """Deserialize a read artifact's executables (in parallel) and serve its tables on `engine`: all of them, or
     (`Skipped`) none, so a failed load leaves the engine as it was and a cold start compiles every bucket."""
     from jax.experimental import serialize_executable
+
+    from jaxserve.runtime.engine import Attention
 
     devices = engine.device_list
     attention = payload.get("attention", {})

@@ -32,6 +32,10 @@ INPUT_NAMES = ("token_ids", "segment_ids", "positions", "type_ids")  # the rows 
 BATCH_LADDER_STEP = 4  # smaller batches per seqlen: max, then 1, 4, 16, ...
 
 
+class ShapeError(ValueError):
+    """A batch whose shape is not one of the table's buckets."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Bucket:
     batch: int  # rows per dispatch

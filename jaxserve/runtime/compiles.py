@@ -3,13 +3,14 @@
 `xla_compiles_total()` counts executables built since process start (served as
 `jaxserve_xla_compiles_total`), persistent-cache hits included: a hit is still
 a new executable and still costs time. After warmup it must not move.
+
+Importing this module imports no JAX (a front-end process reads the count, 0); the engine installs the
+listeners when it is imported, before anything compiles.
 """
 
 from __future__ import annotations
 
 import threading
-
-import jax
 
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 _CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
@@ -36,6 +37,8 @@ def _on_event(event: str, **_) -> None:
 def install() -> None:
     """Start counting (idempotent); called on import of the engine."""
     global _installed
+    import jax
+
     with _lock:
         if not _installed:
             jax.monitoring.register_event_duration_secs_listener(_on_duration)
@@ -51,5 +54,3 @@ def cache_hits_total() -> int:
     """Of those, how many came from the persistent cache."""
     return _cache_hits
 
-
-install()

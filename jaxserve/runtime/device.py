@@ -1,4 +1,7 @@
-"""What the device offers: its memory limit and the batch rounding that suits it."""
+"""What the device offers: its memory limit and the batch rounding that suits it.
+
+The caps and the budget rule are read by processes that never import JAX (a front-end of `--workers N`, the
+simulated device's table): JAX is imported by the first question put to the device (`_devices`)."""
 
 from __future__ import annotations
 
@@ -7,7 +10,6 @@ import functools
 import logging
 from pathlib import Path
 
-import jax
 import psutil
 
 log = logging.getLogger("jaxserve")
@@ -38,7 +40,7 @@ class DeviceInfo:
 def describe(memory_override: int | None = None) -> DeviceInfo:
     """This device, its memory the live pool's (`pool_bytes`) or `memory_override` (a warning if that is larger:
     a table derived for it will not fit here)."""
-    dev = jax.devices()[0]
+    dev = _devices()[0]
     platform = dev.platform
     live = _memory_limit(dev)
     if memory_override and memory_override > live:
@@ -48,12 +50,19 @@ def describe(memory_override: int | None = None) -> DeviceInfo:
     if platform == "cpu":
         # On CPU, big dispatches gain nothing over medium ones once both cores are
         # busy, and cost latency: cap the tokens per dispatch.
-        return DeviceInfo(platform, "cpu", len(jax.devices()), memory, batch_multiple=1, max_batch_tokens=4096,
+        return DeviceInfo(platform, "cpu", len(_devices()), memory, batch_multiple=1, max_batch_tokens=4096,
                           max_batch=256)
     # An accelerator: memory and the token cap bound each seqlen's batch, and the measured
     # throughput knee (jaxserve.runtime.derivation) picks where the ladder stops.
-    return DeviceInfo(platform, dev.device_kind, len(jax.devices()), memory, batch_multiple=8,
+    return DeviceInfo(platform, dev.device_kind, len(_devices()), memory, batch_multiple=8,
                       max_batch_tokens=ACCELERATOR_MAX_BATCH_TOKENS, max_batch=UNCAPPED)
+
+
+
+def _devices() -> list:
+    import jax
+
+    return jax.devices()
 
 
 def budget_bytes(memory_bytes: int, headroom: float | None = None) -> int:
@@ -69,12 +78,12 @@ def streams() -> int:
     On a CPU two: batches launched from one thread run one after another there, and
     XLA's single-threaded fusions leave a core idle that a second batch fills. On an
     accelerator one thread launches for the device, which runs batches in order."""
-    return 2 if jax.devices()[0].platform == "cpu" else 1
+    return 2 if _devices()[0].platform == "cpu" else 1
 
 
 def info_of(table) -> dict:
     """The device a server runs on, for /info: its platform, what the table was derived for, how many."""
-    return {"platform": jax.devices()[0].platform, "kind": table.device, "count": len(jax.devices()),
+    return {"platform": _devices()[0].platform, "kind": table.device, "count": len(_devices()),
             "memory_bytes": table.device_memory}
 
 
@@ -87,7 +96,7 @@ POOL_RULE = {
 def pool_bytes() -> int:
     """The memory the first device's buffers may take now: on an accelerator XLA's pool (`bytes_limit`), on a
     CPU a share of the host's available RAM (`POOL_RULE`)."""
-    return _memory_limit(jax.devices()[0])
+    return _memory_limit(_devices()[0])
 
 
 def _memory_limit(dev) -> int:

@@ -29,12 +29,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxserve.models import attention
 from jaxserve.models.attention import Plan, xla_impl
-from jaxserve.runtime import (
-    compiles,  # noqa: F401  (installs the compile counter)
-    output_chunks,
-)
-from jaxserve.runtime.buckets import INPUT_NAMES, Bucket, BucketTable
+from jaxserve.runtime import compiles, output_chunks
+from jaxserve.runtime.buckets import INPUT_NAMES, Bucket, BucketTable, ShapeError
 
+compiles.install()  # every compile from here on is counted (`jaxserve_xla_compiles_total`)
 log = logging.getLogger("jaxserve.runtime.engine")
 
 Forward = Callable[[dict, dict], jax.Array]  # (params, {name: [B, S] int32}) -> [B, K, D] (or with a spill)
@@ -60,10 +58,6 @@ class Attention(NamedTuple):
 def xla_plan(seqlen: int) -> Plan:
     """The default candidates: XLA's attention (dense or blockwise by seqlen), no fallback."""
     return Plan((xla_impl(seqlen),))
-
-
-class ShapeError(ValueError):
-    """A batch whose shape is not one of the table's buckets."""
 
 
 def batch_struct(batch: int, seqlen: int) -> jax.ShapeDtypeStruct:

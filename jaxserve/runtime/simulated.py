@@ -32,14 +32,12 @@ import time
 from collections.abc import Callable
 from typing import NamedTuple
 
-import jax
 import numpy as np
 
 from jaxserve.dims import ModelDims
 from jaxserve.runtime import derivation, output_chunks
-from jaxserve.runtime.buckets import Bucket, BucketTable, ladder
+from jaxserve.runtime.buckets import Bucket, BucketTable, ShapeError, ladder
 from jaxserve.runtime.device import ACCELERATOR_MAX_BATCH_TOKENS, UNCAPPED, budget_bytes
-from jaxserve.runtime.engine import ShapeError
 
 DEVICE = "simulated H200"
 DEVICE_MEMORY = int(141e9)  # an H200's HBM
@@ -226,6 +224,8 @@ def simulated_engine(real_engine, model_config, max_seq_length: int, out_dim: in
     checkpoint (`model_config`, at the real weights' bytes per parameter) or of a model of `spec.sizes` (its
     weights estimated, `sized_weights_bytes`, at the checkpoint's vocabulary), its buckets timed by the
     simulated step. `out_dim`: the width of one pooled output."""
+    import jax  # the real engine's params (a process with an engine has JAX loaded)
+
     leaves = jax.tree.leaves(real_engine.params)
     dtype_bytes = max(1, round(real_engine.weights_bytes / max(1, sum(int(x.size) for x in leaves))))
     if spec.sizes is None:

@@ -36,15 +36,18 @@ import math
 import queue
 import threading
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from jaxserve.runtime.buckets import BucketTable
-from jaxserve.runtime.engine import Engine
 from jaxserve.scheduling.batcher import BULK, CLASSES, Batcher, Classes, Dispatch, queue_tokens
 from jaxserve.scheduling.explain import LiveTimings, explain
 from jaxserve.scheduling.jobs import Job, assemble, keep, most_per_row, scatter
 from jaxserve.scheduling.prepared import PreparedQueue, room
+
+if TYPE_CHECKING:  # the engine imports JAX; a front-end process reads this module's names without it
+    from jaxserve.runtime.engine import Engine
 
 log = logging.getLogger("jaxserve.scheduling.pipeline")
 

@@ -16,13 +16,13 @@ from __future__ import annotations
 import orjson
 from aiohttp import web
 
-from jaxserve.encoder import normalize_rows
 from jaxserve.heads import bge_m3
 from jaxserve.http import api
 from jaxserve.http.api import ApiError
 from jaxserve.http.classes import NO_ASK, Ask
 from jaxserve.http.handling import Ran, bytes_response, embedding_pieces, parsed, respond, run_request
 from jaxserve.http.state import AppState
+from jaxserve.view import normalize_rows
 
 FLAGS = ("return_dense", "return_sparse", "return_colbert_vecs")  # FlagEmbedding's, in bge_m3.OUTPUTS' order
 
@@ -47,7 +47,7 @@ def parse(body, state: AppState, route: str) -> tuple[api.EmbedRequest, tuple[st
 
 
 async def run(state: AppState, req: api.EmbedRequest, ask: Ask) -> Ran:
-    """The request's inputs through the batcher for their token outputs (`bge_m3.forward`'s rows)."""
+    """The request's inputs through the batcher for their token outputs (`forwards.m3_forward`'s rows)."""
     return await run_request(state, lambda: embedding_pieces(state, req), output="tokens", ask=ask, inputs=req.count)
 
 

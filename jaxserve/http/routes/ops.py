@@ -59,10 +59,10 @@ async def info(request: web.Request) -> web.Response:
         },
     }
     if enc is not None:
-        c, e = enc.model_config, enc.embedding_config
+        c, e = enc.arch, enc.embedding_config
         body.update({
             "model_type": tei_model_type(enc), "model_dtype": enc.dtype, "max_input_length": e.max_seq_length,
-            "architecture": c.model_type, "family": enc.family.name, "dimensions": enc.dim,
+            "architecture": c.model_type, "family": c.family, "dimensions": enc.dim,
             "pooling": e.pooling, "normalize": e.normalize,
             "dense_layers": [{"in": d.in_features, "out": d.out_features, "activation": d.activation} for d in e.dense],
             "prompts": dict(e.prompts), "default_prompt_name": cfg.default_prompt_name or e.default_prompt_name,

@@ -201,7 +201,7 @@ async def _tokenize(state: AppState, body) -> web.Response:
 
 
 async def _decode(state: AppState, body) -> web.Response:
-    ids, skip_special = api.parse_decode(body, state.limits, state.encoder.model_config.vocab_size)
+    ids, skip_special = api.parse_decode(body, state.limits, state.encoder.arch.vocab_size)
     tok = state.encoder.tokenizer.tokenizer
     decode = lambda: tok.decode_batch(ids, skip_special_tokens=skip_special)
     return bytes_response(await on_tokenizer(state, lambda: orjson.dumps(tokenized(decode))))
