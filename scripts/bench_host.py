@@ -211,6 +211,19 @@ def process_kinds(processes: dict) -> tuple[dict[str, list[int]], bool]:
     return kinds, True
 
 
+def resident_mb(kinds: dict[str, list[int]]) -> dict[str, float]:
+    """Each process kind's largest resident memory now, in MB (a front-end's is what each more one costs)."""
+    import psutil
+
+    def rss(pid: int) -> float:
+        try:
+            return psutil.Process(pid).memory_info().rss / 2**20
+        except psutil.NoSuchProcess:
+            return 0.0
+
+    return {kind: max(rss(p) for p in ps) for kind, ps in kinds.items() if ps}
+
+
 def cpu_seconds(pids: list[int]) -> dict[int, float | None]:
     """CPU time (user + system, all threads) each process has used so far (None: it is gone)."""
     import psutil
@@ -277,7 +290,7 @@ def run_level(url: str, processes: dict, bodies: list[bytes], docs: int, concurr
             "device_ms_per_request": None if device_s is None else 1e3 * device_s / max(n, 1),
             "clock_busy": None if clock_s is None else clock_s / window,
             "clock_ms_per_request": None if clock_s is None else 1e3 * clock_s / max(n, 1),
-            "split": split, "cpu_ms_per_request": per_kind, "processes_gone": gone,
+            "split": split, "cpu_ms_per_request": per_kind, "processes_gone": gone, "rss_mb": resident_mb(kinds),
             "client_cpu_ms_per_request": 1e3 * load.client_cpu_s / max(n, 1),
             "phase_ms_per_request": {k: 1e3 * (v - before["phases"].get(k, 0.0)) / max(n, 1)
                                      for k, v in phases.items()}}
@@ -458,7 +471,8 @@ def level_line(r: dict) -> str:
     return (f"{r['docs']:>4} docs x {r['concurrency']:>3} conns: {r['requests']} requests, {r['errors']} errors, "
             f"{r['docs_per_s']:,.0f} docs/s, {r['tokens_per_s']:,.0f} tokens/s, p50 {r['p50_ms'] or 0:.1f} ms, "
             f"p99 {r['p99_ms'] or 0:.1f} ms, device busy {busy}; server CPU {cpu['total']:.3f} ms/request "
-            f"({cpu['total'] / r['floor_ms']:.1f}x the floor; {kinds}); client {r['client_cpu_ms_per_request']:.3f}"
+            f"({cpu['total'] / r['floor_ms']:.1f}x the floor; {kinds}); client {r['client_cpu_ms_per_request']:.3f}; "
+            + "resident " + ", ".join(f"{k} {v:.0f} MB" for k, v in r.get("rss_mb", {}).items())
             + (f"; processes gone: {r['processes_gone']}" if r["processes_gone"] else ""))
 
 

@@ -211,7 +211,8 @@ class Supervisor:
         self._write_processes()
 
     def start_frontend(self, i: int) -> None:
-        # JAX_PLATFORMS=cpu: a front-end never touches the accelerator, even if something asked JAX for a device;
+        # JAX_PLATFORMS=cpu: a front-end imports no JAX (it holds the engine's ModelView); were anything to, it
+        # would still not touch the accelerator;
         # RAYON_NUM_THREADS: the tokenizer's own threads, a share of the cores (not every core in every front-end)
         from jaxserve.runtime import host
 

@@ -1,6 +1,6 @@
 """The device pipeline: the batcher's dispatches assembled, copied, launched and scattered, the device never idle.
 
-Three threads, one stage each, with bounded hand-offs between them
+Three stages in threads of their own, with bounded hand-offs between them
 (JetStream's shape), so the event loop only submits jobs and awaits them:
 
 - prepare: asks the batcher for the next dispatch, assembles its [4, B, S]
@@ -8,10 +8,13 @@ Three threads, one stage each, with bounded hand-offs between them
   transfer); at most one prepared batch waits for the device;
 - device: launches prepared batches, at most `max_inflight` on the device at
   once. JAX dispatch is asynchronous, so batch i+1 is queued on the device
-  before anyone waits for batch i. On a CPU, batches launched from one thread
-  run one after another, but two threads that each launch and wait overlap
-  (XLA's CPU fusions leave cores idle): there `streams` device threads each
-  run their batch to the end;
+  before anyone waits for batch i. With one stream (an accelerator) this is
+  not a thread: the prepare thread launches the batch it prepared when a
+  device slot is free, and the respond thread launches the best prepared
+  batch when it frees one (a thread hand-off costs more host time than a
+  launch). On a CPU, batches launched from one thread run one after another,
+  but two threads that each launch and wait overlap (XLA's CPU fusions leave
+  cores idle): there `streams` device threads each run their batch to the end;
 - respond: waits for each launched batch in order, copies its output to the
   host, scatters it into its jobs, and hands finished jobs to the event loop
   (`call_soon_threadsafe`). A SPLADE model's batches are launched with their
@@ -148,7 +151,7 @@ class Pipeline:
         self.spills = {lane: _spills(engine, lane) for lane in tables}
         self.metrics = metrics or Metrics()
         self.max_inflight = max_inflight
-        self.streams = streams  # device threads: 1 launches for the device; >1 each runs its batch (CPU)
+        self.streams = streams  # 1: launches as batches and slots come (`_launch_ready`); >1: device threads (CPU)
         self.max_failures = max_failures
         self._lock = threading.Condition()  # the batchers, jobs and counts; the prepared queue has its own
         self._ready_lock = threading.Condition()
@@ -173,7 +176,8 @@ class Pipeline:
         self._loop = asyncio.get_running_loop()
         self._idle = asyncio.Event()
         self._idle.set()
-        stages = [self._prepare_loop] + [self._device_loop] * self.streams + [self._respond_loop]
+        devices = [self._device_loop] * self.streams if self.streams > 1 else []  # one stream: `_launch_ready`
+        stages = [self._prepare_loop, *devices, self._respond_loop]
         self._threads = [threading.Thread(target=self._guard, args=(f,), name=f"jaxserve-{f.__name__[1:]}", daemon=True)
                          for f in stages]
         for t in self._threads:
@@ -321,7 +325,7 @@ class Pipeline:
         if not self._entries:
             self._idle.set()
 
-    # ---- the three threads ----
+    # ---- the threads ----
 
     def _guard(self, loop_fn) -> None:
         """A pipeline thread that dies makes the service unhealthy and fails what is waiting."""
@@ -408,6 +412,8 @@ class Pipeline:
             with self._ready_lock:
                 self._ready.put(d, (lane, jobs, prepared))
                 self._ready_lock.notify()
+            if self.streams == 1:
+                self._launch_ready()
         self._end_ready()
 
     def _end_ready(self) -> None:
@@ -416,6 +422,21 @@ class Pipeline:
             for _ in range(self.streams):
                 self._ready.put(None, None)
             self._ready_lock.notify_all()
+        if self.streams == 1:
+            self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        """One stream: while a device slot is free and a batch is prepared, launch the best one (or pass the stop
+        on, after every batch). Called by the thread that made it possible: prepare (a batch ready) or respond (a
+        slot free). Under the ready lock, so launches reach `_launched` in the order they reach the device."""
+        with self._ready_lock:
+            while len(self._ready) and self._on_device.acquire(blocking=False):
+                d, item = self._ready.take(time.monotonic())
+                if d is None:
+                    self._on_device.release()
+                    self._launched.put(None)
+                    return
+                self._launched.put(self._launch_one(d, item))
 
     def _take_ready(self):
         """The best prepared batch once one waits: (dispatch, (lane, jobs, prepared)), or (None, None) to stop."""
@@ -431,16 +452,21 @@ class Pipeline:
             if d is None:
                 self._on_device.release()
                 break
-            lane, jobs, prepared = item
-            launched = time.perf_counter()
-            try:
-                result, error = _launch(self.engine, prepared, self.spills[lane]), None
-                if self.streams > 1:
-                    result = _fetch(self.engine, result, self.spills[lane])
-            except Exception as exc:
-                result, error = None, exc
-            self._launched.put((d, lane, jobs, result, error, launched))
+            self._launched.put(self._launch_one(d, item))
         self._launched.put(None)
+
+    def _launch_one(self, d: Dispatch, item) -> tuple:
+        """Launch a prepared batch (a device thread of several streams also waits for it and fetches it) -> what
+        the respond thread takes."""
+        lane, jobs, prepared = item
+        launched = time.perf_counter()
+        try:
+            result, error = _launch(self.engine, prepared, self.spills[lane]), None
+            if self.streams > 1:
+                result = _fetch(self.engine, result, self.spills[lane])
+        except Exception as exc:
+            result, error = None, exc
+        return d, lane, jobs, result, error, launched
 
     def _respond_loop(self) -> None:
         previous_done = 0.0
@@ -456,16 +482,17 @@ class Pipeline:
                 # waits for the device, then copies to the host (device threads that ran their batch fetched it)
                 out, kept = _fetch(self.engine, result, self.spills[lane]) if self.streams == 1 else result
             except Exception as exc:
-                self._on_device.release()
+                self._free_slot()
                 self._fail(d, jobs, exc, "launched" if error is not None else "fetched")
                 continue
-            self._on_device.release()
+            self._free_slot()
             done = time.perf_counter()
             device_s = done - max(launched, previous_done)  # batches run one after another
             previous_done = done
             with self._lock:
                 self._pipeline -= 1
-                self._lock.notify()
+                if self.queued:  # room (or an idle device) matters to the prepare thread only while rows wait
+                    self._lock.notify()
             self.failures = 0
             self.device_batches += 1
             self.timings[lane].observe(d.bucket, device_s)
@@ -484,6 +511,12 @@ class Pipeline:
                     entry.timing.batches.append((d.bucket.shape, len(rows), d.reason, device_s))
             if finished:  # one wake-up of the loop for the batch, however many requests it finishes
                 self._loop.call_soon_threadsafe(self._answer_all, finished)
+
+    def _free_slot(self) -> None:
+        """A batch left the device: its slot to the device threads, or (one stream) to the best prepared batch."""
+        self._on_device.release()
+        if self.streams == 1:
+            self._launch_ready()
 
     def _busy(self, device_s: float) -> float:
         """The device's busy time since the last batch: its own clock where it keeps one (a simulated device),
