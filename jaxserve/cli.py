@@ -141,7 +141,7 @@ def serve_config(args):
         token_ids=args.token_ids, embed_all=args.embed_all, table=table_options(args),
         default_priority=args.default_priority, interactive_max_sequences=args.interactive_max_sequences,
         interactive_max_tokens=args.interactive_max_tokens,
-        bulk_dispatch_ms=args.bulk_dispatch_ms,
+        bulk_dispatch_ms=args.bulk_dispatch_ms, host_dispatch_us=args.host_dispatch_us,
         tokenizer_threads=args.tokenizer_threads, respond_threads=args.respond_threads,
         workers=host.frontend_workers() if args.workers == "auto" else args.workers,
         engine_restarts=args.engine_restarts, simulate=simulate, access_log=args.access_log,
@@ -386,6 +386,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--bulk-dispatch-ms", type=float, default=server.BULK_DISPATCH_MS,
                        help="while interactive requests are likely, bulk batches are sized to run at most this long "
                             "(by the table's timings; never below 90%% of the seqlen's best throughput)")
+    serve.add_argument("--host-dispatch-us", type=float, metavar="US",
+                       help="the host's time per dispatch that batch sizes are planned with (default: measured as "
+                            "batches run: the engine's CPU per batch, never below warm-up's figure)")
     serve.add_argument("--tokenizer-threads", type=int, help="threads decoding, tokenizing and packing requests "
                        "(default: half the usable cores, at least 2)")
     serve.add_argument("--respond-threads", type=int, help="threads combining and encoding responses "

@@ -104,6 +104,10 @@ async def test_tokenize_health_info_metrics(server):
     assert info["model_id"] == "all-MiniLM-L6-v2" and info["dimensions"] == 384 and info["max_input_length"] == 256
     assert info["buckets"]["layout"] == "packed" and info["buckets"]["budget_bytes"] > 0
     assert all(b["compiled_bytes"] > 0 and b["run_s"] > 0 for b in info["buckets"]["buckets"])
+    # the host time per dispatch the batcher plans with: warm-up's until enough batches ran to measure it
+    host = info["host_dispatch"]
+    assert host["source"] == "measured" and host["warmup_s"] == info["buckets"]["host_dispatch_s"] > 0
+    assert host["planned_s"] >= host["warmup_s"]
     await server.post("/v1/embeddings", json={"input": ["a metrics probe"]})
     text = await (await server.get("/metrics")).text()
     for name in ("jaxserve_xla_compiles_total", "jaxserve_requests_total", "jaxserve_queue_depth",

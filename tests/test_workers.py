@@ -77,8 +77,9 @@ def test_serve_options_reach_the_config():
 
     parse = lambda *a: cli.serve_config(cli.build_parser().parse_args(["serve", *a]))
     config = parse("--workers", "3", "--simulate-device", "2.5", "--simulate-size", "768,3072,12",
-                   "--task", "retrieval.query", "--engine-restarts", "0", "--access-log")
+                   "--task", "retrieval.query", "--engine-restarts", "0", "--access-log", "--host-dispatch-us", "250")
     assert (config.workers, config.engine_restarts, config.task, config.access_log) == (3, 0, "retrieval.query", True)
+    assert config.host_dispatch_us == 250 and parse().host_dispatch_us is None  # given, or measured
     assert config.simulate.tflops == 2.5 and config.simulate.sizes == (768, 3072, 12)
     assert not config.embed_all and not config.use_cache  # a simulated device: pooled outputs only, nothing saved
     assert parse().workers == host.frontend_workers() and not parse().access_log and parse().simulate is None
@@ -104,6 +105,7 @@ def test_two_front_ends_serve_as_one_process_does(files):
         assert all("resource_tracker" in cmd for pid, cmd in children.items()  # multiprocessing's own helper
                    if pid not in (procs["engine"], *procs["frontends"]))
         assert info["device"]["platform"] == "cpu" and info["buckets"] and "SIMULATED_DEVICE" not in info
+        assert info["host_dispatch"]["source"] == "measured"  # the engine's, as its status says
         # the engine runs the model with JAX; a front-end never imports it (its memory map holds no jaxlib)
         assert maps_jax(procs["engine"]) and not any(maps_jax(pid) for pid in procs["frontends"])
 

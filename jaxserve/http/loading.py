@@ -65,4 +65,5 @@ def make_pipeline(cfg: ServerConfig, enc: Encoder, table: BucketTable, metrics) 
     return Pipeline(enc.engine, table, cfg.max_wait_ms / 1000, cfg.max_queue_tokens, metrics,
                     max_inflight=cfg.max_inflight,
                     streams=cfg.streams or (1 if cfg.simulate is not None else device.streams()),
-                    classes=server_classes(cfg.bulk_dispatch_ms / 1000))
+                    classes=server_classes(cfg.bulk_dispatch_ms / 1000),
+                    host_dispatch_s=None if cfg.host_dispatch_us is None else cfg.host_dispatch_us * 1e-6)

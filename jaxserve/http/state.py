@@ -83,6 +83,7 @@ class ServerConfig:
     interactive_max_sequences: int = INTERACTIVE_MAX_SEQUENCES  # larger requests run as bulk, whatever they ask
     interactive_max_tokens: int = INTERACTIVE_MAX_TOKENS  # ... and so do requests of more tokens
     bulk_dispatch_ms: float = BULK_DISPATCH_MS  # while queries are likely, a bulk batch's predicted run at most this
+    host_dispatch_us: float | None = None  # host time per dispatch for batch sizes (None: measured, scheduling/host_cost)
     tokenizer_threads: int | None = None  # decode/tokenize/pack pool (None: half the usable cores, at least 2)
     respond_threads: int | None = None  # combine/normalise/encode pool (None: a quarter of the usable cores, at least 2)
     embed_all: bool = True  # compile token outputs for TEI's /embed_all (one more shape per seqlen)

@@ -313,6 +313,10 @@ class EngineLink:
         return int(self.status.get("queued", 0))
 
     @property
+    def host_dispatch(self) -> dict | None:
+        return self.status.get("host_dispatch")
+
+    @property
     def batches_in_flight(self) -> int:
         return int(self.status.get("batches_in_flight", 0))
 

@@ -44,8 +44,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from jaxserve.runtime.buckets import BucketTable
-from jaxserve.scheduling.batcher import BULK, CLASSES, Batcher, Classes, Dispatch, queue_tokens
+from jaxserve.scheduling.batcher import BULK, CLASSES, Batcher, Classes, Dispatch, covers, queue_tokens
 from jaxserve.scheduling.explain import LiveTimings, explain
+from jaxserve.scheduling.host_cost import HostCost
 from jaxserve.scheduling.jobs import Job, assemble, keep, most_per_row, scatter
 from jaxserve.scheduling.prepared import PreparedQueue, room
 
@@ -137,7 +138,8 @@ class Pipeline:
 
     def __init__(self, engine: Engine, table: BucketTable, max_wait_s: float, max_queued: int | None,
                  metrics: Metrics | None = None, max_inflight: int = MAX_INFLIGHT,
-                 max_failures: int = MAX_CONSECUTIVE_FAILURES, streams: int = 1, classes: Classes = SERVER_CLASSES):
+                 max_failures: int = MAX_CONSECUTIVE_FAILURES, streams: int = 1, classes: Classes = SERVER_CLASSES,
+                 host_dispatch_s: float | None = None):
         self.engine = engine
         # One batcher per output: pooled vectors, and token vectors (/embed_all) where the engine has them;
         # each queue holds `max_queued` tokens (None: `queue_tokens` of its table, a few seconds of device work).
@@ -169,6 +171,10 @@ class Pipeline:
         self.broken: str | None = None  # why a pipeline thread died
         self.device_batches = 0
         self._busy_seen = 0.0  # the engine's own busy clock at the last batch (`_busy`)
+        # the host's time per dispatch the batchers' covers assume: measured as batches run (`host_cost`), or given
+        self.host_cost = HostCost(table.host_dispatch_s or 0.0, host_dispatch_s)
+        if host_dispatch_s is not None:
+            self._replan(host_dispatch_s)
 
     # ---- lifecycle ----
 
@@ -256,7 +262,14 @@ class Pipeline:
             waiting = self.batcher.waiting()
         return {"draining": self.draining, "healthy": self.healthy, "queued": self.queued,
                 "batches_in_flight": self.batches_in_flight, "max_queued": self.batcher.max_queued,
-                "waiting": waiting}
+                "waiting": waiting, "host_dispatch": self.host_dispatch}
+
+    @property
+    def host_dispatch(self) -> dict:
+        """The host's time per dispatch the batcher plans with, and where it comes from (/info)."""
+        h = self.host_cost
+        return {"planned_s": h.planned, "source": "measured" if h.measured else "given", "measured_s": h.estimate,
+                "batches_measured": h.batches, "warmup_s": h.floor}
 
     # ---- requests (event loop) ----
 
@@ -362,11 +375,12 @@ class Pipeline:
                 return lane, d
         return None
 
-    def _next(self) -> tuple[str, Dispatch, dict[int, Job]] | None:
-        """Block until a batcher gives a dispatch the pipeline has room for (None: stopping)."""
+    def _next(self) -> tuple[str, Dispatch, dict[int, Job], float] | None:
+        """Block until a batcher gives a dispatch the pipeline has room for (None: stopping); with it, the CPU
+        time that forming it took."""
         with self._lock:
             while not self._stopping:
-                now = time.monotonic()
+                now, cpu = time.monotonic(), time.thread_time()
                 if (space := room(self._pipeline, self.max_inflight)) is not None:
                     picked = self._dispatch(now, interactive_only=space == "interactive")
                     if picked is not None:
@@ -383,7 +397,7 @@ class Pipeline:
                         for cls, n in enumerate(sequences):
                             if n:
                                 self.metrics.class_sequences(cls, n)
-                        return lane, d, jobs
+                        return lane, d, jobs, time.thread_time() - cpu
                     deadlines = [t for b in self.batchers.values() if (t := b.next_wakeup()) is not None]
                     # without room only an arrival (submit) or a finished batch (respond) changes anything
                     timeout = max(0.0, min(deadlines) - now) if deadlines and space == "any" else None
@@ -394,7 +408,8 @@ class Pipeline:
 
     def _prepare_loop(self) -> None:
         while (nxt := self._next()) is not None:
-            lane, d, jobs = nxt
+            lane, d, jobs, formed = nxt
+            cpu = time.thread_time()
             self.metrics.queue_depth(self.queued)
             start = time.perf_counter()
             stage = "assembled"
@@ -409,8 +424,9 @@ class Pipeline:
             self.metrics.phase("assemble", assembled - start)
             self.metrics.phase("copy", copied - assembled)
             self.metrics.dispatched(d, real_tokens, time.monotonic() - d.oldest)
+            host = formed + time.thread_time() - cpu  # this thread's part of the batch's host time
             with self._ready_lock:
-                self._ready.put(d, (lane, jobs, prepared))
+                self._ready.put(d, (lane, jobs, prepared, host))
                 self._ready_lock.notify()
             if self.streams == 1:
                 self._launch_ready()
@@ -439,7 +455,7 @@ class Pipeline:
                 self._launched.put(self._launch_one(d, item))
 
     def _take_ready(self):
-        """The best prepared batch once one waits: (dispatch, (lane, jobs, prepared)), or (None, None) to stop."""
+        """The best prepared batch once one waits: (dispatch, (lane, jobs, prepared, host s)), or (None, None) to stop."""
         with self._ready_lock:
             while not len(self._ready):
                 self._ready_lock.wait()
@@ -458,7 +474,7 @@ class Pipeline:
     def _launch_one(self, d: Dispatch, item) -> tuple:
         """Launch a prepared batch (a device thread of several streams also waits for it and fetches it) -> what
         the respond thread takes."""
-        lane, jobs, prepared = item
+        lane, jobs, prepared, host = item
         launched = time.perf_counter()
         try:
             result, error = _launch(self.engine, prepared, self.spills[lane]), None
@@ -466,7 +482,7 @@ class Pipeline:
                 result = _fetch(self.engine, result, self.spills[lane])
         except Exception as exc:
             result, error = None, exc
-        return d, lane, jobs, result, error, launched
+        return d, lane, jobs, result, error, launched, host
 
     def _respond_loop(self) -> None:
         previous_done = 0.0
@@ -475,7 +491,7 @@ class Pipeline:
             if (item := self._launched.get()) is None:
                 running -= 1
                 continue
-            d, lane, jobs, result, error, launched = item
+            d, lane, jobs, result, error, launched, host = item
             try:
                 if error is not None:
                     raise error
@@ -485,6 +501,7 @@ class Pipeline:
                 self._free_slot()
                 self._fail(d, jobs, exc, "launched" if error is not None else "fetched")
                 continue
+            cpu = time.thread_time()  # the wait for the device is not the host's time
             self._free_slot()
             done = time.perf_counter()
             device_s = done - max(launched, previous_done)  # batches run one after another
@@ -511,6 +528,17 @@ class Pipeline:
                     entry.timing.batches.append((d.bucket.shape, len(rows), d.reason, device_s))
             if finished:  # one wake-up of the loop for the batch, however many requests it finishes
                 self._loop.call_soon_threadsafe(self._answer_all, finished)
+            if (planned := self.host_cost.observe(host + time.thread_time() - cpu)) is not None:
+                self._replan(planned)
+
+    def _replan(self, host_s: float) -> None:
+        """The batchers' covers for a host time per dispatch of `host_s` (derived outside the lock: milliseconds)."""
+        log.info("batch sizes planned for a host time of %.0f us per dispatch (%s)", host_s * 1e6,
+                 "measured" if self.host_cost.measured else "given")
+        planned = {lane: covers(dataclasses.replace(t, host_dispatch_s=host_s)) for lane, t in self.tables.items()}
+        with self._lock:
+            for lane, c in planned.items():
+                self.batchers[lane].covers = c
 
     def _free_slot(self) -> None:
         """A batch left the device: its slot to the device threads, or (one stream) to the best prepared batch."""

@@ -163,14 +163,21 @@ def cheapest_covers(options: list[Bucket], cost, most: int) -> list[Bucket | Non
     With measured times this picks the batch sizes with the best throughput
     (on a CPU, cache effects often make the smaller ones faster).
     """
-    best: list[tuple[float, Bucket | None]] = [(0.0, None)] * (most + 1)
+    # per row count: (cost, dispatches, rows run, its first bucket); among equal costs fewer dispatches (less host
+    # work), then fewer rows run (less padding: the buckets under the host's time per dispatch all cost the same)
+    best: list[tuple[float, int, int, Bucket | None]] = [(0.0, 0, 0, None)] * (most + 1)
+    costs = [cost(b) for b in options]
     for x in range(1, most + 1):
-        best[x] = min(((cost(b) + best[max(0, x - b.batch)][0], b) for b in options), key=lambda t: (t[0], -t[1].batch))
+        candidates = []
+        for b, c in zip(options, costs):
+            rest_cost, dispatches, rows, _ = best[max(0, x - b.batch)]
+            candidates.append((c + rest_cost, dispatches + 1, rows + b.batch, b))
+        best[x] = min(candidates, key=lambda t: (round(t[0], 12), t[1], t[2]))  # costs equal to the picosecond tie
     first: list[Bucket | None] = [None] * (most + 1)
     for x in range(1, most + 1):  # the cover's largest bucket goes first
-        n, largest = x, best[x][1]
+        n, largest = x, best[x][3]
         while n > 0:
-            b = best[n][1]
+            b = best[n][3]
             largest = b if b.batch > largest.batch else largest
             n -= min(b.batch, n)
         first[x] = largest

@@ -95,6 +95,8 @@ async def info(request: web.Request) -> web.Response:
                                  "fallbacks": sum(bool(b.attention_fallback) for b in state.table.buckets)}
         body["xla_compiles_total"] = (state.link.status.get("xla_compiles_total", 0) if state.link is not None
                                       else compiles.xla_compiles_total())
+    if state.service is not None:  # the host time per dispatch that batch sizes are planned with (measured, or given)
+        body["host_dispatch"] = state.service.host_dispatch
     body["processes"] = state.processes  # pids by role: one process, or a supervisor, an engine and front-ends
     if (simulated := state.simulated) is not None:
         body["SIMULATED_DEVICE"] = {

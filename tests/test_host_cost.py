@@ -1,0 +1,146 @@
+"""The host's time per dispatch in the batcher's choice of batch sizes: measured as batches run, or given.
+
+Pure parts (the moving average and when it replans, the covers' tie-breaks) without JAX; then the pipeline over
+the simulated device, where the batch sizes a request runs as follow the host time planned with."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jaxserve.runtime.buckets import fixed
+from jaxserve.scheduling import host_cost
+from jaxserve.scheduling.batcher import covers
+from jaxserve.scheduling.host_cost import HostCost
+from jaxserve.scheduling.planner import cheapest_cover, cost_model
+
+
+def timed(run_s: dict[tuple[int, int], float], host_s: float):
+    """A table with these (batch, seqlen) -> run times (recorded figures: nothing here is timed)."""
+    t = fixed(list(run_s), layout="packed", host_dispatch_s=host_s)
+    return dataclasses.replace(t, buckets=tuple(dataclasses.replace(b, run_s=run_s[b.shape]) for b in t.buckets))
+
+
+def test_a_steady_host_time_is_planned_with_once_enough_batches_ran():
+    h = HostCost(floor=30e-6)
+    got = [h.observe(250e-6) for _ in range(host_cost.MIN_BATCHES + 5)]
+    assert got[: host_cost.MIN_BATCHES - 1] == [None] * (host_cost.MIN_BATCHES - 1)  # too few batches yet
+    assert [g for g in got if g is not None] == [pytest.approx(250e-6)]  # then once, and only once
+    assert h.planned == pytest.approx(250e-6) and h.measured
+
+
+def test_the_plan_never_goes_below_warm_up_and_a_given_value_never_moves():
+    h = HostCost(floor=100e-6)
+    assert all(h.observe(5e-6) is None for _ in range(500)) and h.planned == 100e-6  # below the floor: the floor
+    given_ = HostCost(floor=100e-6, fixed=400e-6)
+    assert given_.planned == 400e-6 and all(given_.observe(5e-3) is None for _ in range(500))
+    assert given_.planned == 400e-6 and not given_.measured and given_.batches == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.floats(1e-6, 1e-3), st.lists(st.floats(1e-6, 5e-3), min_size=1, max_size=400))
+def test_replans_only_when_the_estimate_leaves_the_band_property(floor, seconds):
+    h = HostCost(floor=floor)
+    for s in seconds:
+        before = h.planned
+        new = h.observe(s)
+        assert h.planned >= floor
+        target = max(floor, h.estimate)
+        if h.batches < host_cost.MIN_BATCHES:
+            assert new is None and h.planned == before
+        elif new is None:  # kept: the estimate is within the band around the plan
+            assert before / host_cost.REPLAN_RATIO <= target <= before * host_cost.REPLAN_RATIO
+        else:
+            assert new == h.planned == target
+
+
+# seqlen 64 on a fast device: 30 us of overhead plus the rows' FLOPs (the simulated H200's shape)
+FAST = {(4, 64): 40e-6, (16, 64): 80e-6, (64, 64): 250e-6, (256, 64): 900e-6}
+
+
+def test_a_host_time_over_the_small_buckets_makes_fewer_larger_batches():
+    """100 rows: 64 + 16 + 16 + 4 while a dispatch costs the host 30 us; 64 + 64 at 250 us (each small batch would
+    cost the host as much as a 64-row one runs)."""
+    shapes = lambda table: [b.batch for b in cheapest_cover(100, table.at(64), cost_model(table))]
+    assert shapes(timed(FAST, 30e-6)) == [64, 16, 16, 4]
+    assert shapes(timed(FAST, 250e-6)) == [64, 64]
+
+
+def test_equal_costs_go_to_fewer_dispatches_then_less_padding():
+    # under the host's time every bucket costs the same: one row takes the smallest, not the largest
+    table = timed(FAST, 1e-3)
+    assert covers(table)[64][1].batch == 4 and covers(table)[64][20].batch == 64
+    # linear run times (the same per row): fewer dispatches, the largest batch
+    linear = timed({(8, 64): 0.016, (32, 64): 0.064, (128, 64): 0.256}, 1e-6)
+    assert [b.batch for b in cheapest_cover(512, linear.at(64), cost_model(linear))] == [128] * 4  # not 16 x 32
+
+
+async def _dispatches(pipeline, rows: int) -> list:
+    """Run one job of `rows` one-sequence rows at seqlen 64 through `pipeline`; the batch shapes it ran as."""
+    from jaxserve.scheduling.jobs import Job
+    from jaxserve.scheduling.planner import pack
+
+    lengths = np.full(rows, 40)
+    job = Job(pack(lengths, pipeline.tables["pooled"]), np.ones(40 * rows, np.int32),
+              np.arange(0, 40 * rows + 1, 40), None, 4)
+    _, timing = await pipeline.run(job)
+    return [shape for shape, *_ in timing.batches]
+
+
+async def test_the_pipeline_plans_with_a_given_host_time_and_reports_it(tiny_checkpoint):
+    """`host_dispatch_s` given (`--host-dispatch-us`): the covers use it from the first batch; /info's figures."""
+    from jaxserve import Encoder
+    from jaxserve.runtime.simulated import SimSpec, simulated_engine
+    from jaxserve.scheduling.pipeline import Pipeline
+
+    enc = Encoder.from_pretrained(str(tiny_checkpoint(max_seq_length=64)))
+    sim = simulated_engine(enc.engine, enc.model_config, 64, 4, SimSpec(tflops=400, sizes=(768, 3072, 12)))
+    table = sim.table
+    ran = {}
+    for host_s in (None, 1e-3):
+        pipeline = Pipeline(sim, table, 0.001, None, streams=1, host_dispatch_s=host_s)
+        await pipeline.start()
+        try:
+            ran[host_s] = await _dispatches(pipeline, 100)
+            info = pipeline.host_dispatch
+        finally:
+            await pipeline.stop()
+        if host_s is None:
+            assert info["source"] == "measured" and info["planned_s"] == table.host_dispatch_s == info["warmup_s"]
+            assert info["batches_measured"] == len(ran[None])
+        else:
+            assert info == {"planned_s": 1e-3, "source": "given", "measured_s": None, "batches_measured": 0,
+                            "warmup_s": table.host_dispatch_s}
+    want = lambda host_s: [b.batch for b in cheapest_cover(
+        100, table.at(64), cost_model(dataclasses.replace(table, host_dispatch_s=host_s or table.host_dispatch_s)))]
+    assert [shape[0] for shape in ran[None]] == want(None) and [shape[0] for shape in ran[1e-3]] == want(1e-3)
+    assert len(ran[1e-3]) < len(ran[None])  # the host's cost per dispatch counted: fewer, larger batches
+
+
+async def test_the_pipeline_measures_its_host_time_and_replans(tiny_checkpoint, monkeypatch):
+    """Measured: after MIN_BATCHES batches the plan is the pipeline's own CPU per batch (at least warm-up's)."""
+    from jaxserve import Encoder
+    from jaxserve.runtime.simulated import SimSpec, simulated_engine
+    from jaxserve.scheduling.pipeline import Pipeline
+
+    monkeypatch.setattr(host_cost, "MIN_BATCHES", 8)
+    enc = Encoder.from_pretrained(str(tiny_checkpoint(max_seq_length=64)))
+    sim = simulated_engine(enc.engine, enc.model_config, 64, 4, SimSpec(tflops=400))
+    pipeline = Pipeline(sim, sim.table, 0.001, None, streams=1)
+    await pipeline.start()
+    try:
+        for _ in range(12):
+            await _dispatches(pipeline, 1)
+        await asyncio.sleep(0)
+        info = pipeline.host_dispatch
+    finally:
+        await pipeline.stop()
+    assert info["source"] == "measured" and info["batches_measured"] == 12 and info["measured_s"] > 0
+    assert info["planned_s"] >= info["warmup_s"] == sim.table.host_dispatch_s
+    # whatever was measured, the batcher covers its rows as the planned host time says
+    assert pipeline.batcher.covers == covers(dataclasses.replace(sim.table, host_dispatch_s=info["planned_s"]))
