@@ -46,17 +46,28 @@ def test_the_plan_never_goes_below_warm_up_and_a_given_value_never_moves():
 @given(st.floats(1e-6, 1e-3), st.lists(st.floats(1e-6, 5e-3), min_size=1, max_size=400))
 def test_replans_only_when_the_estimate_leaves_the_band_property(floor, seconds):
     h = HostCost(floor=floor)
+    last = None  # batches at the last replan
     for s in seconds:
         before = h.planned
         new = h.observe(s)
         assert h.planned >= floor
         target = max(floor, h.estimate)
-        if h.batches < host_cost.MIN_BATCHES:
+        if h.batches < host_cost.MIN_BATCHES or (last is not None and h.batches - last < host_cost.REPLAN_EVERY):
             assert new is None and h.planned == before
         elif new is None:  # kept: the estimate is within the band around the plan
             assert before / host_cost.REPLAN_RATIO <= target <= before * host_cost.REPLAN_RATIO
         else:
             assert new == h.planned == target
+            last = h.batches
+
+
+def test_a_plan_stays_for_replan_every_batches_however_the_estimate_moves():
+    h = HostCost(floor=10e-6)
+    first = [h.observe(100e-6) for _ in range(host_cost.MIN_BATCHES)]
+    assert first[-1] == pytest.approx(100e-6)
+    # the cost per batch follows the plan (larger batches): it moves, but the plan waits REPLAN_EVERY batches
+    assert all(h.observe(400e-6) is None for _ in range(host_cost.REPLAN_EVERY - 1))
+    assert h.observe(400e-6) == pytest.approx(h.estimate) and h.planned > 300e-6
 
 
 # seqlen 64 on a fast device: 30 us of overhead plus the rows' FLOPs (the simulated H200's shape)

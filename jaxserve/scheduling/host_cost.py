@@ -8,7 +8,8 @@ On a fast device that bookkeeping is the larger part, and a cost model without i
 many small batches (100 rows as 64 + 16 + 16 + 4), each paying it again.
 
 `HostCost` keeps a moving average of the CPU time the prepare and respond threads spend per batch, and says
-when it has moved far enough from the value the batcher plans with that the covers should be derived again.
+when it has moved far enough from the value the batcher plans with that the covers should be derived again
+(at most once every `REPLAN_EVERY` batches).
 A fixed value (`--host-dispatch-us`) turns the measuring off. Pure bookkeeping: the pipeline times, this decides.
 """
 
@@ -18,7 +19,12 @@ import dataclasses
 
 MIN_BATCHES = 64  # batches seen before the first estimate counts (the first ones run cold)
 SMOOTHING = 0.05  # weight of each new batch in the moving average
-REPLAN_RATIO = 1.25  # the estimate must move this far (either way) from the planned value to replan
+# The estimate must move this far (either way) from the planned value to replan, and this many batches must have
+# run since the last replan. The cost per batch follows the batch sizes it plans (larger batches take longer to
+# assemble and scatter), so a narrow band flaps between two plans (seen: 320 <-> 410 us, a replan every few
+# hundred batches, each deriving the covers again: milliseconds of the respond thread).
+REPLAN_RATIO = 1.5
+REPLAN_EVERY = 2000
 
 
 @dataclasses.dataclass
@@ -31,6 +37,7 @@ class HostCost:
     estimate: float | None = None  # moving average of the pipeline's CPU per batch (None: too few batches yet)
     batches: int = 0
     planned: float = dataclasses.field(init=False)
+    replanned_at: int = 0  # `batches` at the last replan
 
     def __post_init__(self):
         self.planned = self.floor if self.fixed is None else self.fixed
@@ -46,10 +53,10 @@ class HostCost:
             return None
         self.batches += 1
         self.estimate = seconds if self.estimate is None else (1 - SMOOTHING) * self.estimate + SMOOTHING * seconds
-        if self.batches < MIN_BATCHES:
+        if self.batches < MIN_BATCHES or (self.replanned_at and self.batches - self.replanned_at < REPLAN_EVERY):
             return None
         target = max(self.floor, self.estimate)
         if target > self.planned * REPLAN_RATIO or target < self.planned / REPLAN_RATIO:
-            self.planned = target
+            self.planned, self.replanned_at = target, self.batches
             return target
         return None
