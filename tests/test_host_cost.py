@@ -5,7 +5,6 @@ the simulated device, where the batch sizes a request runs as follow the host ti
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 
 import numpy as np
@@ -147,8 +146,7 @@ async def test_the_pipeline_measures_its_host_time_and_replans(tiny_checkpoint, 
     try:
         for _ in range(12):
             await _dispatches(pipeline, 1)
-        await asyncio.sleep(0)
-        info = pipeline.host_dispatch
+        info = pipeline.host_dispatch  # each batch counted before its job was answered
     finally:
         await pipeline.stop()
     assert info["source"] == "measured" and info["batches_measured"] == 12 and info["measured_s"] > 0

@@ -526,9 +526,10 @@ class Pipeline:
             for jid, rows in d.parts:
                 if (entry := self._entries.get(jid)) is not None:
                     entry.timing.batches.append((d.bucket.shape, len(rows), d.reason, device_s))
+            planned = self.host_cost.observe(host + time.thread_time() - cpu)  # counted before its jobs are answered
             if finished:  # one wake-up of the loop for the batch, however many requests it finishes
                 self._loop.call_soon_threadsafe(self._answer_all, finished)
-            if (planned := self.host_cost.observe(host + time.thread_time() - cpu)) is not None:
+            if planned is not None:
                 self._replan(planned)
 
     def _replan(self, host_s: float) -> None:

@@ -128,18 +128,30 @@ def _best_fit_decreasing(lengths: np.ndarray, table: BucketTable, width: int) ->
     return rows
 
 
+_widths: dict[int, tuple[BucketTable, int | None]] = {}  # pack_width by table (identity): every request packs
+
+
 def pack_width(table: BucketTable) -> int | None:
     """The seqlen packed rows are filled to: the cheapest per token among seqlens with several slots.
 
-    Untimed tables use the largest such seqlen up to UNTIMED_PACK_WIDTH.
+    Untimed tables use the largest such seqlen up to UNTIMED_PACK_WIDTH. Once per table (a server has one or
+    two): computed per request it cost a front-end 4% of a one-document request's CPU.
     """
+    known = _widths.get(id(table))
+    if known is not None and known[0] is table:
+        return known[1]
     multi = [s for s in table.seqlens if table.at(s)[-1].slots > 1]
     if not multi:
-        return None
-    if all(b.run_s is not None for b in table.buckets):
-        return min(multi, key=lambda s: (min(dispatch_s(b, table.host_dispatch_s) / b.tokens for b in table.at(s)), -s))
-    fitting = [s for s in multi if s <= UNTIMED_PACK_WIDTH]
-    return max(fitting) if fitting else min(multi)
+        width = None
+    elif all(b.run_s is not None for b in table.buckets):
+        width = min(multi, key=lambda s: (min(dispatch_s(b, table.host_dispatch_s) / b.tokens for b in table.at(s)), -s))
+    else:
+        fitting = [s for s in multi if s <= UNTIMED_PACK_WIDTH]
+        width = max(fitting) if fitting else min(multi)
+    if len(_widths) >= 64:  # tables made in a loop (tests, benchmarks): forget them all, keep memory bounded
+        _widths.clear()
+    _widths[id(table)] = (table, width)
+    return width
 
 
 # ---- the cost of dispatches (used by the batcher to choose batch sizes) ----
