@@ -95,7 +95,11 @@ def assemble(bucket: Bucket, parts, jobs: dict[int, Job]) -> tuple[np.ndarray, i
     first = real = 0
     for job_id, rows in parts:
         job = jobs.get(job_id)
-        if job is not None:
+        if job is not None and len(rows) == 1:  # one row (a small request's): two slices, no index arrays
+            a, z = job.row_start[rows[0]], job.row_start[rows[0] + 1]
+            out[:, first * s : first * s + z - a] = job.flat[:, a:z]
+            real += int(z - a)
+        elif job is not None:
             counts = job.row_start[rows + 1] - job.row_start[rows]
             src = ragged_arange(job.row_start[rows], counts)
             dst = ragged_arange((first + np.arange(len(rows))) * s, counts)
@@ -142,6 +146,9 @@ def scatter(parts, result: np.ndarray, jobs: dict[int, Job]) -> list[int]:
                 tokens = job.row_start[rows + 1] - job.row_start[rows]
                 dst = ragged_arange((first + np.arange(len(rows))) * s, tokens)
                 job.out[ragged_arange(job.row_start[rows], tokens)] = result.reshape(-1, result.shape[-1])[dst]
+            elif len(rows) == 1:  # one row: its sequences are its first slots
+                n = int(counts[0])
+                job.out[r.members[r.starts[rows[0]] : r.starts[rows[0]] + n]] = result[first, :n]
             else:
                 seq = r.members[ragged_arange(r.starts[rows], counts)]
                 slot = ragged_arange(np.zeros(len(rows), np.int64), counts)
