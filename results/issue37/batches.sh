@@ -5,7 +5,7 @@ PORT=$1; FLAGS=$2; DOCS=$3; CONNS=${4:-32}
 .venv/bin/jaxserve serve --simulate-device 400 --port $PORT $FLAGS > /tmp/batches-$PORT.log 2>&1 &
 PID=$!
 for i in $(seq 1 300); do curl -sf localhost:$PORT/health >/dev/null && break; sleep 0.2; done
-.venv/bin/python results/issue37/load_40tokens.py http://127.0.0.1:$PORT 1 $CONNS 6 $DOCS
+LOAD_REPEAT=4 .venv/bin/python results/issue37/load.py http://127.0.0.1:$PORT 1 $CONNS 6 $DOCS
 curl -s localhost:$PORT/metrics > /tmp/batches-metrics-$PORT.txt
 kill -TERM $PID; wait $PID
 python3 - $PORT <<'PY'
