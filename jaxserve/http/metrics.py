@@ -129,10 +129,10 @@ class ServerMetrics(Metrics):
 
     def finished(self, timing) -> None:
         cls = CLASSES[timing.cls]
-        self.class_wait.labels(cls).observe(timing.queue_s)
-        self.class_latency.labels(cls).observe(timing.total_s)
+        self.child(self.class_wait, cls).observe(timing.queue_s)
+        self.child(self.class_latency, cls).observe(timing.total_s)
         if timing.deadline_s is not None:
-            self.deadlines.labels(cls, "met" if timing.total_s <= timing.deadline_s else "missed").inc()
+            self.child(self.deadlines, cls, "met" if timing.total_s <= timing.deadline_s else "missed").inc()
 
     def sync_compiles(self) -> int:
         """Several processes: count the XLA compiles of this one (the engine) since the last call; -> all so far."""
