@@ -122,13 +122,18 @@ def test_the_guard_allows_downward_and_sideways_imports(source, module):
 
 # The pure modules (docs/design.md): bucket math, planning, batching, the job layout, request validation.
 PURE = ("jaxserve.dims", "jaxserve.runtime.buckets", "jaxserve.runtime.derivation", "jaxserve.runtime.output_chunks",
-        "jaxserve.scheduling.planner", "jaxserve.scheduling.batcher", "jaxserve.scheduling.jobs", "jaxserve.http.api",
-        "jaxserve.http.classes")
+        "jaxserve.scheduling.planner", "jaxserve.scheduling.batcher", "jaxserve.scheduling.jobs",
+        "jaxserve.scheduling.host_cost", "jaxserve.http.api", "jaxserve.http.classes")
+# What a front-end process of `serve --workers N` imports: the whole HTTP layer and the model's host side
+FRONT_END = ("jaxserve.view", "jaxserve.http.server", "jaxserve.http.workers", "jaxserve.scheduling.link",
+             "jaxserve.http.routes.openai", "jaxserve.http.routes.tei", "jaxserve.http.routes.cohere",
+             "jaxserve.http.routes.ops")
 
 
-def test_the_pure_modules_import_no_jax():
+@pytest.mark.parametrize("modules", [PURE, FRONT_END], ids=["pure", "front-end"])
+def test_these_modules_import_no_jax(modules):
     """In a fresh interpreter: importing them (and `import jaxserve`) loads neither JAX nor flax."""
-    code = ("import sys; import jaxserve; " + "; ".join(f"import {m}" for m in PURE)
+    code = ("import sys; import jaxserve; " + "; ".join(f"import {m}" for m in modules)
             + "; print(sorted(m for m in ('jax', 'flax', 'jaxlib') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=PACKAGE.parent).stdout
