@@ -50,10 +50,6 @@ class Family:
     head_weights: Callable[[ArchConfig], dict] | None = None
     head_pooling: str | Callable[[ArchConfig], str] = "cls"  # which token(s) feed the head: cls, mean, lasttoken
 
-    def __reduce__(self):
-        """Pickled by name (its callables may be lambdas): a front-end process gets the engine's model view."""
-        return (_named, (self.name,))
-
     def pooling_for_head(self, cfg: ArchConfig) -> str:
         return self.head_pooling(cfg) if callable(self.head_pooling) else self.head_pooling
 
@@ -71,13 +67,3 @@ class Family:
             head = self.head(cfg, num_labels, dtype)
             tree["head"] = jax.eval_shape(lambda x: head.init(jax.random.key(0), x), pooled)["params"]
         return tree
-
-
-def _named(name: str) -> Family:
-    """The registered family called `name` (unpickling a `Family`)."""
-    import jaxserve.models as models
-
-    for family in models.all_families():
-        if family.name == name:
-            return family
-    raise CheckpointError(f"no model family named {name!r}")

@@ -34,10 +34,7 @@ def configure(raw: dict) -> Config:
     layers.require_ints(raw, "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                         "intermediate_size")
     hidden, heads = raw["hidden_size"], raw["num_attention_heads"]
-    if hidden % heads or (hidden // heads) % 2:
-        raise CheckpointError(f"hidden_size {hidden} / num_attention_heads {heads} is not an even head dim; "
-                              "rotary embedding needs one")
-    head_dim = hidden // heads
+    head_dim = layers.rotary_head_dim(hidden, heads)
     model_type = raw["model_type"]
     theta, position_scale = (hub_rope if model_type == "new" else transformers_rope)(raw, head_dim)
     type_vocab = raw.get("type_vocab_size", 1) if model_type == "gte" else raw.get("type_vocab_size")

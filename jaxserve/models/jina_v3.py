@@ -88,9 +88,7 @@ def configure(raw: dict) -> Config:
     layers.require_ints(raw, "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                         "intermediate_size")
     hidden, heads = raw["hidden_size"], raw["num_attention_heads"]
-    if hidden % heads or (hidden // heads) % 2:
-        raise CheckpointError(f"hidden_size {hidden} / num_attention_heads {heads} is not an even head dim; "
-                              "rotary embedding needs one")
+    layers.rotary_head_dim(hidden, heads)
     hub = raw["model_type"] != "jina_embeddings_v3"
     if hub:
         for key, want in HUB_FIXED.items():

@@ -38,6 +38,14 @@ def require_ints(raw: dict, *keys: str) -> None:
         raise CheckpointError(f"config.json lacks integer field(s): {', '.join(missing)}")
 
 
+def rotary_head_dim(hidden: int, heads: int) -> int:
+    """hidden / heads, which rotary embedding needs whole and even; else a CheckpointError."""
+    if hidden % heads or (hidden // heads) % 2:
+        raise CheckpointError(f"hidden_size {hidden} / num_attention_heads {heads} is not an even head dim; "
+                              "rotary embedding needs one")
+    return hidden // heads
+
+
 # ---- Flax layers (params in the compute dtype) ----
 
 def dense(features: int, dtype, name: str, use_bias: bool = True) -> nn.Dense:
