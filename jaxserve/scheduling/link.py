@@ -326,12 +326,7 @@ class EngineLink:
         """As `Pipeline.run`: the job's outputs ([P, D] per sequence) and its timing; cancelling drops its rows."""
         if self._draining:
             raise Draining("the server is draining")
-        wire = self._wire
-        if wire is None:
-            raise Draining(f"the engine process is not available ({self.healthy})")
-        rid = next(self._ids)
-        future = self._loop.create_future()
-        self._pending[rid] = future
+        wire, rid, future = self._expect()
         self._idle.clear()
         try:
             wire.post({"op": "run", "id": rid, "job": job, "cls": cls, "deadline_s": deadline_s}, job.flat.nbytes)
@@ -352,18 +347,22 @@ class EngineLink:
         return asyncio.run_coroutine_threadsafe(self._explain(rows, doc, output, max_wait_s), self._loop).result()
 
     async def _explain(self, rows, doc, output, max_wait_s) -> dict:
-        wire = self._wire
-        if wire is None:
-            raise Draining(f"the engine process is not available ({self.healthy})")
-        rid = next(self._ids)
-        future = self._loop.create_future()
-        self._pending[rid] = future
+        wire, rid, future = self._expect()
         try:
             await wire.send({"op": "explain", "id": rid, "rows": rows, "doc": doc, "output": output,
                              "max_wait_s": max_wait_s})
             return await future
         finally:
             self._pending.pop(rid, None)
+
+    def _expect(self) -> tuple[Wire, int, asyncio.Future]:
+        """The connected wire, a new request id and the future its reply resolves (Draining: no engine)."""
+        wire = self._wire
+        if wire is None:
+            raise Draining(f"the engine process is not available ({self.healthy})")
+        rid = next(self._ids)
+        future = self._pending[rid] = self._loop.create_future()
+        return wire, rid, future
 
     # ---- the connection ----
 
