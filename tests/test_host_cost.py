@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from jaxserve.runtime.buckets import fixed
 from jaxserve.scheduling import host_cost
-from jaxserve.scheduling.batcher import covers
+from jaxserve.scheduling.batcher import Batcher, covers, merged_rows, plans
 from jaxserve.scheduling.host_cost import HostCost
 from jaxserve.scheduling.planner import cheapest_cover, cost_model
 
@@ -88,6 +88,41 @@ def test_equal_costs_go_to_fewer_dispatches_then_less_padding():
     # linear run times (the same per row): fewer dispatches, the largest batch
     linear = timed({(8, 64): 0.016, (32, 64): 0.064, (128, 64): 0.256}, 1e-6)
     assert [b.batch for b in cheapest_cover(512, linear.at(64), cost_model(linear))] == [128] * 4  # not 16 x 32
+
+
+# two seqlens, the simulated H200's shape: a 16-row batch at 128 runs in little more than a 4-row one
+TWO = {(4, 32): 35e-6, (16, 32): 50e-6, (4, 128): 50e-6, (16, 128): 110e-6}
+
+
+def _request_at_two_seqlens(host_s: float) -> list[tuple[tuple[int, int], int]]:
+    """One request of 10 rows at seqlen 32 and 3 at 128 on an idle device: (bucket shape, rows) per dispatch."""
+    table = timed(TWO, host_s)
+    b = Batcher(table, max_wait_s=1.0, max_queued=10**6)
+    b.submit(0, np.array([128] * 3 + [32] * 10), np.ones(13, np.int64), 0.0)
+    out = []
+    while (d := b.next_dispatch(0.0, device_idle=True)) is not None:
+        out.append((d.bucket.shape, d.rows))
+    return out
+
+
+def test_a_host_time_over_the_run_times_sends_a_request_at_two_seqlens_in_one_dispatch():
+    """Rows of a smaller seqlen join a larger seqlen's batch (padded up) when that costs less than a dispatch of
+    their own: at 30 us per dispatch two dispatches are cheaper (50 + 50 us against 110); at 300 us one is."""
+    assert _request_at_two_seqlens(30e-6) == [((4, 128), 3 + 1), ((16, 32), 9)]  # a spare row taken, as before
+    assert _request_at_two_seqlens(300e-6) == [((16, 128), 13)]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 16), st.lists(st.integers(0, 40), min_size=1, max_size=3), st.floats(1e-6, 1e-3))
+def test_merging_never_costs_more_than_it_saves_property(rows, smaller, host_s):
+    table = timed(TWO | {(4, 8): 30e-6, (16, 8): 40e-6}, host_s)
+    plan = plans(table)
+    waiting = list(zip((32, 8), smaller))
+    sized = merged_rows(128, rows, waiting, 16, plan)
+    assert rows <= sized <= max(rows, 16)
+    # what joined is paid for: the bigger batch's extra cost is at most what the smaller seqlens' own covers cost
+    own = sum(plan[s][1][min(n, 16)] for s, n in waiting)
+    assert plan[128][1][sized] - plan[128][1][rows] <= own + 1e-12
 
 
 async def _dispatches(pipeline, rows: int) -> list:

@@ -16,7 +16,10 @@ A dispatch takes the cheapest batch size from the seqlen's batch ladder for
 the rows it has (looked up, computed once per table), and its spare rows are
 filled with waiting rows of smaller seqlens (they fit, and spare rows are
 computed anyway). Ties go to the larger seqlen, whose spare rows can absorb
-smaller ones. The caller passes `now`.
+smaller ones. Rows of a smaller seqlen also count towards the batch size when
+running them padded up in this batch costs less than their own dispatch (a
+dispatch costs at least the host's time: `merged_rows`). The caller passes
+`now`.
 
 Request classes (`Classes`): interactive rows leave at once, ahead of bulk
 ones, whatever the window; a bulk row that has waited `max_bulk_wait_s`
@@ -79,12 +82,35 @@ class Dispatch:
         return list(dict.fromkeys(job for job, _ in self.parts))
 
 
-@functools.lru_cache(maxsize=32)
 def covers(table: BucketTable) -> dict[int, list[Bucket | None]]:
-    """Per seqlen, for 0..largest rows waiting: the batch size to dispatch (once per table: every
-    request's explain and every in-process run makes a batcher)."""
+    """Per seqlen, for 0..largest rows waiting: the batch size to dispatch."""
+    return {s: first for s, (first, _) in plans(table).items()}
+
+
+@functools.lru_cache(maxsize=32)
+def plans(table: BucketTable) -> dict[int, tuple[list[Bucket | None], list[float]]]:
+    """Per seqlen, for 0..largest rows waiting: the batch size to dispatch and the cost of covering them all
+    (once per table: every request's explain and every in-process run makes a batcher)."""
     cost = cost_model(table)
-    return {s: cheapest_covers(table.at(s), cost, table.at(s)[-1].batch) for s in table.seqlens}
+    return {s: cheapest_covers(table.at(s), cost, table.at(s)[-1].batch, with_costs=True) for s in table.seqlens}
+
+
+def merged_rows(seqlen: int, rows: int, smaller: list[tuple[int, int]], most: int,
+                plan: dict[int, tuple[list, list[float]]]) -> int:
+    """The rows a batch at `seqlen` is sized for: its own `rows`, plus rows of the `smaller` seqlens ((seqlen,
+    rows waiting), larger first) wherever running them padded up in it costs no more than their own cover (at
+    most `most` in all). Their cover's cost counts the host's time per dispatch, so when that time exceeds the
+    buckets' run times a request's rows at several seqlens leave in one dispatch instead of one per seqlen."""
+    cost = plan[seqlen][1]
+    for s, n in smaller:
+        own = plan[s][1]
+        n = min(n, len(own) - 1)  # beyond its largest batch the rest leave in dispatches of their own anyway
+        k = min(n, most - rows)
+        if k <= 0:
+            break
+        if cost[rows + k] <= cost[rows] + own[n] - own[n - k]:
+            rows += k
+    return rows
 
 
 class QueueFull(Exception):
@@ -165,11 +191,15 @@ class Batcher:
         self._rows = [dict.fromkeys(table.seqlens, 0) for _ in CLASSES]  # rows waiting per class, seqlen
         self._largest = {s: table.at(s)[-1].batch for s in table.seqlens}
         self._bulk_cap = bulk_caps(table, classes.bulk_dispatch_s, classes.bulk_efficiency)
-        self.covers = covers(table)
+        self.plan = plans(table)  # per seqlen: (covers, their costs); replaced when the host's time is measured
         self.queued = 0  # tokens waiting
         self.queued_by = [0, 0]  # tokens waiting per class (a promoted bulk row still counts as bulk)
         self.last_interactive = -math.inf  # when an interactive job last arrived
         self._aged_turn = False  # an interactive-led batch left while aged bulk rows waited: theirs is next
+
+    @property
+    def covers(self) -> dict[int, list[Bucket | None]]:
+        return {s: first for s, (first, _) in self.plan.items()}
 
     @property
     def queued_rows(self) -> int:
@@ -306,7 +336,9 @@ class Batcher:
         rows = sum(self._rows[c][seqlen] for c in range(cls, len(CLASSES)))
         first_rows = self._rows[cls][seqlen]
         most = self._largest[seqlen] if most is None else most
-        bucket = self.covers[seqlen][min(first_rows if cls == INTERACTIVE else rows, most)]
+        smaller = [(s, n) for s in reversed(self.table.seqlens) if s < seqlen and (n := self._rows[cls][s])]
+        sized = merged_rows(seqlen, min(first_rows if cls == INTERACTIVE else rows, most), smaller, most, self.plan)
+        bucket = self.plan[seqlen][0][sized]
         if bucket.batch > most:  # the cheapest cover of `most` rows may start with a larger batch
             bucket = max((b for b in self.table.at(seqlen) if b.batch <= most), key=lambda b: b.batch)
         parts: list[Run] = []

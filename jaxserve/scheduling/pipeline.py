@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from jaxserve.runtime.buckets import BucketTable
-from jaxserve.scheduling.batcher import BULK, CLASSES, Batcher, Classes, Dispatch, covers, queue_tokens
+from jaxserve.scheduling.batcher import BULK, CLASSES, Batcher, Classes, Dispatch, plans, queue_tokens
 from jaxserve.scheduling.explain import LiveTimings, explain
 from jaxserve.scheduling.host_cost import HostCost
 from jaxserve.scheduling.jobs import Job, assemble, keep, most_per_row, scatter
@@ -536,10 +536,10 @@ class Pipeline:
         """The batchers' covers for a host time per dispatch of `host_s` (derived outside the lock: milliseconds)."""
         log.info("batch sizes planned for a host time of %.0f us per dispatch (%s)", host_s * 1e6,
                  "measured" if self.host_cost.measured else "given")
-        planned = {lane: covers(dataclasses.replace(t, host_dispatch_s=host_s)) for lane, t in self.tables.items()}
+        planned = {lane: plans(dataclasses.replace(t, host_dispatch_s=host_s)) for lane, t in self.tables.items()}
         with self._lock:
-            for lane, c in planned.items():
-                self.batchers[lane].covers = c
+            for lane, plan in planned.items():
+                self.batchers[lane].plan = plan
 
     def _free_slot(self) -> None:
         """A batch left the device: its slot to the device threads, or (one stream) to the best prepared batch."""

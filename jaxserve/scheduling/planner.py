@@ -168,8 +168,10 @@ def cost_model(table: BucketTable):
     return lambda b: dispatch_cost(b, timed, table.host_dispatch_s)
 
 
-def cheapest_covers(options: list[Bucket], cost, most: int) -> list[Bucket | None]:
-    """For 0..`most` rows of one seqlen: the first (largest) bucket of the cheapest cover.
+def cheapest_covers(options: list[Bucket], cost, most: int,
+                    with_costs: bool = False) -> list[Bucket | None] | tuple[list[Bucket | None], list[float]]:
+    """For 0..`most` rows of one seqlen: the first (largest) bucket of the cheapest cover (`with_costs`: and each
+    cover's cost, which the batcher weighs against another seqlen's).
 
     Dynamic programming once per table; the batcher then looks it up per dispatch.
     With measured times this picks the batch sizes with the best throughput
@@ -193,7 +195,7 @@ def cheapest_covers(options: list[Bucket], cost, most: int) -> list[Bucket | Non
             largest = b if b.batch > largest.batch else largest
             n -= min(b.batch, n)
         first[x] = largest
-    return first
+    return (first, [t[0] for t in best]) if with_costs else first
 
 
 def cheapest_cover(n_rows: int, options: list[Bucket], cost) -> list[Bucket]:
