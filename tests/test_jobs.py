@@ -81,3 +81,18 @@ def test_types_travel_with_their_tokens():
         np.testing.assert_array_equal(ids[seg == k], s)
         np.testing.assert_array_equal(typ[seg == k], t)
         np.testing.assert_array_equal(pos[seg == k], np.arange(len(s)))
+
+
+def test_rows_of_a_part_need_not_be_consecutive():
+    """A part's rows are usually consecutive in their job (one slice of tokens); any rows assemble the same."""
+    seqs = [np.arange(1, 1 + n, dtype=np.int32) * 10 + k for k, n in enumerate((9, 5, 12, 3))]
+    pieces = from_sequences(seqs, np.arange(4), np.ones(4))
+    table = fixed([(4, 16)])  # padded: one sequence per row, rows in the order pack puts them
+    job = Job(pack(pieces.lengths, table), pieces.ids, pieces.offsets, None, 1)
+    rows = np.array([0, 2, 3])
+    inputs, real = assemble(table.buckets[0], ((0, rows),), {0: job})
+    for i, r in enumerate(rows):
+        want = seqs[int(job.rows.members[job.rows.starts[r]])]
+        np.testing.assert_array_equal(inputs[0, i, : len(want)], want)
+        assert (inputs[:, i, len(want) :] == 0).all() and (inputs[1, i, : len(want)] == 1).all()
+    assert (inputs[:, 3] == 0).all() and real == sum(len(seqs[int(job.rows.members[r])]) for r in rows)

@@ -91,22 +91,25 @@ def assemble(bucket: Bucket, parts, jobs: dict[int, Job]) -> tuple[np.ndarray, i
 
     Rows of jobs no longer in `jobs` (cancelled) stay padding."""
     b, s = bucket.shape
-    out = np.zeros((4, b * s), np.int32)
+    out = np.zeros((4, b, s), np.int32)
     first = real = 0
     for job_id, rows in parts:
         job = jobs.get(job_id)
         if job is not None and len(rows) == 1:  # one row (a small request's): two slices, no index arrays
             a, z = job.row_start[rows[0]], job.row_start[rows[0] + 1]
-            out[:, first * s : first * s + z - a] = job.flat[:, a:z]
+            out[:, first, : z - a] = job.flat[:, a:z]
             real += int(z - a)
         elif job is not None:
             counts = job.row_start[rows + 1] - job.row_start[rows]
-            src = ragged_arange(job.row_start[rows], counts)
-            dst = ragged_arange((first + np.arange(len(rows))) * s, counts)
-            out[:, dst] = job.flat[:, src]
-            real += len(src)
+            a, z = job.row_start[rows[0]], job.row_start[rows[-1] + 1]
+            # a run's rows are consecutive in the job (then its tokens are one slice), unless split around others
+            src = job.flat[:, a:z] if z - a == counts.sum() else job.flat[:, ragged_arange(job.row_start[rows], counts)]
+            real_of = np.arange(s) < counts[:, None]  # [n, S]: each row's tokens first, then padding
+            for plane, tokens in zip(out[:, first : first + len(rows)], src):  # a 2-D mask per plane: numpy's
+                plane[real_of] = tokens  # fast path (4x the [4, T] index arrays' speed at 64 rows)
+            real += int(counts.sum())
         first += len(rows)
-    return out.reshape(4, b, s), real
+    return out, real
 
 
 def most_per_row(parts, jobs: dict[int, Job]) -> int:
