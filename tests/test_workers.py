@@ -138,6 +138,9 @@ def test_two_front_ends_serve_as_one_process_does(files):
         assert count('jaxserve_requests_total{route="/v1/embeddings",status="200"}') == 5
         assert count('jaxserve_inputs_total') == 16
         assert count("jaxserve_batches_total") >= 1 and count("jaxserve_device_busy_seconds_total") > 0
+        # the engine's own counts: every sequence submitted, and dispatched for a waiting request
+        assert count('jaxserve_sequences_total{outcome="submitted"}') == 16
+        assert count('jaxserve_sequences_total{outcome="dispatched"}') == 16
     finally:
         stop(proc)
     assert proc.returncode == 0

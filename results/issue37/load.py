@@ -7,17 +7,23 @@ def client(url, conns, seconds, docs, q):
         # $LOAD_REPEAT: the sentence this many times per document (1: ~13 tokens; 4: ~40)
         sentence = " ".join(["the quick brown fox jumps over the lazy dog"] * int(os.environ.get("LOAD_REPEAT", "1")))
         body = json.dumps({"input": [sentence + " number %d" % i for i in range(docs)], "encoding_format": "base64"}).encode()
+        bodies = [body]
+        if os.environ.get("LOAD_CORPUS"):  # $LOAD_CORPUS=1: bench_host.py's bodies (its corpus, in turn) instead
+            sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts"))
+            import bench_host, harness
+            bodies = bench_host.request_bodies(harness.documents(4000, seed=0), docs, "base64")
         n = err = 0
         deadline = time.perf_counter() + seconds
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
-            async def one():
+            async def one(k):
                 nonlocal n, err
                 while time.perf_counter() < deadline:
-                    async with s.post(url + "/v1/embeddings", data=body, headers={"Content-Type": "application/json"}) as r:
+                    k += 1
+                    async with s.post(url + "/v1/embeddings", data=bodies[k % len(bodies)], headers={"Content-Type": "application/json"}) as r:
                         await r.read()
                         if r.status == 200: n += 1
                         else: err += 1
-            await asyncio.gather(*(one() for _ in range(conns)))
+            await asyncio.gather(*(one(7 * i) for i in range(conns)))
         q.put((n, err))
     asyncio.run(main())
 
