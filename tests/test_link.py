@@ -5,13 +5,14 @@ import socket
 
 import numpy as np
 import pytest
+import uvloop
 
-from jaxserve.scheduling.link import JOIN_BYTES, Wire
+from jaxserve.scheduling.link import DIRECT_BYTES, JOIN_BYTES, STAGE_BYTES, Wire
 
 
 async def pair():
     a, b = socket.socketpair()
-    return Wire(a), Wire(b)
+    return await Wire.open(a), await Wire.open(b)
 
 
 @pytest.mark.parametrize("size", [0, 10, JOIN_BYTES // 4 + 1, 3 * JOIN_BYTES])  # joined, and sent piece by piece
@@ -48,3 +49,47 @@ async def test_a_closed_peer_is_a_connection_error():
     with pytest.raises(ConnectionError):
         await right.recv()
     right.close()
+
+
+async def test_a_stream_of_small_and_large_messages_arrives_whole_and_in_order():
+    """Small messages batched in the staging buffer, prefixes split across reads, messages over the staging
+    buffer read straight into their own: every one whole, in the order posted and sent."""
+    left, right = await pair()
+    rng = np.random.default_rng(1)
+    sizes = [int(n) for n in rng.choice([0, 1, 7, 1000, DIRECT_BYTES // 4, DIRECT_BYTES // 4 + 1,
+                                         STAGE_BYTES // 4 + 3, 2 * STAGE_BYTES // 4], 60)]
+
+    async def produce():
+        for i, n in enumerate(sizes):
+            out = np.arange(n, dtype=np.float32) + i
+            if i % 3:
+                left.post({"op": "done", "id": i, "out": out}, out.nbytes)
+            else:
+                await left.send({"op": "done", "id": i, "out": out})
+            if i % 7 == 0:
+                await asyncio.sleep(0)
+
+    producer = asyncio.create_task(produce())
+    got = []
+    while len(got) < len(sizes):
+        m = await right.recv()
+        got += m["messages"] if m["op"] == "many" else [m]
+    await producer
+    assert [m["id"] for m in got] == list(range(len(sizes)))
+    for m, n in zip(got, sizes):
+        np.testing.assert_array_equal(m["out"], np.arange(n, dtype=np.float32) + m["id"])
+    left.close(), right.close()
+
+
+def test_the_same_on_uvloop():
+    """The tests above run on asyncio's loop; every server process runs uvloop's, whose transports differ."""
+
+    async def each():
+        for size in (0, 10, JOIN_BYTES // 4 + 1, 3 * JOIN_BYTES):
+            await test_arrays_cross_whole_and_writable(size)
+        await test_posts_of_one_turn_travel_as_one_message_in_order()
+        await test_a_stream_of_small_and_large_messages_arrives_whole_and_in_order()
+        await test_a_closed_peer_is_a_connection_error()
+        return type(asyncio.get_running_loop())
+
+    assert uvloop.run(each()) is uvloop.Loop

@@ -12,8 +12,10 @@ pipeline threads. Each front-end holds one Unix socket to the engine:
                         <-- status, card -------- (pushed: health, queue, the model and its tables)
 
 A message is a pickled header (protocol 5) whose numpy arrays travel out of
-band after it: a job's token ids in, its outputs out, each copied once into the
-socket and once out of it, into one buffer the arrays then use. Only
+band after it: a job's token ids in, its outputs out. A large message is
+copied once into the socket and once out of it, into one buffer its arrays
+then use; a small one (64 KiB or less) once more, out of the buffer that
+batches reads of small messages. Only
 jaxserve's own processes speak on the socket: it lives in a directory only this
 user may open (`http/workers.py` makes it 0700).
 """
@@ -21,6 +23,7 @@ user may open (`http/workers.py` makes it 0700).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import itertools
 import os
@@ -35,83 +38,176 @@ from jaxserve.scheduling.pipeline import Draining, Pipeline
 
 PREFIX = struct.Struct("<IIQ")  # header bytes, buffers, their bytes; then each buffer's length (<Q), the header, them
 JOIN_BYTES = 64 * 2**10  # a message whose arrays hold less than this goes out as one write (a copy costs less)
+STAGE_BYTES = 256 * 2**10  # reads of small messages land here, several at a time
+DIRECT_BYTES = 64 * 2**10  # a message larger than this is read into a buffer of its own (no second copy)
 STATUS_EVERY_S = 0.25  # the engine's queue and health, pushed to each front-end this often (and on change)
 
 
 # ---- the wire ----
 
-class Wire:
-    """One connected socket: whole messages in and out (sends never interleave)."""
+class Wire(asyncio.BufferedProtocol):
+    """One connected socket: whole messages in and out, in order. An asyncio protocol over the loop's transport
+    (uvloop's, in C): a write goes to the socket at once, or waits in the transport's buffer, with no task or
+    future per message; reads land in a staging buffer, and a message larger than it is read straight into a
+    buffer of its own, which its arrays then use. Open one with `await Wire.open(sock)`."""
 
-    def __init__(self, sock: socket.socket):
-        sock.setblocking(False)
-        self.sock = sock
-        self._loop = asyncio.get_running_loop()
-        self._sending = asyncio.Lock()
+    def __init__(self):
+        self._transport: asyncio.Transport | None = None
         self._outbox: list[dict] = []
-        self._flushing: asyncio.Task | None = None
+        self._flush_due = False
+        self._received: collections.deque[dict] = collections.deque()
+        self._waiter: asyncio.Future | None = None
+        self._writable: asyncio.Future | None = None  # set while the transport asks writers to pause
+        self._closed: Exception | None = None
+        self._stage = bytearray(STAGE_BYTES)
+        self._staged = 0  # bytes in the staging buffer
+        self._body: memoryview | None = None  # a large message being read straight into its own buffer
+        self._body_got = 0
+        self._body_shape = (0, 0)  # its (buffers, header bytes)
+
+    @classmethod
+    async def open(cls, sock: socket.socket) -> Wire:
+        wire = cls()
+        await asyncio.get_running_loop().connect_accepted_socket(lambda: wire, sock)
+        return wire
+
+    # ---- out ----
 
     def post(self, message: dict, nbytes: int = 0) -> None:
         """Send `message` (its arrays holding `nbytes`): a small one with the others posted in this turn of the
         event loop, as one (a batch's replies, a burst of requests: one write and one read for all of them, not
-        one each); a large one at once, on its own (joined, large messages would overfill the socket's buffer
-        and cost more than they save). A broken connection surfaces to the reader of the other side, not here."""
-        loop = asyncio.get_running_loop()
+        one each); a large one at once, after those. A broken connection surfaces to the reader, not here."""
         if nbytes >= JOIN_BYTES:
-            loop.create_task(self._quietly(message))
+            self._flush()
+            self._write(message)
             return
         self._outbox.append(message)
-        if self._flushing is None:
-            self._flushing = loop.create_task(self._flush())
+        if not self._flush_due:
+            self._flush_due = True
+            asyncio.get_running_loop().call_soon(self._flush)
 
-    async def _flush(self) -> None:
-        await asyncio.sleep(0)  # let the rest of this turn post theirs
-        messages, self._outbox, self._flushing = self._outbox, [], None
-        await self._quietly(messages[0] if len(messages) == 1 else {"op": "many", "messages": messages})
-
-    async def _quietly(self, message: dict) -> None:
-        with contextlib.suppress(ConnectionError, OSError):
-            await self.send(message)
+    def _flush(self) -> None:
+        self._flush_due = False
+        if self._outbox:
+            messages, self._outbox = self._outbox, []
+            self._write(messages[0] if len(messages) == 1 else {"op": "many", "messages": messages})
 
     async def send(self, message: dict) -> None:
+        """Send `message` now (after what was posted); waits while the transport's buffer is full."""
+        if self._closed is not None:
+            raise ConnectionError(f"the link is closed ({self._closed})")
+        self._flush()
+        self._write(message)
+        if self._writable is not None:
+            await asyncio.shield(self._writable)
+
+    def _write(self, message: dict) -> None:
+        if self._transport is None or self._transport.is_closing():
+            return
         buffers: list[pickle.PickleBuffer] = []
         head = pickle.dumps(message, protocol=5, buffer_callback=buffers.append)
         views = [b.raw() for b in buffers]
         size = sum(v.nbytes for v in views)
         prefix = PREFIX.pack(len(head), len(views), size) + b"".join(struct.pack("<Q", v.nbytes) for v in views)
-        async with self._sending:
-            if size < JOIN_BYTES:
-                await self._loop.sock_sendall(self.sock, b"".join((prefix, head, *views)))
-                return
-            await self._loop.sock_sendall(self.sock, prefix + head)
-            for view in views:
-                await self._loop.sock_sendall(self.sock, view)
+        if size < JOIN_BYTES:
+            self._transport.write(b"".join((prefix, head, *views)))
+        else:
+            self._transport.writelines([prefix + head, *views])
+
+    # ---- in ----
 
     async def recv(self) -> dict:
-        """The next message; ConnectionError when the other side is gone. Two reads: its prefix, then the rest
-        into one buffer that its arrays use (no copy after the socket's)."""
-        head_bytes, count, size = PREFIX.unpack(await self._exactly(PREFIX.size))
-        rest = memoryview(await self._exactly(8 * count + head_bytes + size))
-        sizes = struct.unpack_from(f"<{count}Q", rest)
+        """The next message; ConnectionError when the other side is gone."""
+        while not self._received:
+            if self._closed is not None:
+                raise ConnectionError(f"the other process closed the link ({self._closed})")
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self._received.popleft()
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self._body is not None:
+            return self._body[self._body_got :]
+        if self._staged == len(self._stage):  # a prefix never fills it: only a message larger than it does
+            raise AssertionError("staging buffer full")
+        return memoryview(self._stage)[self._staged :]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self._body is not None:
+            self._body_got += nbytes
+            if self._body_got == len(self._body):
+                body, self._body = self._body, None
+                self._deliver(self._decode(body, *self._body_shape))
+            return
+        self._staged += nbytes
+        stage, at = self._stage, 0
+        while self._staged - at >= PREFIX.size:
+            head_bytes, count, size = PREFIX.unpack_from(stage, at)
+            length = 8 * count + head_bytes + size  # after the prefix
+            start = at + PREFIX.size
+            have = self._staged - start
+            if have >= length and length <= DIRECT_BYTES:  # whole and small: copied out of the staging buffer
+                self._deliver(self._decode(memoryview(bytearray(stage[start : start + length])), count, head_bytes))
+                at = start + length
+                continue
+            if length > DIRECT_BYTES:  # large: the rest goes straight into its own buffer (arrays use it as is)
+                body = memoryview(bytearray(length))
+                got = min(have, length)
+                body[:got] = stage[start : start + got]
+                at = start + got
+                if got == length:
+                    self._deliver(self._decode(body, count, head_bytes))
+                    continue
+                self._body, self._body_got, self._body_shape = body, got, (count, head_bytes)
+            break
+        if at:
+            stage[: self._staged - at] = stage[at : self._staged]
+            self._staged -= at
+
+    @staticmethod
+    def _decode(body: memoryview, count: int, head_bytes: int) -> dict:
+        sizes = struct.unpack_from(f"<{count}Q", body)
         at = 8 * count + head_bytes
-        head, buffers = rest[8 * count : at], []
+        head, buffers = body[8 * count : at], []
         for n in sizes:
-            buffers.append(rest[at : at + n])
+            buffers.append(body[at : at + n])
             at += n
         return pickle.loads(head, buffers=buffers)
 
-    async def _exactly(self, n: int) -> bytearray:
-        buf = bytearray(n)
-        view, got = memoryview(buf), 0
-        while got < n:
-            k = await self._loop.sock_recv_into(self.sock, view[got:])
-            if k == 0:
-                raise ConnectionError("the other process closed the link")
-            got += k
-        return buf
+    def _deliver(self, message: dict) -> None:
+        self._received.append(message)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    # ---- the transport's calls ----
+
+    def connection_made(self, transport) -> None:
+        self._transport = transport
+
+    def connection_lost(self, exc) -> None:
+        self._closed = exc or ConnectionError("closed")
+        for future in (self._waiter, self._writable):
+            if future is not None and not future.done():
+                future.set_result(None)
+        self._writable = None
+
+    def eof_received(self) -> bool:
+        return False  # close the transport: the other side is gone
+
+    def pause_writing(self) -> None:
+        self._writable = asyncio.get_running_loop().create_future()
+
+    def resume_writing(self) -> None:
+        if self._writable is not None and not self._writable.done():
+            self._writable.set_result(None)
+        self._writable = None
 
     def close(self) -> None:
-        self.sock.close()
+        if self._transport is not None:
+            self._transport.close()
 
 
 # ---- the engine's side ----
@@ -162,7 +258,7 @@ class LinkServer:
         loop = asyncio.get_running_loop()
         while True:
             sock, _ = await loop.sock_accept(self._listener)
-            self._spawn(self._serve(Wire(sock)))
+            self._spawn(self._serve(await Wire.open(sock)))
 
     def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.create_task(coro)
@@ -376,7 +472,7 @@ class EngineLink:
                 sock.close()
                 await asyncio.sleep(self.retry_s)
                 continue
-            wire = self._wire = Wire(sock)
+            wire = self._wire = await Wire.open(sock)
             self.gone = None
             try:
                 await self._read(wire)
