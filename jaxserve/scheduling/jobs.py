@@ -71,15 +71,25 @@ class Job:
         self.remaining = len(lengths)  # sequences not yet done
         self.kept: dict[int, object] = {}
 
-    def __getstate__(self) -> dict:
-        """A job sent to the engine process (scheduling/link.py) leaves its empty outputs behind: made there."""
-        state = dict(self.__dict__)
-        state["out"] = state["out"].shape
-        return state
+    def __getstate__(self) -> tuple:
+        """A job sent to the engine process (scheduling/link.py): its tokens and one array of all its indices
+        (pickling ten small arrays each on its own cost a front-end more than the rest of the message); its
+        empty outputs stay behind, made there."""
+        r = self.rows
+        index = np.concatenate((r.lengths, r.members, r.starts, r.seqlen, self.row_start, self.seq_start,
+                                self.lengths))
+        return (self.flat, index, len(r.seqlen), r.width, self.output, self.out.shape, self.remaining, self.kept)
 
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        self.out = np.zeros(state["out"], np.float32)
+    def __setstate__(self, state: tuple) -> None:
+        self.flat, index, n_rows, width, self.output, out_shape, self.remaining, self.kept = state
+        p = (len(index) - 3 * n_rows - 2) // 4  # sequences (4 arrays of P, 2 of R + 1 and 1 of R: __getstate__)
+        parts, at = [], 0
+        for n in (p, p, n_rows + 1, n_rows, n_rows + 1, p, p):
+            parts.append(index[at : at + n])
+            at += n
+        lengths, members, starts, seqlen, self.row_start, self.seq_start, self.lengths = parts
+        self.rows = Rows(lengths, members, starts, seqlen, width)
+        self.out = np.zeros(out_shape, np.float32)
 
     def token_vectors(self, p: int) -> np.ndarray:
         """[L, D] sequence p's token vectors (a `tokens` job)."""
