@@ -276,8 +276,8 @@ class LinkServer:
             await asyncio.sleep(STATUS_EVERY_S)
 
     async def _serve(self, wire: Wire) -> None:
-        """One front-end: its jobs run as tasks; when it goes away, they are cancelled (their rows dropped)."""
-        running: dict[int, asyncio.Task] = {}
+        """One front-end: its jobs go to the pipeline; when it goes away, they are cancelled (their rows dropped)."""
+        running: dict[int, int] = {}  # the front-end's request id -> the pipeline's job id, while it runs
         self._wires.add(wire)
         try:
             await wire.send({"op": "status", **self.status()})
@@ -291,34 +291,41 @@ class LinkServer:
             pass
         finally:
             self._wires.discard(wire)
-            for task in running.values():
-                task.cancel()
+            for jid in running.values():
+                self.pipeline.cancel(jid)
+            running.clear()
             wire.close()
 
     def _handle(self, wire: Wire, message: dict, running: dict) -> None:
         op = message["op"]
         if op == "run":
-            rid = message["id"]
-            running[rid] = self._spawn(self._run(wire, rid, message, running))
-        elif op == "cancel" and (task := running.pop(message["id"], None)) is not None:
-            task.cancel()
+            self._run(wire, message, running)
+        elif op == "cancel" and (jid := running.pop(message["id"], None)) is not None:
+            self.pipeline.cancel(jid)
         elif op == "explain":
             self._spawn(self._explain(wire, message))
 
-    async def _run(self, wire: Wire, rid: int, message: dict, running: dict) -> None:
-        job: Job = message["job"]
+    def _run(self, wire: Wire, message: dict, running: dict) -> None:
+        """Submit a job; its reply is posted when its future resolves (a callback: no task per request)."""
+        rid, job = message["id"], message["job"]
         try:
             if self.pipeline is None:
                 raise Draining("the engine is still warming up")
-            out, timing = await self.pipeline.run(job, message["cls"], message["deadline_s"])
-            reply = {"op": "done", "id": rid, "out": out, "kept": job.kept, "timing": timing}
-        except asyncio.CancelledError:
+            jid, future, timing = self.pipeline.submit(job, message["cls"], message["deadline_s"])
+        except Exception as exc:  # the request's own outcome (queue full, too large, draining)
+            wire.post({"op": "error", "id": rid, "error": exc})
             return
-        except Exception as exc:  # the request's own outcome (queue full, too large, draining, its batch failed)
-            reply = {"op": "error", "id": rid, "error": exc}
-        finally:
-            running.pop(rid, None)
-        wire.post(reply, reply["out"].nbytes if reply["op"] == "done" else 0)
+        running[rid] = jid
+        future.add_done_callback(lambda f: self._answer(wire, rid, job, timing, f, running))
+
+    @staticmethod
+    def _answer(wire: Wire, rid: int, job: Job, timing, future: asyncio.Future, running: dict) -> None:
+        if running.pop(rid, None) is None:  # cancelled: by its front-end, or the link went away
+            return
+        if (exc := future.exception()) is not None:  # its batch failed, or the pipeline stopped
+            wire.post({"op": "error", "id": rid, "error": exc})
+        else:
+            wire.post({"op": "done", "id": rid, "out": job.out, "kept": job.kept, "timing": timing}, job.out.nbytes)
 
     async def _explain(self, wire: Wire, message: dict) -> None:
         try:

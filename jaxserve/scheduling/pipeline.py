@@ -279,16 +279,30 @@ class Pipeline:
         `cls`: its request class; `deadline_s`: its latency budget (earliest deadline first within a class).
 
         If the caller is cancelled (client gone, timeout), the job's waiting rows are dropped."""
+        jid, future, timing = self.submit(job, cls, deadline_s)
+        try:
+            await future
+        finally:
+            if jid in self._entries:  # not answered: the caller went away
+                self.cancel(jid)
+        return job.out, timing
+
+    def submit(self, job: Job, cls: int = BULK, deadline_s: float | None = None) -> tuple[int, asyncio.Future,
+                                                                                            RequestTiming]:
+        """`run` without a coroutine of its own, for a caller with many jobs in flight (the engine process's link):
+        queue the job's rows -> (its id for `cancel`, a future resolved once `job.out` holds its outputs, or failed
+        with BatchError or Draining, and its timing). Raises QueueFull, TooLarge and Draining at once."""
         now = time.monotonic()
         timing = RequestTiming(submitted=now, cls=cls, deadline_s=deadline_s)
         if self._stopping:
             raise Draining("the server stopped and takes no new requests")
+        future = self._loop.create_future()
         if job.remaining == 0:
             timing.done = now
-            return job.out, timing
+            future.set_result(None)
+            return -1, future, timing
         if job.output not in self.batchers:
             raise ValueError(f"this server computes no {job.output} outputs")
-        future = self._loop.create_future()
         with self._lock:
             jid = next(self._ids)
             batcher = self.batchers[job.output]
@@ -300,12 +314,7 @@ class Pipeline:
         self.metrics.sequences("submitted", job.remaining)
         self._idle.clear()
         self.metrics.queue_depth(self.queued)
-        try:
-            await future
-        finally:
-            if jid in self._entries:  # not answered: the caller went away
-                self.cancel(jid)
-        return job.out, timing
+        return jid, future, timing
 
     def cancel(self, jid: int) -> None:
         """Drop a job: its waiting rows never reach the device; rows already prepared or launched still run (as real
