@@ -131,7 +131,7 @@ class Wire(asyncio.BufferedProtocol):
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._body is not None:
             return self._body[self._body_got :]
-        if self._staged == len(self._stage):  # a prefix never fills it: only a message larger than it does
+        if self._staged == len(self._stage):  # never: after each read it holds at most part of one small message
             raise AssertionError("staging buffer full")
         return memoryview(self._stage)[self._staged :]
 
@@ -143,7 +143,7 @@ class Wire(asyncio.BufferedProtocol):
                 self._deliver(self._decode(body, *self._body_shape))
             return
         self._staged += nbytes
-        stage, at = self._stage, 0
+        stage, at = memoryview(self._stage), 0
         while self._staged - at >= PREFIX.size:
             head_bytes, count, size = PREFIX.unpack_from(stage, at)
             length = 8 * count + head_bytes + size  # after the prefix
