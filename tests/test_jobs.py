@@ -3,6 +3,7 @@
 import pickle
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -71,10 +72,11 @@ def test_every_sequence_comes_back_to_its_place(requests, t, cancelled):
         assert gone.remaining == len(requests[cancelled])  # never ran
 
 
-def test_types_travel_with_their_tokens():
-    seqs = [np.array([5, 6, 7], np.int32), np.array([8, 9], np.int32)]
-    types = [np.array([0, 1, 1], np.int32), np.array([0, 1], np.int32)]
-    pieces = from_sequences(seqs, np.arange(2), np.ones(2), types)
+@pytest.mark.parametrize("n", [2, 1])  # one sequence takes Job's own short path
+def test_types_travel_with_their_tokens(n):
+    seqs = [np.array([5, 6, 7], np.int32), np.array([8, 9], np.int32)][:n]
+    types = [np.array([0, 1, 1], np.int32), np.array([0, 1], np.int32)][:n]
+    pieces = from_sequences(seqs, np.arange(n), np.ones(n), types)
     table = fixed([(1, 16)], layout="packed")
     job = Job(pack(pieces.lengths, table), pieces.ids, pieces.offsets, pieces.types, 1)
     inputs, _ = assemble(table.buckets[0], ((0, np.array([0])),), {0: job})

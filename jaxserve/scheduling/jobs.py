@@ -53,20 +53,29 @@ class Job:
         self.rows = rows
         self.output = output
         lengths = np.diff(offsets)
-        order = rows.members  # sequences in row order
-        src = ragged_arange(offsets[order], lengths[order])  # each token's place in `ids`, row after row
-        self.flat = np.empty((4, len(src)), np.int32)  # [4, T] in row order
-        self.flat[0] = ids[src]
-        docs = rows.docs
-        slot = np.arange(len(order)) - np.repeat(rows.starts[:-1], docs)  # each sequence's slot in its row
-        self.flat[1] = np.repeat(slot + 1, lengths[order])
-        self.flat[2] = np.arange(len(src)) - np.repeat(np.cumsum(lengths[order]) - lengths[order], lengths[order])
+        if len(lengths) == 1:  # one sequence (a query): one row, slot 1, its tokens one slice of `ids`
+            a, z = int(offsets[0]), int(offsets[1])
+            src = slice(a, z)
+            self.flat = np.empty((4, z - a), np.int32)
+            self.flat[0] = ids[src]
+            self.flat[1] = 1
+            self.flat[2] = np.arange(z - a)
+            self.row_start = np.array([0, z - a])
+            self.seq_start = np.zeros(1, np.int64)
+        else:
+            order = rows.members  # sequences in row order
+            src = ragged_arange(offsets[order], lengths[order])  # each token's place in `ids`, row after row
+            self.flat = np.empty((4, len(src)), np.int32)  # [4, T] in row order
+            self.flat[0] = ids[src]
+            slot = np.arange(len(order)) - np.repeat(rows.starts[:-1], rows.docs)  # each sequence's slot in its row
+            self.flat[1] = np.repeat(slot + 1, lengths[order])
+            self.flat[2] = np.arange(len(src)) - np.repeat(np.cumsum(lengths[order]) - lengths[order], lengths[order])
+            self.row_start = np.concatenate([[0], np.cumsum(rows.tokens)])  # [R + 1] each row's tokens in `flat`
+            self.seq_start = np.empty(len(lengths), np.int64)  # each sequence's first token in `flat`
+            self.seq_start[order] = np.cumsum(lengths[order]) - lengths[order]
         self.flat[3] = 0 if types is None else types[src]
-        self.row_start = np.concatenate([[0], np.cumsum(rows.tokens)])  # [R + 1] each row's tokens in `flat`
-        self.seq_start = np.empty(len(lengths), np.int64)  # each sequence's first token in `flat`
-        self.seq_start[order] = np.cumsum(lengths[order]) - lengths[order]
         self.lengths = lengths
-        size = len(src) if output == "tokens" else len(lengths)
+        size = self.flat.shape[1] if output == "tokens" else len(lengths)
         self.out = np.zeros((size, out_dim), np.float32)  # [P, D] per sequence, or [T, D] per token
         self.remaining = len(lengths)  # sequences not yet done
         self.kept: dict[int, object] = {}
