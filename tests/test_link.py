@@ -81,6 +81,45 @@ async def test_a_stream_of_small_and_large_messages_arrives_whole_and_in_order()
     left.close(), right.close()
 
 
+async def test_closing_wakes_a_send_held_by_a_full_buffer_and_a_waiting_recv():
+    """A peer that stopped reading: a large send waits for room (the transport's flow control), and closing this
+    end wakes it and a pending recv at once, instead of when a flush that never comes would."""
+    left, right = await pair()
+    right._transport.pause_reading()
+    big = {"op": "done", "id": 1, "out": np.zeros(2**20, np.float32)}  # 4 MiB, well over the socket's buffer
+    sends = [asyncio.create_task(left.send(big)) for _ in range(2)]
+    recv = asyncio.create_task(left.recv())
+    await asyncio.sleep(0)
+    assert not sends[-1].done() and left._writable is not None  # held: the buffer is over its high-water mark
+    left.close()
+    done = await asyncio.wait_for(asyncio.gather(*sends, recv, return_exceptions=True), 10)
+    assert done[:2] == [None, None] and isinstance(done[2], ConnectionError)
+    with pytest.raises(ConnectionError):
+        await left.send({"op": "cancel", "id": 2})
+    right.close()
+
+
+async def test_a_failed_job_cancelled_before_its_answer_leaves_no_unread_exception():
+    """The front-end's cancel can reach the engine between a batch failing and the job's callback: the reply is
+    not sent, and the failure is read anyway (asyncio would log an exception never retrieved)."""
+    import gc
+
+    from jaxserve.scheduling.link import LinkServer
+
+    loop, logged, posted = asyncio.get_running_loop(), [], []
+    loop.set_exception_handler(lambda _, context: logged.append(context["message"]))
+    wire = type("Posts", (), {"post": lambda self, message, nbytes=0: posted.append(message)})()
+    running = {7: 3}
+    future = loop.create_future()
+    future.add_done_callback(lambda f: LinkServer._answer(wire, 7, None, None, f, running))
+    future.set_exception(RuntimeError("the batch failed"))
+    running.pop(7)  # the cancel, handled before the callback runs
+    await asyncio.sleep(0)
+    del future
+    gc.collect()
+    assert posted == [] and logged == []
+
+
 def test_the_same_on_uvloop():
     """The tests above run on asyncio's loop; every server process runs uvloop's, whose transports differ."""
 
@@ -90,6 +129,7 @@ def test_the_same_on_uvloop():
         await test_posts_of_one_turn_travel_as_one_message_in_order()
         await test_a_stream_of_small_and_large_messages_arrives_whole_and_in_order()
         await test_a_closed_peer_is_a_connection_error()
+        await test_closing_wakes_a_send_held_by_a_full_buffer_and_a_waiting_recv()
         return type(asyncio.get_running_loop())
 
     assert uvloop.run(each()) is uvloop.Loop

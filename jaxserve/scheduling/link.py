@@ -112,7 +112,8 @@ class Wire(asyncio.BufferedProtocol):
         if size < JOIN_BYTES:
             self._transport.write(b"".join((prefix, head, *views)))
         else:
-            self._transport.writelines([prefix + head, *views])
+            for piece in (prefix + head, *views):  # write() each: asyncio's writelines never pauses a writer
+                self._transport.write(piece)
 
     # ---- in ----
 
@@ -188,7 +189,7 @@ class Wire(asyncio.BufferedProtocol):
         self._transport = transport
 
     def connection_lost(self, exc) -> None:
-        self._closed = exc or ConnectionError("closed")
+        self._closed = self._closed or exc or ConnectionError("closed")
         for future in (self._waiter, self._writable):
             if future is not None and not future.done():
                 future.set_result(None)
@@ -206,8 +207,11 @@ class Wire(asyncio.BufferedProtocol):
         self._writable = None
 
     def close(self) -> None:
+        """Close this end; whoever waits on it (a `recv`, a `send` held by a full buffer) wakes now, not when the
+        transport has flushed, which a peer that stopped reading would never let happen."""
         if self._transport is not None:
             self._transport.close()
+        self.connection_lost(None)
 
 
 # ---- the engine's side ----
@@ -320,9 +324,10 @@ class LinkServer:
 
     @staticmethod
     def _answer(wire: Wire, rid: int, job: Job, timing, future: asyncio.Future, running: dict) -> None:
+        exc = None if future.cancelled() else future.exception()  # read even when unwanted: asyncio logs it if not
         if running.pop(rid, None) is None:  # cancelled: by its front-end, or the link went away
             return
-        if (exc := future.exception()) is not None:  # its batch failed, or the pipeline stopped
+        if exc is not None:  # its batch failed, or the pipeline stopped
             wire.post({"op": "error", "id": rid, "error": exc})
         else:
             wire.post({"op": "done", "id": rid, "out": job.out, "kept": job.kept, "timing": timing}, job.out.nbytes)
