@@ -16,7 +16,7 @@ from jaxserve.runtime.buckets import fixed
 from jaxserve.scheduling import host_cost
 from jaxserve.scheduling.batcher import Batcher, covers, merged_rows, plans
 from jaxserve.scheduling.host_cost import HostCost
-from jaxserve.scheduling.planner import cheapest_cover, cost_model
+from jaxserve.scheduling.planner import cheapest_cover, cost_model, pack
 
 
 def timed(run_s: dict[tuple[int, int], float], host_s: float):
@@ -146,15 +146,19 @@ async def test_the_pipeline_plans_with_a_given_host_time_and_reports_it(tiny_che
     enc = Encoder.from_pretrained(str(tiny_checkpoint(max_seq_length=64)))
     sim = simulated_engine(enc.engine, enc.model_config, 64, 4, SimSpec(tflops=400, sizes=(768, 3072, 12)))
     table = sim.table
-    ran = {}
+    ran, explained = {}, {}
     for host_s in (None, 1e-3):
         pipeline = Pipeline(sim, table, 0.001, None, streams=1, host_dispatch_s=host_s)
         await pipeline.start()
         try:
+            rows = pack(np.full(100, 40), table)
+            explained[host_s] = [tuple(b["bucket"][k] for k in ("batch", "seqlen"))
+                                 for b in pipeline.explain(rows, None, "pooled", 0.0)["batches"]]
             ran[host_s] = await _dispatches(pipeline, 100)
             info = pipeline.host_dispatch
         finally:
             await pipeline.stop()
+        assert explained[host_s] == ran[host_s]  # ?explain=1 predicts the batches the pipeline forms
         if host_s is None:
             assert info["source"] == "measured" and info["planned_s"] == table.host_dispatch_s == info["warmup_s"]
             assert info["batches_measured"] == len(ran[None])

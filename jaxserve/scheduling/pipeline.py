@@ -250,11 +250,12 @@ class Pipeline:
         return self._pipeline
 
     def explain(self, rows, doc, output: str, max_wait_s: float) -> dict:
-        """The latency math of one request's rows (`scheduling.explain`), given what waits and runs ahead now."""
+        """The latency math of one request's rows (`scheduling.explain`), given what waits and runs ahead now: its
+        batches as the batchers would form them, at the host time per dispatch they plan with."""
         with self._lock:
             backlog = self.batchers[output].backlog()
-        return explain(rows, self.tables[output], self.timings[output], doc, backlog, self.batches_in_flight,
-                       max_wait_s)
+        table = dataclasses.replace(self.tables[output], host_dispatch_s=self.host_cost.planned)
+        return explain(rows, table, self.timings[output], doc, backlog, self.batches_in_flight, max_wait_s)
 
     def status(self) -> dict:
         """What a front-end process shows of this pipeline (`scheduling/link.py`)."""
