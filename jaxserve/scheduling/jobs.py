@@ -87,13 +87,13 @@ class Job:
         r = self.rows
         index = np.concatenate((r.lengths, r.members, r.starts, r.seqlen, self.row_start, self.seq_start,
                                 self.lengths))
-        return (self.flat, index, len(r.seqlen), r.width, self.output, self.out.shape, self.remaining, self.kept)
+        return (self.flat, index, len(self.lengths), len(r.seqlen), r.width, self.output, self.out.shape,
+                self.remaining, self.kept)
 
     def __setstate__(self, state: tuple) -> None:
-        self.flat, index, n_rows, width, self.output, out_shape, self.remaining, self.kept = state
-        p = (len(index) - 3 * n_rows - 2) // 4  # sequences (4 arrays of P, 2 of R + 1 and 1 of R: __getstate__)
+        self.flat, index, p, n_rows, width, self.output, out_shape, self.remaining, self.kept = state
         parts, at = [], 0
-        for n in (p, p, n_rows + 1, n_rows, n_rows + 1, p, p):
+        for n in (p, p, n_rows + 1, n_rows, n_rows + 1, p, p):  # the arrays in __getstate__'s order
             parts.append(index[at : at + n])
             at += n
         lengths, members, starts, seqlen, self.row_start, self.seq_start, self.lengths = parts

@@ -48,7 +48,7 @@ STATUS_EVERY_S = 0.25  # the engine's queue and health, pushed to each front-end
 class Wire(asyncio.BufferedProtocol):
     """One connected socket: whole messages in and out, in order. An asyncio protocol over the loop's transport
     (uvloop's, in C): a write goes to the socket at once, or waits in the transport's buffer, with no task or
-    future per message; reads land in a staging buffer, and a message larger than it is read straight into a
+    future per message; reads land in a staging buffer, and a message over `DIRECT_BYTES` is read straight into a
     buffer of its own, which its arrays then use. Open one with `await Wire.open(sock)`."""
 
     def __init__(self):
