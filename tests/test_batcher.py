@@ -171,6 +171,7 @@ def test_every_row_dispatched_once_unless_cancelled(jobs, wait, idles, cancelled
             assert mine == list(range(len(seqlens)))
     for d in sent:
         assert d.bucket in TABLE.buckets and 1 <= d.rows <= d.bucket.batch
+        assert len(d.jobs) == len(d.parts)  # a job's runs at several seqlens: one part (assembled, scattered once)
         for job, rows in d.parts:
             assert all(jobs[job][r] <= d.bucket.seqlen for r in rows)
     assert b.queued == 0 and b.queued_rows == 0

@@ -101,6 +101,8 @@ def _request_at_two_seqlens(host_s: float) -> list[tuple[tuple[int, int], int]]:
     b.submit(0, np.array([128] * 3 + [32] * 10), np.ones(13, np.int64), 0.0)
     out = []
     while (d := b.next_dispatch(0.0, device_idle=True)) is not None:
+        assert len(d.parts) == 1  # its rows at both seqlens as one part, in the request's row order
+        assert d.parts[0][1].tolist() == sorted(d.parts[0][1].tolist())
         out.append((d.bucket.shape, d.rows))
     return out
 

@@ -25,6 +25,7 @@ def test_every_sequence_once_in_the_smallest_row_that_holds_it(lengths, name):
     table = TABLES[name]
     rows = pack(lengths, table)
     assert sorted(rows.members.tolist()) == list(range(len(lengths)))  # each exactly once
+    assert (np.diff(rows.seqlen) <= 0).all()  # longest first: a seqlen's rows are consecutive
     seqlens = table.seqlens
     for r in range(rows.count):
         members = rows.row_members(r)

@@ -113,6 +113,16 @@ def merged_rows(seqlen: int, rows: int, smaller: list[tuple[int, int]], most: in
     return rows
 
 
+def by_job(runs: list[Run]) -> tuple[tuple[int, np.ndarray], ...]:
+    """A batch's runs as one part per job, in order of each job's first run: a request's rows at several seqlens
+    in one batch are assembled, scattered and counted once, not once per seqlen. Any row order within a batch
+    is as good as another (each row is whole), so a job's runs move up to its first."""
+    rows: dict[int, list[np.ndarray]] = {}
+    for r in runs:
+        rows.setdefault(r.job, []).append(r.rows)
+    return tuple((job, rs[0] if len(rs) == 1 else np.concatenate(rs)) for job, rs in rows.items())
+
+
 class QueueFull(Exception):
     """More tokens would wait than the queue allows; try again later."""
 
@@ -356,8 +366,8 @@ class Batcher:
                     self.queued -= len(r.rows) * s
                     self.queued_by[r.cls] -= len(r.rows) * s
         oldest = min(r.enqueued for r in parts)
-        return Dispatch(bucket, tuple((r.job, r.rows) for r in parts), reason, oldest,
-                        tuple(sorted({r.cls for r in parts})), cls if lead is None else lead)
+        return Dispatch(bucket, by_job(parts), reason, oldest, tuple(sorted({r.cls for r in parts})),
+                        cls if lead is None else lead)
 
     def _take(self, cls: int, seqlen: int, most: int, slots: int) -> list[Run]:
         """Up to `most` rows from the head of one class's seqlen queue, whole runs first, the last one split."""

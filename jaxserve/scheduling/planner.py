@@ -68,20 +68,34 @@ class Rows:
 
 
 def pack(lengths, table: BucketTable, layout: str | None = None) -> Rows:
-    """Rows for sequences of these lengths on this table (`layout` defaults to the table's)."""
+    """Rows for sequences of these lengths on this table (`layout` defaults to the table's), longest seqlen
+    first: the rows a batch takes of one request at several seqlens are then one slice of its tokens."""
     lengths = np.asarray(lengths, np.int64).reshape(-1)
     width = pack_width(table) if (layout or table.layout) == "packed" else None
     if len(lengths) and lengths.max() > table.max_seqlen:
         raise ValueError(f"no bucket holds {int(lengths.max())} tokens (largest seqlen {table.max_seqlen})")
     if width is None or len(lengths) < 2:
+        rows = None
         members = np.arange(len(lengths))
         starts = np.arange(len(lengths) + 1)
     else:
         rows = _best_fit_decreasing(lengths, table, width)
-        members = np.fromiter((i for row in rows for i in row), np.int64, len(lengths))
-        starts = np.concatenate([[0], np.cumsum([len(row) for row in rows])])
-    tokens = row_tokens(lengths, members, starts)
-    return Rows(lengths, members, starts, route(tokens, np.diff(starts), table), width)
+        members, starts = _flat(rows, len(lengths))
+    seqlen = route(row_tokens(lengths, members, starts), np.diff(starts), table)
+    if len(seqlen) > 1 and (seqlen[1:] > seqlen[:-1]).any():  # longest rows first: a seqlen's rows consecutive
+        order = np.argsort(-seqlen, kind="stable")
+        seqlen = seqlen[order]
+        if rows is None:
+            members = order
+        else:
+            members, starts = _flat([rows[r] for r in order.tolist()], len(lengths))
+    return Rows(lengths, members, starts, seqlen, width)
+
+
+def _flat(rows: list[list[int]], n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of sequence indices -> (members, starts)."""
+    members = np.fromiter((i for row in rows for i in row), np.int64, n)
+    return members, np.concatenate([[0], np.cumsum([len(row) for row in rows])])
 
 
 def row_tokens(lengths: np.ndarray, members: np.ndarray, starts: np.ndarray) -> np.ndarray:
