@@ -128,6 +128,7 @@ def test_two_front_ends_serve_as_one_process_does(files):
             return [v for part in vectors for v in part], bad, explained, metrics
 
         vectors, bad, explained, metrics = asyncio.run(requests())
+        assert len(set(asyncio.run(_burst(url, procs["frontends"], 16)))) == 2  # a burst of connections: both
         reference = warm_encoder(path, TINY_TABLE).embed(texts)
         assert cosine_rows(np.array(vectors), reference).min() > 0.99999
         assert bad[0] == 400 and "dimensions" in bad[1]["error"]["message"]
@@ -146,6 +147,43 @@ def test_two_front_ends_serve_as_one_process_does(files):
     assert proc.returncode == 0
     for pid in [procs["engine"], *procs["frontends"]]:
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+async def _burst(url: str, frontends: list[int], n: int) -> list[int]:
+    """Open `n` connections at once (as a client's pool does) -> the front-end holding each."""
+    host, port = url.removeprefix("http://").split(":")
+    opened = await asyncio.gather(*(asyncio.open_connection(host, int(port)) for _ in range(n)))
+    try:
+        return [await poll(lambda w=w: _held(frontends, w.get_extra_info("sockname")[1]), "the connection held")
+                for _, w in opened]
+    finally:
+        for _, w in opened:
+            w.close()
+
+
+def test_each_front_end_listens_on_its_own_socket_of_the_port():
+    """SO_REUSEPORT: the kernel spreads connections over the front-ends (test_two_front_ends... opens a burst);
+    a port already in use, by another process or another jaxserve's front-ends, still fails at once."""
+    import socket
+
+    from jaxserve.http.workers import listeners
+
+    socks = listeners("127.0.0.1", 0, 3)
+    try:
+        port = socks[0].getsockname()[1]
+        assert [s.getsockname()[1] for s in socks] == [port] * 3
+        assert all(s.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT) for s in socks)
+        with pytest.raises(OSError):
+            listeners("127.0.0.1", port, 2)
+    finally:
+        for s in socks:
+            s.close()
+    plain = socket.create_server(("127.0.0.1", 0))
+    try:
+        with pytest.raises(OSError):
+            listeners("127.0.0.1", plain.getsockname()[1], 2)
+    finally:
+        plain.close()
 
 
 async def send_raw(url: str, body: dict):

@@ -6,8 +6,9 @@ one-document query costs milliseconds of it against a fraction of a
 millisecond of device time. So the work is split as vLLM's API servers do:
 
     supervisor (this module's `serve_workers`): binds the port, starts the others, restarts them, stops them
-      |-- front-end x N: the aiohttp app (every route, auth, limits, tokenizing, encoding) on the shared
-      |                  listening socket; its jobs go to the engine over a Unix socket (scheduling/link.py)
+      |-- front-end x N: the aiohttp app (every route, auth, limits, tokenizing, encoding) on its own
+      |                  listening socket of the port (`listeners`); its jobs go to the engine over a Unix
+      |                  socket (scheduling/link.py)
       `-- engine x 1:    loads and warms the model (the warm artifact, once), runs the one Pipeline: the
                          batchers across every front-end's rows, the device threads, scattering
 
@@ -148,7 +149,7 @@ class EngineView:
 
 
 def frontend_main(config, sock: socket.socket, path: str, run_dir: str, index: int, parent: int) -> None:
-    """A front-end process: the aiohttp app on the shared listening socket, its jobs sent to the engine."""
+    """A front-end process: the aiohttp app on its listening socket, its jobs sent to the engine."""
     _follow_parent(parent)
     _logging(f"frontend-{index}")
     from aiohttp import web
@@ -183,9 +184,9 @@ def _env(**values: str):
 class Supervisor:
     """Starts the engine and the front-ends, restarts the ones that die, stops them all (front-ends first)."""
 
-    def __init__(self, config, sock: socket.socket, workers: int):
+    def __init__(self, config, socks: list[socket.socket], workers: int):
         self.config = config
-        self.sock = sock
+        self.socks = socks  # front-end i's listening socket, held here so that its replacement takes it over
         self.workers = workers
         self.run_dir = tempfile.mkdtemp(prefix="jaxserve-")  # 0700: only this user may reach the engine's socket
         self.path = os.path.join(self.run_dir, "engine.sock")
@@ -217,7 +218,7 @@ class Supervisor:
         from jaxserve.runtime import host
 
         share = str(max(1, host.usable_cores() // self.workers))
-        self.frontends[i] = self._start(frontend_main, (frontend_config(self.config, self.workers), self.sock,
+        self.frontends[i] = self._start(frontend_main, (frontend_config(self.config, self.workers), self.socks[i],
                                                         self.path, self.run_dir, i),
                                         f"jaxserve-frontend-{i}", JAX_PLATFORMS="cpu",
                                         RAYON_NUM_THREADS=os.environ.get("RAYON_NUM_THREADS", share))
@@ -292,17 +293,31 @@ class Supervisor:
         shutil.rmtree(self.run_dir, ignore_errors=True)
 
 
+def listeners(host: str, port: int, n: int) -> list[socket.socket]:
+    """`n` listening sockets of one port (SO_REUSEPORT), one per front-end: the kernel spreads new connections
+    over them. On one shared socket the first front-end to wake accepted a burst of connections whole: a client
+    opening 32 keep-alive connections at once had all of them on one front-end in two runs of three, one core
+    idle. The port is first bound alone, so a port in use (by anyone, another jaxserve too) fails at once."""
+    probe = socket.create_server((host, port), backlog=1, reuse_port=False)
+    family, port = probe.family, probe.getsockname()[1]
+    probe.close()
+    socks = [socket.create_server((host, port), family=family, backlog=1024, reuse_port=True) for _ in range(n)]
+    for sock in socks:
+        sock.setblocking(False)
+    return socks
+
+
 def serve_workers(config, host: str, port: int) -> None:
     """`jaxserve serve --workers N` (N > 1): bind the port here, so a port in use fails at once and a restarted
-    front-end takes over the same listening socket; then supervise until SIGTERM or SIGINT."""
+    front-end takes over its predecessor's listening socket (with what waits in its backlog); then supervise
+    until SIGTERM or SIGINT."""
     from jaxserve.http.server import DRAIN_TIMEOUT_S
 
     _logging("supervisor")
-    sock = socket.create_server((host, port), backlog=1024, reuse_port=False)
-    sock.setblocking(False)
+    socks = listeners(host, port, config.workers)
     log.info("serving on http://%s:%d with %d front-end processes and one engine process", host,
-             sock.getsockname()[1], config.workers)
-    supervisor = Supervisor(config, sock, config.workers)
+             socks[0].getsockname()[1], config.workers)
+    supervisor = Supervisor(config, socks, config.workers)
 
     def on_signal(signum, frame):
         supervisor.stopping = True
@@ -313,5 +328,6 @@ def serve_workers(config, host: str, port: int) -> None:
         supervisor.run()
     finally:
         supervisor.stop(DRAIN_TIMEOUT_S)
-        sock.close()
+        for sock in socks:
+            sock.close()
     sys.stdout.flush()
