@@ -175,3 +175,42 @@ def test_every_row_dispatched_once_unless_cancelled(jobs, wait, idles, cancelled
         for job, rows in d.parts:
             assert all(jobs[job][r] <= d.bucket.seqlen for r in rows)
     assert b.queued == 0 and b.queued_rows == 0
+
+
+def _scanned(b: Batcher, now: float) -> tuple:
+    """oldest(), next_wakeup() and the runs due to age, by scanning every waiting run (what they once did)."""
+    runs = [r for queues in b._queues for q in queues.values() for r in q]
+    oldest = min((r.enqueued for r in runs), default=None)
+    young = [r.enqueued for q in b._queues[1].values() for r in q if not r.aged]
+    wakeup = None if oldest is None else min([oldest + b.max_wait_s, *(t + b.classes.max_bulk_wait_s for t in young)])
+    due = sorted((r.job, int(r.rows[0])) for r in runs
+                 if r.cls == 1 and not r.aged and now - r.enqueued >= b.classes.max_bulk_wait_s)
+    return oldest, wakeup, due
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["submit", "submit", "dispatch", "cancel"]), st.lists(
+    st.sampled_from([16, 64]), min_size=1, max_size=6), st.sampled_from([0, 1]), st.booleans()), min_size=1,
+    max_size=40))
+def test_the_oldest_run_found_without_a_scan_is_the_scanned_one(ops):
+    """A queue without deadlines is in arrival order, so the batcher reads its oldest run off its head; with
+    deadlines (EDF order), it scans. Either way: what a scan of every run says, after any mix of arrivals with and
+    without deadlines, partial takes, cancels and aging."""
+    from jaxserve.scheduling.batcher import Classes
+
+    b = Batcher(TABLE, max_wait_s=0.05, max_queued=10**6, classes=Classes(max_bulk_wait_s=0.1))
+    now = 0.0
+    for job, (op, seqlens, cls, timed) in enumerate(ops):
+        now += 0.02
+        if op == "submit":
+            b.submit(job, np.asarray(seqlens), np.ones(len(seqlens), np.int64), now, cls,
+                     now + 0.03 * len(seqlens) if timed else float("inf"))
+        elif op == "cancel":
+            b.cancel(job - 1 - len(seqlens))
+        else:
+            b.next_dispatch(now, device_idle=timed)
+        oldest, wakeup, due = _scanned(b, now)
+        assert b.oldest() == oldest and b.next_wakeup() == wakeup
+        aged = {(r.job, int(r.rows[0])) for q in b._queues[1].values() for r in q if r.aged}
+        b._age(now)
+        assert sorted({(r.job, int(r.rows[0])) for q in b._queues[1].values() for r in q if r.aged} - aged) == due

@@ -198,6 +198,9 @@ class Batcher:
         self.classes = classes
         # per class, per seqlen: runs in (deadline, enqueued) order
         self._queues: list[dict[int, list[Run]]] = [{s: [] for s in table.seqlens} for _ in CLASSES]
+        # per class, per seqlen: runs with a deadline; without any, a queue is in arrival order (aged runs first,
+        # the oldest of all) and its head is its oldest run: finding it costs O(1), not a scan of every run
+        self._timed = [dict.fromkeys(table.seqlens, 0) for _ in CLASSES]
         self._rows = [dict.fromkeys(table.seqlens, 0) for _ in CLASSES]  # rows waiting per class, seqlen
         self._largest = {s: table.at(s)[-1].batch for s in table.seqlens}
         self._bulk_cap = bulk_caps(table, classes.bulk_dispatch_s, classes.bulk_efficiency)
@@ -236,6 +239,7 @@ class Batcher:
             rows = np.flatnonzero(seqlens == s)
             run = Run(job, rows, docs[rows], now, cls, deadline)
             bisect.insort(self._queues[cls][s], run, key=lambda r: r.key)
+            self._timed[cls][s] += deadline < math.inf
             self._rows[cls][s] += len(rows)
         self.queued += n
         self.queued_by[cls] += n
@@ -249,6 +253,7 @@ class Batcher:
                 if gone:
                     queues[s] = [r for r in q if r.job != job]
                     self._rows[c][s] -= sum(len(r.rows) for r in gone)
+                    self._timed[c][s] -= sum(r.deadline < math.inf for r in gone)
                     for r in gone:
                         dropped += int(r.docs.sum())
                         tokens += len(r.rows) * s
@@ -268,10 +273,21 @@ class Batcher:
 
     def oldest(self) -> float | None:
         """When the oldest waiting row was queued (None with nothing queued)."""
-        heads = [r.enqueued for queues in self._queues for q in queues.values() for r in q[:1]]
-        # a class's queue is in deadline order: its oldest run may not be first
-        heads += [min(r.enqueued for r in q) for queues in self._queues for q in queues.values() if len(q) > 1]
+        heads = [self._first(c, s) for c, queues in enumerate(self._queues) for s, q in queues.items() if q]
         return min(heads) if heads else None
+
+    def _first(self, cls: int, seqlen: int) -> float:
+        """When the oldest run of a non-empty queue was queued: its head's time, unless deadlines reordered it."""
+        q = self._queues[cls][seqlen]
+        return min(r.enqueued for r in q) if self._timed[cls][seqlen] else q[0].enqueued
+
+    def _first_young(self, seqlen: int) -> float | None:
+        """When the oldest bulk run at `seqlen` not yet aged was queued (None: none); aged runs lead a queue
+        without deadlines, so this reads only past them."""
+        q = self._queues[BULK][seqlen]
+        if self._timed[BULK][seqlen]:
+            return min((r.enqueued for r in q if not r.aged), default=None)
+        return next((r.enqueued for r in q if not r.aged), None)
 
     def next_wakeup(self) -> float | None:
         """When the next thing changes without a new arrival: a window closes or a bulk row ages (None: idle)."""
@@ -279,7 +295,7 @@ class Batcher:
         if oldest is None:
             return None
         times = [oldest + self.max_wait_s]
-        bulk = [r.enqueued for q in self._queues[BULK].values() for r in q if not r.aged]
+        bulk = [t for s in self.table.seqlens if (t := self._first_young(s)) is not None]
         if bulk:
             times.append(min(bulk) + self.classes.max_bulk_wait_s)
         return min(times)
@@ -295,7 +311,7 @@ class Batcher:
         """Bulk rows that waited `max_bulk_wait_s` go first among bulk rows, oldest first, and take turns with
         interactive ones (`next_dispatch`): no row starves, and none outranks a query."""
         for s, q in self._queues[BULK].items():
-            if any(not r.aged and now - r.enqueued >= self.classes.max_bulk_wait_s for r in q):
+            if q and (t := self._first_young(s)) is not None and now - t >= self.classes.max_bulk_wait_s:
                 q = [dataclasses.replace(r, aged=True) if now - r.enqueued >= self.classes.max_bulk_wait_s else r
                      for r in q]
                 self._queues[BULK][s] = sorted(q, key=lambda r: r.key)
@@ -324,7 +340,7 @@ class Batcher:
         if interactive_only:
             return None
         # a seqlen's oldest row, wherever the deadline order put it, decides its window (as `next_wakeup` does)
-        heads = [(min(r.enqueued for r in q), s) for s, q in self._queues[BULK].items() if q]
+        heads = [(self._first(BULK, s), s) for s, q in self._queues[BULK].items() if q]
         if not heads:
             return None
         expired = [h for h in heads if now - h[0] >= self.max_wait_s]
@@ -378,6 +394,8 @@ class Batcher:
             if len(run.rows) > most:
                 run, rest = run.split(most)
                 q.insert(0, rest)
+            else:
+                self._timed[cls][seqlen] -= run.deadline < math.inf
             taken.append(run)
             most -= len(run.rows)
             self._rows[cls][seqlen] -= len(run.rows)
