@@ -40,6 +40,8 @@ from jaxserve.runtime.buckets import Bucket, BucketTable, dispatch_s
 from jaxserve.scheduling.planner import cheapest_covers, cost_model
 
 INTERACTIVE, BULK = 0, 1  # request classes, in the order they are served
+ONE_ROW = np.zeros(1, np.int64)  # the row indices of a one-row job
+ONE_ROW.flags.writeable = False
 CLASSES = ("interactive", "bulk")
 
 
@@ -224,7 +226,7 @@ class Batcher:
     def submit(self, job: int, seqlens: np.ndarray, docs: np.ndarray, now: float, cls: int = BULK,
                deadline: float = math.inf) -> None:
         """Queue one job's rows (their seqlens and sequences per row), all or nothing."""
-        n = int(np.sum(seqlens))
+        n = int(seqlens.sum())
         if n > self.max_queued:
             raise TooLarge(f"the request needs {n} tokens (its rows at their seqlens); the queue holds at most "
                            f"{self.max_queued}")
@@ -235,9 +237,12 @@ class Batcher:
                             f"limit of {self.bulk_limit()} (the rest of the queue is kept for interactive requests)")
         if cls == INTERACTIVE:
             self.last_interactive = now
-        for s in np.unique(seqlens).tolist():
-            rows = np.flatnonzero(seqlens == s)
-            run = Run(job, rows, docs[rows], now, cls, deadline)
+        if len(seqlens) == 1:  # a query's one row: no grouping by seqlen
+            groups = [(int(seqlens[0]), ONE_ROW)]
+        else:
+            groups = [(s, np.flatnonzero(seqlens == s)) for s in np.unique(seqlens).tolist()]
+        for s, rows in groups:
+            run = Run(job, rows, docs if len(rows) == len(docs) else docs[rows], now, cls, deadline)
             bisect.insort(self._queues[cls][s], run, key=lambda r: r.key)
             self._timed[cls][s] += deadline < math.inf
             self._rows[cls][s] += len(rows)
