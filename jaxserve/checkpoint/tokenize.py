@@ -38,9 +38,10 @@ class Pieces:
     weight: np.ndarray  # [P] float: body tokens in the piece, for the token-weighted mean
     types: np.ndarray | None = None  # [T] token type ids (sentence pairs); None: all zeros
 
-    @property
+    @functools.cached_property
     def lengths(self) -> np.ndarray:
-        return np.diff(self.offsets)
+        """[P] tokens per sequence (read several times per request: computed once)."""
+        return self.offsets[1:] - self.offsets[:-1]
 
     @property
     def count(self) -> int:
@@ -150,7 +151,8 @@ class TextTokenizer:
                 texts = [prompt + t for t in texts]
             ids, offsets, _ = flat_ids(self._truncating[direction].encode_batch_fast(texts))
             n = len(texts)
-            return Pieces(ids, offsets, np.arange(n), np.maximum(np.diff(offsets) - self.num_special, 1).astype(float))
+            lengths = offsets[1:] - offsets[:-1]
+            return Pieces(ids, offsets, np.arange(n), np.maximum(lengths - self.num_special, 1).astype(float))
         return self.pieces(self.encode_bodies(texts), long, overlap, prompt, direction)
 
     def pairs(self, inputs: list, truncate: bool = True, direction: str = "right") -> Pieces:

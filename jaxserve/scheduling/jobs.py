@@ -52,7 +52,7 @@ class Job:
                  output: str = "pooled"):
         self.rows = rows
         self.output = output
-        lengths = np.diff(offsets)
+        lengths = offsets[1:] - offsets[:-1]
         if len(lengths) == 1:  # one sequence (a query): one row, slot 1, its tokens one slice of `ids`
             a, z = int(offsets[0]), int(offsets[1])
             src = slice(a, z)

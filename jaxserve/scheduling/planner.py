@@ -81,7 +81,7 @@ def pack(lengths, table: BucketTable, layout: str | None = None) -> Rows:
     else:
         rows = _best_fit_decreasing(lengths, table, width)
         members, starts = _flat(rows, len(lengths))
-    seqlen = route(row_tokens(lengths, members, starts), np.diff(starts), table)
+    seqlen = route(row_tokens(lengths, members, starts), starts[1:] - starts[:-1], table)
     if len(seqlen) > 1 and (seqlen[1:] > seqlen[:-1]).any():  # longest rows first: a seqlen's rows consecutive
         order = np.argsort(-seqlen, kind="stable")
         seqlen = seqlen[order]
