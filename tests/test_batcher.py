@@ -172,6 +172,7 @@ def test_every_row_dispatched_once_unless_cancelled(jobs, wait, idles, cancelled
     for d in sent:
         assert d.bucket in TABLE.buckets and 1 <= d.rows <= d.bucket.batch
         assert len(d.jobs) == len(d.parts)  # a job's runs at several seqlens: one part (assembled, scattered once)
+        assert all((np.diff(rows) > 0).all() for _, rows in d.parts)  # its rows ascending
         for job, rows in d.parts:
             assert all(jobs[job][r] <= d.bucket.seqlen for r in rows)
     assert b.queued == 0 and b.queued_rows == 0

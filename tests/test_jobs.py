@@ -12,7 +12,7 @@ from jaxserve.runtime import output_chunks
 from jaxserve.runtime.buckets import fixed
 from jaxserve.scheduling.batcher import Batcher
 from jaxserve.scheduling.jobs import Job, assemble, most_per_row, ragged_arange, scatter
-from jaxserve.scheduling.planner import pack
+from jaxserve.scheduling.planner import Rows, pack
 
 TABLES = [fixed([(4, 16), (2, 64), (2, 128)], layout="packed"), fixed([(4, 16), (2, 64), (2, 128)]),
           fixed([(b, s) for s in (16, 64, 128) for b in (1, 4)], layout="packed")]
@@ -36,10 +36,19 @@ def test_ragged_arange():
     assert len(ragged_arange([], [])) == 0
 
 
+def shuffled(rows: Rows, rng) -> Rows:
+    """The same rows in another order (pack puts them longest seqlen first; a caller need not)."""
+    order = rng.permutation(rows.count)
+    members = np.concatenate([rows.row_members(r) for r in order]) if rows.count else rows.members
+    starts = np.concatenate([[0], np.cumsum(rows.docs[order])])
+    return Rows(rows.lengths, members, starts, rows.seqlen[order], rows.width)
+
+
 @settings(max_examples=150, deadline=None)
 @given(st.lists(st.lists(st.integers(2, 128), min_size=1, max_size=30), min_size=1, max_size=4),
-       st.sampled_from(range(len(TABLES))), st.integers(0, 3))
-def test_every_sequence_comes_back_to_its_place(requests, t, cancelled):
+       st.sampled_from(range(len(TABLES))), st.integers(0, 3), st.booleans())
+def test_every_sequence_comes_back_to_its_place(requests, t, cancelled, shuffle):
+    """Also with a job's rows in any order: a batch takes a job's rows at several seqlens as one part."""
     table = TABLES[t]
     rng = np.random.default_rng(len(requests))
     batcher = Batcher(table, max_wait_s=0.0, max_queued=10_000_000)
@@ -48,6 +57,7 @@ def test_every_sequence_comes_back_to_its_place(requests, t, cancelled):
         seqs[jid] = [rng.integers(1, 1000, n).astype(np.int32) for n in lengths]
         pieces = from_sequences(seqs[jid], np.arange(len(lengths)), np.ones(len(lengths)))
         rows = pack(pieces.lengths, table)
+        rows = shuffled(rows, rng) if shuffle else rows
         jobs[jid] = Job(rows, pieces.ids, pieces.offsets, None, 4)
         batcher.submit(jid, rows.seqlen, rows.docs, 0.0)
     if cancelled < len(requests):
@@ -114,7 +124,7 @@ def test_a_job_crosses_to_the_engine_whole(lengths, t, output):
     buffers = []
     head = pickle.dumps({"job": job}, protocol=5, buffer_callback=buffers.append)
     got = pickle.loads(head, buffers=[b.raw() for b in buffers])["job"]
-    for name in ("flat", "row_start", "seq_start", "lengths"):
+    for name in ("flat", "row_start", "seq_start", "lengths", "row_of", "slot_of"):
         np.testing.assert_array_equal(getattr(got, name), getattr(job, name))
     for name in ("lengths", "members", "starts", "seqlen"):
         np.testing.assert_array_equal(getattr(got.rows, name), getattr(job.rows, name))

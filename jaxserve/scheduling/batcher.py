@@ -69,7 +69,7 @@ class Run:
 @dataclasses.dataclass(frozen=True)
 class Dispatch:
     bucket: Bucket
-    parts: tuple[tuple[int, np.ndarray], ...]  # (job, its row indices) in batch-row order
+    parts: tuple[tuple[int, np.ndarray], ...]  # (job, its row indices, ascending) in batch-row order
     reason: str  # interactive, aged, window, full or idle
     oldest: float  # when its oldest row was queued
     classes: tuple[int, ...] = (0,)  # the request classes of its rows
@@ -116,13 +116,14 @@ def merged_rows(seqlen: int, rows: int, smaller: list[tuple[int, int]], most: in
 
 
 def by_job(runs: list[Run]) -> tuple[tuple[int, np.ndarray], ...]:
-    """A batch's runs as one part per job, in order of each job's first run: a request's rows at several seqlens
-    in one batch are assembled, scattered and counted once, not once per seqlen. Any row order within a batch
-    is as good as another (each row is whole), so a job's runs move up to its first."""
+    """A batch's runs as one part per job, in order of each job's first run, its rows ascending: a request's rows
+    at several seqlens in one batch are assembled, scattered and counted once, not once per seqlen, and rows
+    consecutive in the job are one slice of its tokens and outputs (`jobs.assemble`, `jobs.scatter`). Any row
+    order within a batch is as good as another (each row is whole)."""
     rows: dict[int, list[np.ndarray]] = {}
     for r in runs:
         rows.setdefault(r.job, []).append(r.rows)
-    return tuple((job, rs[0] if len(rs) == 1 else np.concatenate(rs)) for job, rs in rows.items())
+    return tuple((job, rs[0] if len(rs) == 1 else np.sort(np.concatenate(rs))) for job, rs in rows.items())
 
 
 class QueueFull(Exception):

@@ -62,6 +62,7 @@ class Job:
             self.flat[2] = np.arange(z - a)
             self.row_start = np.array([0, z - a])
             self.seq_start = np.zeros(1, np.int64)
+            self.row_of = self.slot_of = np.zeros(1, np.int64)
         else:
             order = rows.members  # sequences in row order
             src = ragged_arange(offsets[order], lengths[order])  # each token's place in `ids`, row after row
@@ -73,6 +74,8 @@ class Job:
             self.row_start = np.concatenate([[0], np.cumsum(rows.tokens)])  # [R + 1] each row's tokens in `flat`
             self.seq_start = np.empty(len(lengths), np.int64)  # each sequence's first token in `flat`
             self.seq_start[order] = np.cumsum(lengths[order]) - lengths[order]
+            # [P] by place in row order: each sequence's row and slot, so that `scatter` slices instead of searching
+            self.row_of, self.slot_of = np.repeat(np.arange(rows.count), rows.docs), slot
         self.flat[3] = 0 if types is None else types[src]
         self.lengths = lengths
         size = self.flat.shape[1] if output == "tokens" else len(lengths)
@@ -86,17 +89,17 @@ class Job:
         empty outputs stay behind, made there."""
         r = self.rows
         index = np.concatenate((r.lengths, r.members, r.starts, r.seqlen, self.row_start, self.seq_start,
-                                self.lengths))
+                                self.lengths, self.row_of, self.slot_of))
         return (self.flat, index, len(self.lengths), len(r.seqlen), r.width, self.output, self.out.shape,
                 self.remaining, self.kept)
 
     def __setstate__(self, state: tuple) -> None:
         self.flat, index, p, n_rows, width, self.output, out_shape, self.remaining, self.kept = state
         parts, at = [], 0
-        for n in (p, p, n_rows + 1, n_rows, n_rows + 1, p, p):  # the arrays in __getstate__'s order
+        for n in (p, p, n_rows + 1, n_rows, n_rows + 1, p, p, p, p):  # the arrays in __getstate__'s order
             parts.append(index[at : at + n])
             at += n
-        lengths, members, starts, seqlen, self.row_start, self.seq_start, self.lengths = parts
+        lengths, members, starts, seqlen, self.row_start, self.seq_start, self.lengths, self.row_of, self.slot_of = parts
         self.rows = Rows(lengths, members, starts, seqlen, width)
         self.out = np.zeros(out_shape, np.float32)
 
@@ -171,6 +174,9 @@ def scatter(parts, result: np.ndarray, jobs: dict[int, Job]) -> list[int]:
             elif len(rows) == 1:  # one row: its sequences are its first slots
                 n = int(counts[0])
                 job.out[r.members[r.starts[rows[0]] : r.starts[rows[0]] + n]] = result[first, :n]
+            elif rows[-1] - rows[0] + 1 == len(rows):  # consecutive rows (pack's order): their sequences one slice
+                a, z = r.starts[rows[0]], r.starts[rows[-1] + 1]
+                job.out[r.members[a:z]] = result[job.row_of[a:z] + (first - rows[0]), job.slot_of[a:z]]
             else:
                 seq = r.members[ragged_arange(r.starts[rows], counts)]
                 slot = ragged_arange(np.zeros(len(rows), np.int64), counts)
