@@ -9,6 +9,8 @@ import uvloop
 
 from jaxserve.scheduling.link import DIRECT_BYTES, JOIN_BYTES, STAGE_BYTES, Wire
 
+BOUND_S = 60.0  # the most a state is waited for
+
 
 async def pair():
     a, b = socket.socketpair()
@@ -118,6 +120,31 @@ async def test_a_failed_job_cancelled_before_its_answer_leaves_no_unread_excepti
     del future
     gc.collect()
     assert posted == [] and logged == []
+
+
+async def test_a_front_end_link_settles_once_the_engine_says_where_it_stands(tmp_path):
+    """A front-end listens only after this: an engine warming says so (its /health: 503, warming); a ready one
+    hands over its card first (never a 503 from a new front-end of a ready engine); no engine: not settled."""
+    from jaxserve.scheduling.link import EngineLink, LinkServer
+
+    path = str(tmp_path / "engine.sock")
+    alone = EngineLink(path, retry_s=0.01)
+    await alone.start()
+    assert not await alone.settled(0.2)  # nothing listens: it serves anyway after the wait, saying why
+    state = {"ready": False, "doing": "warming"}
+    server = LinkServer(path, lambda: dict(state))
+    await server.start()
+    try:
+        assert await alone.settled(BOUND_S) and alone.card is None and alone.status["doing"] == "warming"
+        state.update(ready=True, doing="ready")
+        await server.ready(object(), {"model": "m"})
+        late = EngineLink(path, retry_s=0.01)
+        await late.start()
+        assert await late.settled(BOUND_S) and late.card["model"] == "m" and late.status["ready"]
+        await late.stop()
+    finally:
+        await alone.stop()
+        await server.stop()
 
 
 def test_the_same_on_uvloop():

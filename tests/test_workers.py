@@ -161,23 +161,58 @@ async def _burst(url: str, frontends: list[int], n: int) -> list[int]:
             w.close()
 
 
+def _accepted(sock, n: int) -> int:
+    """Accept up to `n` connections waiting on a listening socket (a bounded wait for each)."""
+    import select
+
+    got = 0
+    while got < n and select.select([sock], [], [], BOUND_S / 10)[0]:
+        sock.accept()[0].close()
+        got += 1
+    return got
+
+
 def test_each_front_end_listens_on_its_own_socket_of_the_port():
-    """SO_REUSEPORT: the kernel spreads connections over the front-ends (test_two_front_ends... opens a burst);
-    a port already in use, by another process or another jaxserve's front-ends, still fails at once."""
+    """SO_REUSEPORT: the kernel spreads connections over the front-ends' sockets (test_two_front_ends... opens a
+    burst). A socket takes connections only once its front-end listens; a dead front-end's is closed, so new
+    connections go to the others while it is replaced; the port stays held, and a port already in use, by another
+    process or another jaxserve, still fails at once."""
     import socket
 
-    from jaxserve.http.workers import listeners
+    from jaxserve.http.workers import Supervisor, listeners
 
-    socks = listeners("127.0.0.1", 0, 3)
+    holder, socks = listeners("127.0.0.1", 0, 3)
+    port = holder.getsockname()[1]
+    supervisor = Supervisor(None, socks, 3)
+    connect = lambda: socket.create_connection(("127.0.0.1", port), timeout=BOUND_S)
     try:
-        port = socks[0].getsockname()[1]
         assert [s.getsockname()[1] for s in socks] == [port] * 3
         assert all(s.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT) for s in socks)
+        with pytest.raises(ConnectionRefusedError):  # no front-end listens yet: refused, not left waiting
+            connect()
         with pytest.raises(OSError):
             listeners("127.0.0.1", port, 2)
-    finally:
         for s in socks:
-            s.close()
+            s.listen()  # as each front-end's aiohttp site does
+        supervisor.close_listener(1)
+        supervisor.close_listener(2)  # two front-ends dead: every new connection goes to the live one
+        clients = [connect() for _ in range(12)]
+        assert _accepted(supervisor.socks[0], 12) == 12
+        supervisor.close_listener(0)  # all three: the port is still this server's
+        with pytest.raises(OSError):
+            socket.create_server(("127.0.0.1", port))
+        replaced = supervisor.listening(1)  # a replacement's socket: the same port, taking connections once it
+        assert replaced.getsockname()[1] == port and supervisor.listening(1) is replaced  # listens
+        replaced.listen()
+        clients += [connect() for _ in range(4)]
+        assert _accepted(replaced, 4) == 4
+        for c in clients:
+            c.close()
+    finally:
+        supervisor.stop(0)
+        for s in (holder, *supervisor.socks):
+            if s is not None:
+                s.close()
     plain = socket.create_server(("127.0.0.1", 0))
     try:
         with pytest.raises(OSError):

@@ -45,6 +45,10 @@ from jaxserve.view import ModelView
 
 log = logging.getLogger("jaxserve.http.server")
 
+# A front-end waits this long at most for the engine to say where it stands before it listens (an engine
+# process that is up answers in milliseconds; one being restarted may not, and /health then says why)
+LINK_SETTLE_S = 10.0
+
 
 # ---- start-up: load, warm, then serve ----
 
@@ -77,6 +81,7 @@ async def lifecycle(app: web.Application):
     if state.link is not None:  # a front-end process: the engine process does all of the above
         state.service = state.link
         await state.link.start()
+        await state.link.settled(LINK_SETTLE_S)  # before it listens (a front-end's socket: workers.listeners)
         starting = None
     else:
         starting = asyncio.create_task(start())

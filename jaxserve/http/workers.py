@@ -186,7 +186,8 @@ class Supervisor:
 
     def __init__(self, config, socks: list[socket.socket], workers: int):
         self.config = config
-        self.socks = socks  # front-end i's listening socket, held here so that its replacement takes it over
+        self.socks: list[socket.socket | None] = socks  # front-end i's listening socket (None: it is being replaced)
+        self.address = socks[0].family, socks[0].getsockname()[:2]
         self.workers = workers
         self.run_dir = tempfile.mkdtemp(prefix="jaxserve-")  # 0700: only this user may reach the engine's socket
         self.path = os.path.join(self.run_dir, "engine.sock")
@@ -218,7 +219,7 @@ class Supervisor:
         from jaxserve.runtime import host
 
         share = str(max(1, host.usable_cores() // self.workers))
-        self.frontends[i] = self._start(frontend_main, (frontend_config(self.config, self.workers), self.socks[i],
+        self.frontends[i] = self._start(frontend_main, (frontend_config(self.config, self.workers), self.listening(i),
                                                         self.path, self.run_dir, i),
                                         f"jaxserve-frontend-{i}", JAX_PLATFORMS="cpu",
                                         RAYON_NUM_THREADS=os.environ.get("RAYON_NUM_THREADS", share))
@@ -270,9 +271,23 @@ class Supervisor:
         else:
             i = self.frontends.index(proc)
             self.frontends[i] = None
+            self.close_listener(i)
             time.sleep(delay)
             if not self.stopping:
                 self.start_frontend(i)
+
+    def listening(self, i: int) -> socket.socket:
+        """Front-end i's socket: its predecessor's while that lives, else a new one of the same port (`bound`)."""
+        if self.socks[i] is None:
+            self.socks[i] = bound(*self.address)
+        return self.socks[i]
+
+    def close_listener(self, i: int) -> None:
+        """Front-end i died: close its socket, so that while it is replaced the kernel gives new connections to the
+        others (those already in its backlog are reset); its replacement gets a new one (`listening`)."""
+        if self.socks[i] is not None:
+            self.socks[i].close()
+            self.socks[i] = None
 
     def stop(self, drain_s: float) -> None:
         """Front-ends first (each finishes what it accepted), then the engine; whatever is left is killed."""
@@ -293,28 +308,39 @@ class Supervisor:
         shutil.rmtree(self.run_dir, ignore_errors=True)
 
 
-def listeners(host: str, port: int, n: int) -> list[socket.socket]:
-    """`n` listening sockets of one port (SO_REUSEPORT), one per front-end: the kernel spreads new connections
-    over them. On one shared socket the first front-end to wake accepted a burst of connections whole: a client
+def listeners(host: str, port: int, n: int) -> tuple[socket.socket, list[socket.socket]]:
+    """Sockets of one port, SO_REUSEPORT: one per front-end, so that the kernel spreads new connections over
+    them (on one shared socket the first front-end to wake accepted a burst of connections whole: a client
     opening 32 keep-alive connections at once had all of them on one front-end in two runs of three, one core
-    idle. The port is first bound alone, so a port in use (by anyone, another jaxserve too) fails at once."""
+    idle), and first one that never listens and keeps the port this server's while front-ends come and go.
+
+    They are bound, not listening: a front-end listens on its own (aiohttp's site does) once it can serve, so
+    no connection waits on a front-end still starting, or one that died, while the others could take it. The
+    port is first bound alone, so a port in use (by anyone, another jaxserve too) fails at once."""
     probe = socket.create_server((host, port), backlog=1, reuse_port=False)
     family, port = probe.family, probe.getsockname()[1]
     probe.close()
-    socks = [socket.create_server((host, port), family=family, backlog=1024, reuse_port=True) for _ in range(n)]
-    for sock in socks:
-        sock.setblocking(False)
-    return socks
+    holder, *socks = (bound(family, (host, port)) for _ in range(n + 1))
+    return holder, socks
+
+
+def bound(family: int, address: tuple) -> socket.socket:
+    """A socket of the port (SO_REUSEPORT; not SO_REUSEADDR, which would let another process bind the port while
+    none of this server's listens), bound, not listening."""
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind(address)
+    sock.setblocking(False)
+    return sock
 
 
 def serve_workers(config, host: str, port: int) -> None:
-    """`jaxserve serve --workers N` (N > 1): bind the port here, so a port in use fails at once and a restarted
-    front-end takes over its predecessor's listening socket (with what waits in its backlog); then supervise
+    """`jaxserve serve --workers N` (N > 1): bind the port here, so a port in use fails at once; then supervise
     until SIGTERM or SIGINT."""
     from jaxserve.http.server import DRAIN_TIMEOUT_S
 
     _logging("supervisor")
-    socks = listeners(host, port, config.workers)
+    holder, socks = listeners(host, port, config.workers)
     log.info("serving on http://%s:%d with %d front-end processes and one engine process", host,
              socks[0].getsockname()[1], config.workers)
     supervisor = Supervisor(config, socks, config.workers)
@@ -328,6 +354,7 @@ def serve_workers(config, host: str, port: int) -> None:
         supervisor.run()
     finally:
         supervisor.stop(DRAIN_TIMEOUT_S)
-        for sock in socks:
-            sock.close()
+        for sock in (holder, *supervisor.socks):
+            if sock is not None:
+                sock.close()
     sys.stdout.flush()

@@ -386,7 +386,18 @@ class EngineLink:
         self._loop = asyncio.get_running_loop()
         self._idle = asyncio.Event()
         self._idle.set()
+        self._settled = asyncio.Event()
         self._task = asyncio.create_task(self._connect_loop())
+
+    async def settled(self, timeout: float) -> bool:
+        """Wait, at most `timeout`, until the engine has said where it stands: warming (or failed), or ready with
+        its card. A front-end starts serving after this, so a new one never answers 503 for an engine that is
+        ready; without an engine it serves after `timeout`, saying why on /health. True if it was said."""
+        try:
+            await asyncio.wait_for(self._settled.wait(), timeout)
+            return True
+        except TimeoutError:
+            return False
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -510,10 +521,13 @@ class EngineLink:
             self.status = message
             if self.on_status is not None:
                 self.on_status(message)
+            if not message.get("ready"):  # a ready engine sends its card next
+                self._settled.set()
         elif op == "card":
             self.card = message
             if self.on_card is not None:
                 self.on_card(message)
+            self._settled.set()
         elif (future := self._pending.get(message.get("id"))) is not None and not future.done():
             if op == "done":
                 future.set_result((message["out"], message["kept"], message["timing"]))
