@@ -20,6 +20,8 @@ into their jobs' `kept`.
 
 from __future__ import annotations
 
+import pickle
+
 import numpy as np
 
 from jaxserve.runtime.buckets import Bucket
@@ -89,12 +91,15 @@ class Job:
         empty outputs stay behind, made there."""
         r = self.rows
         index = np.concatenate((r.lengths, r.members, r.starts, r.seqlen, self.row_start, self.seq_start,
-                                self.lengths, self.row_of, self.slot_of))
-        return (self.flat, index, len(self.lengths), len(r.seqlen), r.width, self.output, self.out.shape,
-                self.remaining, self.kept)
+                                self.lengths, self.row_of, self.slot_of), dtype=np.int64)
+        # raw buffers of known dtypes: a pickled array's dtype is rebuilt from its name on arrival, twice per job
+        return (pickle.PickleBuffer(self.flat), pickle.PickleBuffer(index), len(self.lengths), len(r.seqlen),
+                r.width, self.output, self.out.shape, self.remaining, self.kept)
 
     def __setstate__(self, state: tuple) -> None:
-        self.flat, index, p, n_rows, width, self.output, out_shape, self.remaining, self.kept = state
+        flat, index, p, n_rows, width, self.output, out_shape, self.remaining, self.kept = state
+        self.flat = np.frombuffer(flat, np.int32).reshape(4, -1)
+        index = np.frombuffer(index, np.int64)
         parts, at = [], 0
         for n in (p, p, n_rows + 1, n_rows, n_rows + 1, p, p, p, p):  # the arrays in __getstate__'s order
             parts.append(index[at : at + n])

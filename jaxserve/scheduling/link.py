@@ -32,6 +32,8 @@ import socket
 import struct
 import time
 
+import numpy as np
+
 from jaxserve.scheduling.batcher import BULK
 from jaxserve.scheduling.jobs import Job
 from jaxserve.scheduling.pipeline import Draining, Pipeline
@@ -330,7 +332,9 @@ class LinkServer:
         if exc is not None:  # its batch failed, or the pipeline stopped
             wire.post({"op": "error", "id": rid, "error": exc})
         else:
-            wire.post({"op": "done", "id": rid, "out": job.out, "kept": job.kept, "timing": timing}, job.out.nbytes)
+            # the outputs as a raw buffer (float32, this shape): a pickled array's dtype is rebuilt from its name
+            wire.post({"op": "done", "id": rid, "out": pickle.PickleBuffer(job.out), "shape": job.out.shape,
+                       "kept": job.kept, "timing": timing}, job.out.nbytes)
 
     async def _explain(self, wire: Wire, message: dict) -> None:
         try:
@@ -530,7 +534,8 @@ class EngineLink:
             self._settled.set()
         elif (future := self._pending.get(message.get("id"))) is not None and not future.done():
             if op == "done":
-                future.set_result((message["out"], message["kept"], message["timing"]))
+                out = np.frombuffer(message["out"], np.float32).reshape(message["shape"])
+                future.set_result((out, message["kept"], message["timing"]))
             elif op == "explained":
                 future.set_result(message["body"])
             elif op == "error":
