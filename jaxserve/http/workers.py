@@ -320,15 +320,17 @@ def listeners(host: str, port: int, n: int) -> tuple[socket.socket, list[socket.
     probe = socket.create_server((host, port), backlog=1, reuse_port=False)
     family, port = probe.family, probe.getsockname()[1]
     probe.close()
-    holder, *socks = (bound(family, (host, port)) for _ in range(n + 1))
-    return holder, socks
+    holder = bound(family, (host, port), reuse_address=False)  # no SO_REUSEADDR: no one else binds the port
+    return holder, [bound(family, (host, port)) for _ in range(n)]
 
 
-def bound(family: int, address: tuple) -> socket.socket:
-    """A socket of the port (SO_REUSEPORT; not SO_REUSEADDR, which would let another process bind the port while
-    none of this server's listens), bound, not listening."""
+def bound(family: int, address: tuple, reuse_address: bool = True) -> socket.socket:
+    """A socket of the port (SO_REUSEPORT), bound, not listening. SO_REUSEADDR as a listening socket has it: the
+    connections it accepts leave TIME_WAITs that a later server's bind of the port must not trip on."""
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    if reuse_address:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(address)
     sock.setblocking(False)
     return sock
