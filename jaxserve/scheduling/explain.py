@@ -15,7 +15,7 @@ import threading
 import numpy as np
 
 from jaxserve.runtime.buckets import Bucket, BucketTable
-from jaxserve.scheduling.batcher import Batcher, Dispatch
+from jaxserve.scheduling.batcher import Batcher, Dispatch, covers
 from jaxserve.scheduling.jobs import ragged_arange
 from jaxserve.scheduling.planner import Rows, route
 
@@ -107,8 +107,8 @@ def explain(rows: Rows, table: BucketTable, timings: LiveTimings, doc_of=None, b
 def sequential(lengths: np.ndarray, table: BucketTable, timings: LiveTimings) -> float | None:
     """Predicted time of one dispatch per sequence, each at the cheapest bucket of its seqlen that holds one row."""
     seqlens = route(np.asarray(lengths), np.ones(len(lengths), np.int64), table)
-    covers = Batcher(table, math.inf, 1).covers
-    return _sum_or_none(timings.seconds(covers[s][1]) for s in seqlens.tolist())
+    first = covers(table)
+    return _sum_or_none(timings.seconds(first[s][1]) for s in seqlens.tolist())
 
 
 def one_max_batch(n: int, table: BucketTable, timings: LiveTimings) -> dict:

@@ -113,6 +113,12 @@ class Job:
         return self.out[self.seq_start[p] : self.seq_start[p] + self.lengths[p]]
 
 
+def consecutive(rows: np.ndarray) -> bool:
+    """Whether a part's rows (ascending: `Dispatch.parts`) follow one another in their job, as pack's order makes
+    them: then their tokens, and their sequences' rows and slots, are one slice each."""
+    return rows[-1] - rows[0] + 1 == len(rows)
+
+
 def assemble(bucket: Bucket, parts, jobs: dict[int, Job]) -> tuple[np.ndarray, int]:
     """([4, B, S] int32, real tokens): each part's rows (job, row indices) in consecutive batch rows; the rest zeros.
 
@@ -128,9 +134,10 @@ def assemble(bucket: Bucket, parts, jobs: dict[int, Job]) -> tuple[np.ndarray, i
             real += int(z - a)
         elif job is not None:
             counts = job.row_start[rows + 1] - job.row_start[rows]
-            a, z = job.row_start[rows[0]], job.row_start[rows[-1] + 1]
-            # a run's rows are consecutive in the job (then its tokens are one slice), unless split around others
-            src = job.flat[:, a:z] if z - a == counts.sum() else job.flat[:, ragged_arange(job.row_start[rows], counts)]
+            if consecutive(rows):
+                src = job.flat[:, job.row_start[rows[0]] : job.row_start[rows[-1] + 1]]
+            else:
+                src = job.flat[:, ragged_arange(job.row_start[rows], counts)]
             real_of = np.arange(s) < counts[:, None]  # [n, S]: each row's tokens first, then padding
             for plane, tokens in zip(out[:, first : first + len(rows)], src):  # a 2-D mask per plane: numpy's
                 plane[real_of] = tokens  # fast path (4x the [4, T] index arrays' speed at 64 rows)
@@ -179,7 +186,7 @@ def scatter(parts, result: np.ndarray, jobs: dict[int, Job]) -> list[int]:
             elif len(rows) == 1:  # one row: its sequences are its first slots
                 n = int(counts[0])
                 job.out[r.members[r.starts[rows[0]] : r.starts[rows[0]] + n]] = result[first, :n]
-            elif rows[-1] - rows[0] + 1 == len(rows):  # consecutive rows (pack's order): their sequences one slice
+            elif consecutive(rows):
                 a, z = r.starts[rows[0]], r.starts[rows[-1] + 1]
                 job.out[r.members[a:z]] = result[job.row_of[a:z] + (first - rows[0]), job.slot_of[a:z]]
             else:
