@@ -161,14 +161,13 @@ async def _burst(url: str, frontends: list[int], n: int) -> list[int]:
             w.close()
 
 
-def _accepted(sock, n: int) -> int:
-    """Accept up to `n` connections waiting on a listening socket (a bounded wait for each)."""
+def _accepted(sock, n: int) -> list:
+    """Up to `n` connections waiting on a listening socket, accepted (a bounded wait for each)."""
     import select
 
-    got = 0
-    while got < n and select.select([sock], [], [], BOUND_S / 10)[0]:
-        sock.accept()[0].close()
-        got += 1
+    got = []
+    while len(got) < n and select.select([sock], [], [], BOUND_S / 10)[0]:
+        got.append(sock.accept()[0])
     return got
 
 
@@ -177,7 +176,6 @@ def test_each_front_end_listens_on_its_own_socket_of_the_port():
     burst). A socket takes connections only once its front-end listens; a dead front-end's is closed, so new
     connections go to the others while it is replaced; the port stays held, and a port already in use, by another
     process or another jaxserve, still fails at once."""
-    import select
     import socket
 
     from jaxserve.http.workers import Supervisor, listeners
@@ -198,7 +196,8 @@ def test_each_front_end_listens_on_its_own_socket_of_the_port():
         supervisor.close_listener(1)
         supervisor.close_listener(2)  # two front-ends dead: every new connection goes to the live one
         clients = [connect() for _ in range(12)]
-        assert _accepted(supervisor.socks[0], 12) == 12
+        served = _accepted(supervisor.socks[0], 12)
+        assert len(served) == 12
         supervisor.close_listener(0)  # all three: the port is still this server's
         with pytest.raises(OSError):
             socket.create_server(("127.0.0.1", port))
@@ -206,10 +205,9 @@ def test_each_front_end_listens_on_its_own_socket_of_the_port():
         assert replaced.getsockname()[1] == port and supervisor.listening(1) is replaced  # listens
         replaced.listen()
         clients += [connect() for _ in range(4)]
-        served = []
-        while len(served) < 4 and select.select([replaced], [], [], BOUND_S / 10)[0]:
-            served.append(replaced.accept()[0])
-        assert len(served) == 4
+        late = _accepted(replaced, 4)
+        assert len(late) == 4
+        served += late
         for c in served + clients:  # the server's side closes first: its connections stay in TIME_WAIT
             c.close()
     finally:
