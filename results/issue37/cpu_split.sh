@@ -6,6 +6,7 @@ set -euo pipefail
 TREE=${TREE:-$(cd "$(dirname "$0")/../.." && pwd)}
 PY=${PY:-$(cd "$(dirname "$0")/../.." && pwd)/.venv/bin/python}
 PORT=$1; DOCS=$2; CONNS=${3:-32}
+cd "$TREE"  # `python -m` puts the working directory first on sys.path, ahead of PYTHONPATH
 PYTHONPATH=$TREE $PY -m jaxserve.cli serve --simulate-device 400 --port "$PORT" --workers 2 ${SERVE_ARGS:-} \
     > "/tmp/cpu_split-$PORT.log" 2>&1 &
 PID=$!
