@@ -569,7 +569,8 @@ def stage_workers(args, sizes: Sizes, pre: dict) -> dict:
     """The `--workers` sweep on the real device (MiniLM): scripts/bench_host.py --engine real, side by side,
     each process kind's CPU per request and the projection it makes; the measured docs/s at each count check
     the projection the simulated device made on a 2-core host (docs/benchmarks.md, "Host path: projection")."""
-    counts = worker_counts(pre["cpus"], sizes.most_workers)
+    counts = ([int(n) for n in args.workers_counts.split(",")] if args.workers_counts
+              else worker_counts(pre["cpus"], sizes.most_workers))
     out = args.work / "workers-host.json"
     out.unlink(missing_ok=True)
     serve = " ".join(("--cache-dir", str(args.work / "cache" / "workers"), *sizes.serve_flags))
@@ -578,7 +579,14 @@ def stage_workers(args, sizes: Sizes, pre: dict) -> dict:
            "--serve-args", serve, "--out", str(out), *sizes.workers_flags]
     left = max(30.0, min(sizes.stage_s, args.deadline - time.monotonic() - sizes.reserve_s))
     log("workers: " + " ".join(cmd))
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=left, cwd=ROOT)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=left, cwd=ROOT)
+    except subprocess.TimeoutExpired as exc:
+        # bench_host prints each level as it ends and writes its JSON only at the end: keep the lines
+        text = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        log(text[-6000:])
+        return {"workers": counts, "command": cmd, "cut": f"bench_host.py stopped after {left:.0f} s",
+                "stdout": text}
     log(proc.stdout[-6000:])
     if proc.returncode != 0:
         raise RuntimeError(f"bench_host.py exited {proc.returncode}: {proc.stderr[-2000:]}")
@@ -633,6 +641,7 @@ def main() -> int:
                     help="the whole command's time: no stage or level starts past it (default 540: device commands "
                          "end at 600 s; none in a dry run)")
     ap.add_argument("--attention-args", default="", help="extra bench_attention.py flags, e.g. '--head-dims 64,128'")
+    ap.add_argument("--workers-counts", help="the workers stage's `--workers` values, e.g. 1,2,8 (default: 1, 2, 4 ... cores-2)")
     ap.add_argument("--peak-tflops", type=float, help="the chip's dense bf16 peak for MFU (default: by device kind)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()

@@ -119,3 +119,22 @@ def test_out_of_time_names_the_limit_that_ran_out():
     assert bench_gpu.out_of_time(args, bench_gpu.GPU, now) == ""
     assert "stage's 450 s" in bench_gpu.out_of_time(args, bench_gpu.GPU, now - 451)
     assert "--budget-s 1000" in bench_gpu.out_of_time(Namespace(deadline=now + 60, budget_s=1000), bench_gpu.GPU, now)
+
+
+def test_workers_stage_cut_keeps_the_levels_it_printed(tmp_path, monkeypatch):
+    """A sweep cut by its time limit keeps bench_host's printed levels (its JSON comes only at the end), and
+    --workers-counts picks the counts. subprocess.run stands in: the real sweep takes minutes to reach a cut."""
+    import time
+    from argparse import Namespace
+
+    seen = {}
+
+    def cut(cmd, **kw):
+        seen["cmd"] = cmd
+        raise subprocess.TimeoutExpired(cmd, kw["timeout"], output=b"== size checkpoint, --workers 1\nlevel 1\n")
+
+    monkeypatch.setattr(bench_gpu.subprocess, "run", cut)
+    args = Namespace(work=tmp_path, minilm=str(tmp_path), deadline=time.monotonic() + 600, workers_counts="1,3")
+    rec = bench_gpu.stage_workers(args, bench_gpu.GPU, {"cpus": 16})
+    assert rec["workers"] == [1, 3] and seen["cmd"][seen["cmd"].index("--workers") + 1] == "1,3"
+    assert "stopped after" in rec["cut"] and "level 1" in rec["stdout"]
