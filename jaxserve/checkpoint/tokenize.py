@@ -16,7 +16,7 @@ import threading
 from pathlib import Path
 
 import numpy as np
-from tokenizers import Tokenizer
+from tokenizers import Regex, Tokenizer, normalizers, pre_tokenizers
 
 from jaxserve.errors import CheckpointError, InputError, TooLongError
 
@@ -75,7 +75,7 @@ class Pieces:
 
 def flat_ids(encodings, with_types: bool = False):
     """Encodings -> (ids [T] int32, offsets [P + 1], types [T] or None) without per-token Python objects."""
-    lengths = np.fromiter((len(e.ids) for e in encodings), np.int64, len(encodings))
+    lengths = np.fromiter(map(len, encodings), np.int64, len(encodings))  # len(e), not len(e.ids): no list
     offsets = np.zeros(len(encodings) + 1, np.int64)
     np.cumsum(lengths, out=offsets[1:])
     total = int(offsets[-1])
@@ -83,6 +83,11 @@ def flat_ids(encodings, with_types: bool = False):
     types = (np.fromiter(itertools.chain.from_iterable(e.type_ids for e in encodings), np.int32, total)
              if with_types else None)
     return ids, offsets, types
+
+
+def _is_ascii(item: str | tuple) -> bool:
+    """A text, or each text of a pair, is ASCII (`str.isascii` reads a flag of the string: no scan)."""
+    return item.isascii() if isinstance(item, str) else all(map(str.isascii, item))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,6 +129,35 @@ class TextTokenizer:
             out[direction] = tok
         return out
 
+    @functools.cached_property
+    def _ascii(self) -> dict[str, Tokenizer] | None:
+        """The truncating copies for texts that are all ASCII, where the checkpoint's tokenizer is BERT's
+        (its normalizer and pre-tokenizer): a normalizer that does to ASCII what BERT's does (control characters
+        dropped, lower case) without its Unicode work (NFD, accents, a category lookup per character), which is
+        a quarter of tokenizing English text. None for any other tokenizer."""
+        bert = self.tokenizer.normalizer
+        if (type(bert) is not normalizers.BertNormalizer
+                or type(self.tokenizer.pre_tokenizer) is not pre_tokenizers.BertPreTokenizer):
+            return None
+        steps = []
+        if bert.clean_text:  # its control characters in ASCII: C0 but tab, LF and CR, and DEL (those three become
+            # spaces there, which changes no id: BERT's pre-tokenizer splits on them as on a space)
+            steps.append(normalizers.Replace(Regex(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]"), ""))
+        if bert.lowercase:
+            steps.append(normalizers.Lowercase())
+        out = {}
+        for direction, tok in self._truncating.items():
+            fast = Tokenizer.from_str(tok.to_str())
+            fast.normalizer = normalizers.Sequence(steps)
+            out[direction] = fast
+        return out
+
+    def _tokenizer(self, texts: list, direction: str) -> Tokenizer:
+        """The truncating tokenizer for these texts (or pairs): the ASCII one when every text is ASCII."""
+        if self._ascii is not None and all(map(_is_ascii, texts)):
+            return self._ascii[direction]
+        return self._truncating[direction]
+
     def encode_bodies(self, texts: list[str]) -> list[np.ndarray]:
         """Token ids of each text, without special tokens and untruncated."""
         return [np.asarray(e.ids, dtype=np.int32) for e in self.tokenizer.encode_batch(texts, add_special_tokens=False)]
@@ -149,7 +183,7 @@ class TextTokenizer:
         if long == "truncate":
             if prompt:
                 texts = [prompt + t for t in texts]
-            ids, offsets, _ = flat_ids(self._truncating[direction].encode_batch_fast(texts))
+            ids, offsets, _ = flat_ids(self._tokenizer(texts, direction).encode_batch_fast(texts))
             n = len(texts)
             lengths = offsets[1:] - offsets[:-1]
             return Pieces(ids, offsets, np.arange(n), np.maximum(lengths - self.num_special, 1).astype(float))
@@ -167,7 +201,7 @@ class TextTokenizer:
                 if len(e.ids) > self.max_length:
                     raise TooLongError(f"input {i} has {len(e.ids)} tokens, over the model's limit of "
                                        f"{self.max_length} (allow truncation)")
-        ids, offsets, types = flat_ids(self._truncating[direction].encode_batch(items), with_types=True)
+        ids, offsets, types = flat_ids(self._tokenizer(items, direction).encode_batch(items), with_types=True)
         n = len(items)
         return Pieces(ids, offsets, np.arange(n), np.ones(n), types)
 

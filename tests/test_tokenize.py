@@ -1,0 +1,87 @@
+"""The ASCII path of the tokenizer: the same ids as the checkpoint's own tokenizer, cheaper (pure, no JAX)."""
+
+import numpy as np
+import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+from tokenizers import Tokenizer, normalizers, pre_tokenizers
+
+from jaxserve.checkpoint import loader
+from jaxserve.checkpoint.tokenize import TextTokenizer
+
+MAX_LEN = 64  # short, so that truncation is reached too
+
+
+@pytest.fixture(scope="module")
+def minilm_tokenizers():
+    """(jaxserve's tokenizer, the checkpoint's own tokenizer.json truncating at the same length)."""
+    path = loader.resolve(None)
+    ref = Tokenizer.from_file(str(path / "tokenizer.json"))
+    ref.no_padding()
+    ref.enable_truncation(MAX_LEN)
+    return TextTokenizer.from_dir(path, MAX_LEN), ref
+
+
+ascii_text = st.text(st.characters(max_codepoint=127), max_size=200)
+any_text = st.text(st.characters(codec="utf-8"), max_size=60)
+
+
+def ids_of(pieces) -> list[list[int]]:
+    return [s.tolist() for s in pieces.seqs]
+
+
+def test_ascii_texts_take_the_ascii_tokenizer(minilm_tokenizers):
+    tok, _ = minilm_tokenizers
+    assert tok._ascii is not None  # MiniLM's normalizer is BERT's
+    assert tok._tokenizer(["Plain text.", ("a", "b")], "right") is tok._ascii["right"]
+    assert tok._tokenizer(["Plain text.", "café"], "right") is tok._truncating["right"]
+    assert tok._tokenizer([("a", "naïve")], "left") is tok._truncating["left"]
+
+
+@pytest.mark.parametrize("part", ["normalizer", "pre_tokenizer"])
+def test_no_ascii_tokenizer_for_another_normalizer_or_pre_tokenizer(minilm_tokenizers, part):
+    tok, _ = minilm_tokenizers
+    other = Tokenizer.from_str(tok.tokenizer.to_str())
+    if part == "normalizer":
+        other.normalizer = normalizers.Lowercase()
+    else:  # one that would not split on a tab as on a space
+        other.pre_tokenizer = pre_tokenizers.Metaspace()
+    plain = TextTokenizer(other, tok.prefix, tok.suffix, tok.max_length)
+    assert plain._ascii is None
+    assert plain._tokenizer(["Plain text."], "right") is plain._truncating["right"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(ascii_text, min_size=1, max_size=4))
+@example(["A\x01b\tC\x0bd\x7fe\r\nF\x1fG\x0cH\x00", "Tab\tand  spaces, UPPER; (punct)!"])
+@example(["x " * 200])
+def test_ascii_path_gives_the_checkpoints_own_ids(minilm_tokenizers, texts):
+    tok, ref = minilm_tokenizers
+    assert ids_of(tok.documents(texts)) == [e.ids for e in ref.encode_batch(texts)]
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(any_text, min_size=1, max_size=4))
+@example(["Café NAÏVE résumé", "ascii too"])
+def test_any_text_gives_the_checkpoints_own_ids(minilm_tokenizers, texts):
+    tok, ref = minilm_tokenizers
+    assert ids_of(tok.documents(texts)) == [e.ids for e in ref.encode_batch(texts)]
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(ascii_text, ascii_text), min_size=1, max_size=3))
+@example([("What IS\x02 it?", "It\tis\nTHIS.")])
+def test_ascii_pairs_give_the_checkpoints_own_ids_and_types(minilm_tokenizers, pairs):
+    tok, ref = minilm_tokenizers
+    pieces = tok.pairs(pairs)
+    want = ref.encode_batch(pairs)
+    assert ids_of(pieces) == [e.ids for e in want]
+    assert [t.tolist() for t in pieces.type_seqs] == [e.type_ids for e in want]
+
+
+def test_flat_ids_lengths_and_offsets(minilm_tokenizers):
+    tok, ref = minilm_tokenizers
+    texts = ["one", "two words", "", "THREE, four; five."]
+    pieces = tok.documents(texts)
+    assert pieces.lengths.tolist() == [len(e.ids) for e in ref.encode_batch(texts)]
+    assert pieces.ids.dtype == np.int32 and pieces.offsets[-1] == len(pieces.ids)
