@@ -226,6 +226,36 @@ def test_each_front_end_listens_on_its_own_socket_of_the_port():
         plain.close()
 
 
+def test_workers_start_on_a_port_another_server_just_left():
+    """TIME_WAITs of a server without SO_REUSEPORT (`--workers 1`, or another program) do not refuse `--workers N`
+    the port, as they do not refuse aiohttp's one socket; a server still listening there does, and so does another
+    jaxserve holding it (its claim of the port)."""
+    import socket
+
+    from jaxserve.http.workers import listeners
+
+    other = socket.create_server(("127.0.0.1", 0))  # SO_REUSEADDR, as aiohttp's: no SO_REUSEPORT
+    port = other.getsockname()[1]
+    client = socket.create_connection(("127.0.0.1", port))
+    served, _ = other.accept()
+    served.close()  # the server's side closes first: TIME_WAIT on the port
+    client.close()
+    other.close()
+    holder, socks = listeners("127.0.0.1", port, 2)
+    try:
+        with pytest.raises(OSError, match="another jaxserve"):
+            listeners("127.0.0.1", port, 2)
+    finally:
+        for s in (holder, *socks):
+            s.close()
+    listening = socket.create_server(("127.0.0.1", port))
+    try:
+        with pytest.raises(OSError):
+            listeners("127.0.0.1", port, 2)
+    finally:
+        listening.close()
+
+
 async def send_raw(url: str, body: dict):
     """A request on a connection of its own, its response not read yet: (reader, writer, local port)."""
     host, port = url.removeprefix("http://").split(":")

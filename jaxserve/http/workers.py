@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import errno
 import dataclasses
 import json
 import logging
@@ -308,20 +309,51 @@ class Supervisor:
         shutil.rmtree(self.run_dir, ignore_errors=True)
 
 
-def listeners(host: str, port: int, n: int) -> tuple[socket.socket, list[socket.socket]]:
+@dataclasses.dataclass
+class PortHold:
+    """What keeps the port this server's while front-ends come and go: a socket of the port that never listens
+    (bound without SO_REUSEADDR where it can be), and a claim of the port's number among jaxserve servers on this
+    host (an abstract Unix socket: released with the process), which another jaxserve's start finds taken."""
+
+    sock: socket.socket
+    claim: socket.socket
+
+    def getsockname(self):
+        return self.sock.getsockname()
+
+    def close(self) -> None:
+        self.sock.close()
+        self.claim.close()
+
+
+def listeners(host: str, port: int, n: int) -> tuple[PortHold, list[socket.socket]]:
     """Sockets of one port, SO_REUSEPORT: one per front-end, so that the kernel spreads new connections over
     them (on one shared socket the first front-end to wake accepted a burst of connections whole: a client
     opening 32 keep-alive connections at once had all of them on one front-end in two runs of three, one core
-    idle), and first one that never listens and keeps the port this server's while front-ends come and go.
+    idle), and the hold that keeps the port this server's.
 
     They are bound, not listening: a front-end listens on its own (aiohttp's site does) once it can serve, so
-    no connection waits on a front-end still starting, or one that died, while the others could take it. The
-    port is first bound alone, so a port in use (by anyone, another jaxserve too) fails at once."""
+    no connection waits on a front-end still starting, or one that died, while the others could take it. A
+    port in use fails at once: one with a listener (anyone's), or one another jaxserve holds."""
     probe = socket.create_server((host, port), backlog=1, reuse_port=False)
     family, port = probe.family, probe.getsockname()[1]
     probe.close()
-    holder = bound(family, (host, port), reuse_address=False)  # no SO_REUSEADDR: no one else binds the port
-    return holder, [bound(family, (host, port)) for _ in range(n)]
+    claim = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    try:
+        claim.bind(f"\0jaxserve-port-{port}")
+    except OSError:
+        claim.close()
+        raise OSError(errno.EADDRINUSE, f"port {port} is held by another jaxserve server") from None
+    try:
+        sock = bound(family, (host, port), reuse_address=False)  # no SO_REUSEADDR: no one else binds the port
+    except OSError as exc:
+        if exc.errno != errno.EADDRINUSE:
+            claim.close()
+            raise
+        # TIME_WAITs of another server's connections (one without SO_REUSEPORT: `--workers 1`, another program)
+        # refuse a bind without SO_REUSEADDR for a minute; the probe found no listener
+        sock = bound(family, (host, port))
+    return PortHold(sock, claim), [bound(family, (host, port)) for _ in range(n)]
 
 
 def bound(family: int, address: tuple, reuse_address: bool = True) -> socket.socket:
