@@ -1,0 +1,89 @@
+"""The engine process when it is the bottleneck: jobs of DOCS corpus documents sent over its real link (no HTTP,
+no tokenizing: each job is packed once, from the card the engine hands over) by P client processes holding C jobs
+in flight each, for S seconds after a second of warm-up. Prints the engine process's CPU per job (from /proc, all
+its threads) and its batches per job (/metrics), with the engine's one core saturated as it would be behind many
+front-ends, where bench_host.py on two shared cores measures it half idle.
+
+    jaxserve serve --simulate-device 400 --workers 2 --port 8950 &   # the engine is a process of its own from 2
+    python results/issue37/engine_alone.py http://127.0.0.1:8950 DOCS C S [P]
+"""
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import sys
+import time
+import urllib.request
+
+import psutil
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts"))
+
+import harness  # noqa: E402
+
+from jaxserve.scheduling.batcher import BULK, INTERACTIVE  # noqa: E402
+from jaxserve.scheduling.jobs import Job  # noqa: E402
+from jaxserve.scheduling.link import EngineLink  # noqa: E402
+from jaxserve.scheduling.planner import pack  # noqa: E402
+
+
+def engine_socket(pid: int) -> str:
+    return next(c.laddr for c in psutil.Process(pid).net_connections(kind="unix") if c.laddr.endswith("engine.sock"))
+
+
+def client(path: str, docs: int, inflight: int, start: float, end: float, seed: int, q) -> None:
+    async def main():
+        link = EngineLink(path)
+        await link.start()
+        await link.settled(60)
+        view = link.card["encoder"]
+        table = view.engine.tables["pooled"]
+        corpus = harness.documents(4000, seed=0)
+        made = []
+        for k in range(16):
+            texts = [corpus[((seed * 16 + k) * docs + j) % len(corpus)] for j in range(docs)]
+            pieces = view.tokenizer.documents(texts)
+            made.append((pack(pieces.lengths, table), pieces))
+        cls = INTERACTIVE if docs == 1 else BULK
+        counted = 0
+
+        async def one(i):
+            nonlocal counted
+            while time.time() < end:
+                rows, p = made[i % 16]
+                i += 1
+                await link.run(Job(rows, p.ids, p.offsets, p.types, view.out_dim), cls)
+                counted += start <= time.time() <= end
+
+        await asyncio.gather(*(one(7 * k) for k in range(inflight)))
+        await link.stop()
+        q.put(counted)
+
+    asyncio.run(main())
+
+
+def batches(url: str) -> float:
+    text = urllib.request.urlopen(url + "/metrics").read().decode()
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("jaxserve_batches_total{"))
+
+
+if __name__ == "__main__":
+    url, docs, inflight, seconds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+    procs = int(sys.argv[5]) if len(sys.argv) > 5 else 1
+    engine = psutil.Process(json.loads(urllib.request.urlopen(url + "/info").read())["processes"]["engine"])
+    path = engine_socket(engine.pid)
+    start = time.time() + 3.0 + procs  # the clients' start (imports, their jobs) and a second of load before it
+    end = start + seconds
+    q = mp.Queue()
+    ps = [mp.Process(target=client, args=(path, docs, inflight, start, end, k, q)) for k in range(procs)]
+    for p in ps:
+        p.start()
+    time.sleep(start - time.time())
+    cpu0, b0 = sum(engine.cpu_times()[:2]), batches(url)
+    time.sleep(end - time.time())
+    cpu1, b1 = sum(engine.cpu_times()[:2]), batches(url)
+    n = sum(q.get() for _ in ps)
+    for p in ps:
+        p.join()
+    print(f"docs={docs} inflight={procs}x{inflight} jobs/s={n / seconds:.0f} engine_cpu_ms/job={1e3 * (cpu1 - cpu0) / n:.3f} "
+          f"engine_cores={(cpu1 - cpu0) / seconds:.2f} batches/job={(b1 - b0) / n:.2f}")
