@@ -4,7 +4,8 @@ with the request, without timing anything.
 The steps: every function of the heads that decode and score outputs (`jaxserve.heads.sparse`,
 `jaxserve.heads.multivector`), combining and normalising (`Pieces.combine`, `normalize_rows`, `api.scores`,
 `api.shape_vectors`, `api.openai_body`), checking token ids (`api._token_ids`), a tokens job's gathers
-(`Job.token_vectors`, `jobs.ragged_arange`) and encoding (`orjson.dumps`). `watch` wraps each wherever a module
+(`Job.token_vectors`, `jobs.ragged_arange`), placing what the engine process gathered (`jobs.place`) and
+encoding (`orjson.dumps`). `watch` wraps each wherever a module
 holds it (its own module, and every jaxserve module that imported it by name), and records each call made on
 the event loop's thread with its size: the elements of the largest array or container among its arguments and
 its result (bytes and text count nothing: moving bytes is the loop's job). A step on the loop at a request's
@@ -45,7 +46,7 @@ def steps() -> list[tuple[object, str, object]]:
     found = [(m, name, f) for m in (sparse, multivector) for name, f in vars(m).items()
              if inspect.isfunction(f) and f.__module__ == m.__name__]
     found += [(Pieces, "combine", Pieces.combine), (jobs.Job, "token_vectors", jobs.Job.token_vectors),
-              (jobs, "ragged_arange", jobs.ragged_arange), (api, "scores", api.scores),
+              (jobs, "ragged_arange", jobs.ragged_arange), (jobs, "place", jobs.place), (api, "scores", api.scores),
               (api, "shape_vectors", api.shape_vectors), (api, "openai_body", api.openai_body),
               (api, "_token_ids", api._token_ids),
               (sys.modules[normalize_rows.__module__], "normalize_rows", normalize_rows),

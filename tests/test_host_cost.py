@@ -135,7 +135,7 @@ async def _dispatches(pipeline, rows: int) -> list:
     lengths = np.full(rows, 40)
     job = Job(pack(lengths, pipeline.tables["pooled"]), np.ones(40 * rows, np.int32),
               np.arange(0, 40 * rows + 1, 40), None, 4)
-    _, timing = await pipeline.run(job)
+    timing = await pipeline.run(job)
     return [shape for shape, *_ in timing.batches]
 
 

@@ -44,11 +44,20 @@ def shuffled(rows: Rows, rng) -> Rows:
     return Rows(rows.lengths, members, starts, rows.seqlen[order], rows.width)
 
 
+def crossed(job: Job) -> Job:
+    """The job as the engine process receives it over the link (pickle protocol 5, arrays out of band)."""
+    buffers = []
+    head = pickle.dumps(job, protocol=5, buffer_callback=buffers.append)
+    return pickle.loads(head, buffers=[b.raw() for b in buffers])
+
+
 @settings(max_examples=150, deadline=None)
 @given(st.lists(st.lists(st.integers(2, 128), min_size=1, max_size=30), min_size=1, max_size=4),
-       st.sampled_from(range(len(TABLES))), st.integers(0, 3), st.booleans())
-def test_every_sequence_comes_back_to_its_place(requests, t, cancelled, shuffle):
-    """Also with a job's rows in any order: a batch takes a job's rows at several seqlens as one part."""
+       st.sampled_from(range(len(TABLES))), st.integers(0, 3), st.booleans(), st.booleans())
+def test_every_sequence_comes_back_to_its_place(requests, t, cancelled, shuffle, across):
+    """Also with a job's rows in any order: a batch takes a job's rows at several seqlens as one part. `across`:
+    the batches run on the jobs as the engine process receives them (`crossed`), which gather their outputs, and
+    the front-end's jobs place them when read."""
     table = TABLES[t]
     rng = np.random.default_rng(len(requests))
     batcher = Batcher(table, max_wait_s=0.0, max_queued=10_000_000)
@@ -63,18 +72,22 @@ def test_every_sequence_comes_back_to_its_place(requests, t, cancelled, shuffle)
     if cancelled < len(requests):
         batcher.cancel(cancelled)
         gone = jobs.pop(cancelled)
+    engine = {jid: crossed(job) for jid, job in jobs.items()} if across else jobs
     finished = []
     while (d := batcher.next_dispatch(0.0, device_idle=True)) is not None:
-        inputs, real = assemble(d.bucket, d.parts, jobs)
+        inputs, real = assemble(d.bucket, d.parts, engine)
         assert inputs.shape == (4, *d.bucket.shape) and inputs.dtype == np.int32
         assert real == (inputs[1] > 0).sum()
-        most = most_per_row(d.parts, jobs)
+        most = most_per_row(d.parts, engine)
         assert most == inputs[1].max()  # the fullest row, without reading the batch
         # only the output chunks that hold the fullest row's slots come back, as from the engine
         shipped = output_chunks.ends(d.bucket.slots)[output_chunks.needed(d.bucket.slots, most) - 1]
-        finished += scatter(d.parts, fake_device(inputs, d.bucket.slots)[:, :shipped], jobs)
+        finished += scatter(d.parts, fake_device(inputs, d.bucket.slots)[:, :shipped], engine)
     assert sorted(finished) == sorted(jobs)  # each live job finishes exactly once
     for jid, job in jobs.items():
+        if across:
+            assert engine[jid].remaining == 0 and job.remaining == len(seqs[jid]) and not job.out.any()
+            job.receive(engine[jid].pieces, engine[jid].kept)
         assert job.remaining == 0
         want = np.array([[s.sum(), len(s), 0, len(s)] for s in seqs[jid]])
         np.testing.assert_array_equal(job.out, want)  # positions restart at 0 in every slot
@@ -130,4 +143,4 @@ def test_a_job_crosses_to_the_engine_whole(lengths, t, output):
         np.testing.assert_array_equal(getattr(got.rows, name), getattr(job.rows, name))
     np.testing.assert_array_equal(got.rows.docs, job.rows.docs)
     assert (got.rows.width, got.output, got.remaining, got.kept) == (job.rows.width, output, len(lengths), {})
-    assert got.out.shape == job.out.shape and not got.out.any()
+    assert got.out_shape == job.out_shape and got.out is None and got.pieces == []  # outputs go back as pieces

@@ -20,6 +20,7 @@ into their jobs' `kept`.
 
 from __future__ import annotations
 
+import math
 import pickle
 
 import numpy as np
@@ -48,6 +49,13 @@ class Job:
     `token_vectors(p)` gives sequence p's. `kept`: by sequence, what the engine
     kept of its full output where `out` could not hold it (a SPLADE row over the
     cap: `Engine.fetch_kept`), filled in the same pass.
+
+    Across the link (`scheduling/link.py`) a job has no `out` in the engine
+    process: `scatter` there gathers each batch's vectors for it, compact, and
+    the front-end places them into its own `out` when they are first read (on
+    the thread that reads them, which for a big response is not the event
+    loop). The engine, the serial part, does one copy per vector instead of two
+    and holds no output arrays.
     """
 
     def __init__(self, rows: Rows, ids: np.ndarray, offsets: np.ndarray, types: np.ndarray | None, out_dim: int,
@@ -81,9 +89,45 @@ class Job:
         self.flat[3] = 0 if types is None else types[src]
         self.lengths = lengths
         size = self.flat.shape[1] if output == "tokens" else len(lengths)
-        self.out = np.zeros((size, out_dim), np.float32)  # [P, D] per sequence, or [T, D] per token
+        self._out: np.ndarray | None = np.zeros((size, out_dim), np.float32)  # [P, D] per sequence, or [T, D]
+        self._pieces: list[tuple[np.ndarray, np.ndarray]] = []  # (where in `out`, vectors) not yet placed
         self.remaining = len(lengths)  # sequences not yet done
         self.kept: dict[int, object] = {}
+
+    @property
+    def out(self) -> np.ndarray:
+        """The outputs, with what came from the engine placed on this first read (a job's outputs are read by
+        one thread at a time)."""
+        if self._pieces:
+            pieces, self._pieces = self._pieces, []
+            place(self._out, pieces)
+        return self._out
+
+    @property
+    def out_shape(self) -> tuple[int, int]:
+        return self._out.shape if self._out is not None else self._shape
+
+    @property
+    def out_size(self) -> int:
+        """The outputs' floats, without placing them (what sizes a response)."""
+        return math.prod(self.out_shape)
+
+    def put(self, dst: np.ndarray, values: np.ndarray) -> None:
+        """Outputs for sequences (or tokens) `dst`: written into `out`, or, in the engine's copy of a job from a
+        front-end, kept as gathered for the front-end to place (`pieces`)."""
+        if self._out is None:
+            self._pieces.append((dst, values))
+        else:
+            self._out[dst] = values
+
+    @property
+    def pieces(self) -> list[tuple[np.ndarray, np.ndarray]]:
+        """The engine's copy of a job: its gathered outputs, (where in `out`, vectors) per batch part."""
+        return self._pieces
+
+    def receive(self, pieces: list[tuple[np.ndarray, np.ndarray]], kept: dict) -> None:
+        """The front-end's job, finished by the engine: its pieces to place when `out` is read, and what was kept."""
+        self._pieces, self.kept, self.remaining = pieces, kept, 0
 
     def __getstate__(self) -> tuple:
         """A job sent to the engine process (scheduling/link.py): its tokens and one array of all its indices
@@ -94,7 +138,7 @@ class Job:
                                 self.lengths, self.row_of, self.slot_of), dtype=np.int64)
         # raw buffers of known dtypes: a pickled array's dtype is rebuilt from its name on arrival, twice per job
         return (pickle.PickleBuffer(self.flat), pickle.PickleBuffer(index), len(self.lengths), len(r.seqlen),
-                r.width, self.output, self.out.shape, self.remaining, self.kept)
+                r.width, self.output, self.out_shape, self.remaining, self.kept)
 
     def __setstate__(self, state: tuple) -> None:
         flat, index, p, n_rows, width, self.output, out_shape, self.remaining, self.kept = state
@@ -106,11 +150,17 @@ class Job:
             at += n
         lengths, members, starts, seqlen, self.row_start, self.seq_start, self.lengths, self.row_of, self.slot_of = parts
         self.rows = Rows(lengths, members, starts, seqlen, width)
-        self.out = np.zeros(out_shape, np.float32)
+        self._out, self._shape, self._pieces = None, tuple(out_shape), []  # outputs go back as pieces
 
     def token_vectors(self, p: int) -> np.ndarray:
         """[L, D] sequence p's token vectors (a `tokens` job)."""
         return self.out[self.seq_start[p] : self.seq_start[p] + self.lengths[p]]
+
+
+def place(out: np.ndarray, pieces: list[tuple[np.ndarray, np.ndarray]]) -> None:
+    """Each piece's vectors into `out` at its places (a front-end finishing a job the engine gathered)."""
+    for dst, values in pieces:
+        out[dst] = values
 
 
 def consecutive(rows: np.ndarray) -> bool:
@@ -181,18 +231,18 @@ def scatter(parts, result: np.ndarray, jobs: dict[int, Job]) -> list[int]:
             if job.output == "tokens":
                 s = result.shape[1]
                 tokens = job.row_start[rows + 1] - job.row_start[rows]
-                dst = ragged_arange((first + np.arange(len(rows))) * s, tokens)
-                job.out[ragged_arange(job.row_start[rows], tokens)] = result.reshape(-1, result.shape[-1])[dst]
+                src = ragged_arange((first + np.arange(len(rows))) * s, tokens)
+                job.put(ragged_arange(job.row_start[rows], tokens), result.reshape(-1, result.shape[-1])[src])
             elif len(rows) == 1:  # one row: its sequences are its first slots
-                n = int(counts[0])
-                job.out[r.members[r.starts[rows[0]] : r.starts[rows[0]] + n]] = result[first, :n]
+                a = r.starts[rows[0]]
+                job.put(r.members[a : a + int(counts[0])], result[first, : int(counts[0])])
             elif consecutive(rows):
                 a, z = r.starts[rows[0]], r.starts[rows[-1] + 1]
-                job.out[r.members[a:z]] = result[job.row_of[a:z] + (first - rows[0]), job.slot_of[a:z]]
+                job.put(r.members[a:z], result[job.row_of[a:z] + (first - rows[0]), job.slot_of[a:z]])
             else:
                 seq = r.members[ragged_arange(r.starts[rows], counts)]
                 slot = ragged_arange(np.zeros(len(rows), np.int64), counts)
-                job.out[seq] = result[np.repeat(first + np.arange(len(rows)), counts), slot]
+                job.put(seq, result[np.repeat(first + np.arange(len(rows)), counts), slot])
             job.remaining -= int(counts.sum())
             if job.remaining == 0:
                 done.append(job_id)

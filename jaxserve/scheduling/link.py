@@ -6,13 +6,17 @@ the batchers (cross-request batching over every front-end's rows) and the
 pipeline threads. Each front-end holds one Unix socket to the engine:
 
     front-end                                   engine
-    EngineLink.run(job) --- run {job} --------> LinkServer: Pipeline.run(job)
-                        <-- done {out, timing} --
+    EngineLink.run(job) --- run {job} --------> LinkServer: Pipeline.submit(job)
+                        <-- done {places, vectors, timing} --
                         --- cancel ------------> (client gone, timeout)
                         <-- status, card -------- (pushed: health, queue, the model and its tables)
 
 A message is a pickled header (protocol 5) whose numpy arrays travel out of
-band after it: a job's token ids in, its outputs out. A large message is
+band after it: a job's token ids in, its outputs out as each batch gathered
+them (`Job.put`: the vectors of a part, compact, and where they go), placed
+into the front-end's own output array where they are first read. The engine,
+the one serial process, thus copies each vector once and holds no request's
+output array. A large message is
 copied once into the socket and once out of it, into one buffer its arrays
 then use; a small one (64 KiB or less) once more, out of the buffer that
 batches reads of small messages. Only
@@ -332,9 +336,14 @@ class LinkServer:
         if exc is not None:  # its batch failed, or the pipeline stopped
             wire.post({"op": "error", "id": rid, "error": exc})
         else:
-            # the outputs as a raw buffer (float32, this shape): a pickled array's dtype is rebuilt from its name
-            wire.post({"op": "done", "id": rid, "out": pickle.PickleBuffer(job.out), "shape": job.out.shape,
-                       "kept": job.kept, "timing": timing}, job.out.nbytes)
+            # the outputs as the batches gathered them, (places, vectors) per part, for the front-end to place; raw
+            # buffers of known dtypes (int64, float32): a pickled array's dtype is rebuilt from its name
+            places, vectors = [], []
+            for dst, values in job.pieces:
+                places.append(pickle.PickleBuffer(np.ascontiguousarray(dst, np.int64)))
+                vectors.append(pickle.PickleBuffer(np.ascontiguousarray(values, np.float32)))
+            wire.post({"op": "done", "id": rid, "places": places, "vectors": vectors, "width": job.out_shape[1],
+                       "kept": job.kept, "timing": timing}, job.out_size * 4)
 
     async def _explain(self, wire: Wire, message: dict) -> None:
         try:
@@ -446,14 +455,14 @@ class EngineLink:
     # ---- requests ----
 
     async def run(self, job: Job, cls: int = BULK, deadline_s: float | None = None):
-        """As `Pipeline.run`: the job's outputs ([P, D] per sequence) and its timing; cancelling drops its rows."""
+        """As `Pipeline.run`: the job's timing, its outputs then in `job.out`; cancelling drops its rows."""
         if self._draining:
             raise Draining("the server is draining")
         wire, rid, future = self._expect()
         self._idle.clear()
         try:
             wire.post({"op": "run", "id": rid, "job": job, "cls": cls, "deadline_s": deadline_s}, job.flat.nbytes)
-            out, kept, timing = await future
+            pieces, kept, timing = await future
         except asyncio.CancelledError:
             if rid in self._pending and self._wire is wire:
                 wire.post({"op": "cancel", "id": rid})
@@ -462,8 +471,8 @@ class EngineLink:
             self._pending.pop(rid, None)
             if not self._pending:
                 self._idle.set()
-        job.out, job.kept, job.remaining = out, kept, 0
-        return out, timing
+        job.receive(pieces, kept)  # placed into job.out where it is first read
+        return timing
 
     def explain(self, rows, doc, output: str, max_wait_s: float) -> dict:
         """The engine's latency math for these rows (blocking: called from a tokenizer thread)."""
@@ -534,8 +543,10 @@ class EngineLink:
             self._settled.set()
         elif (future := self._pending.get(message.get("id"))) is not None and not future.done():
             if op == "done":
-                out = np.frombuffer(message["out"], np.float32).reshape(message["shape"])
-                future.set_result((out, message["kept"], message["timing"]))
+                width = message["width"]
+                pieces = [(np.frombuffer(dst, np.int64), np.frombuffer(values, np.float32).reshape(-1, width))
+                          for dst, values in zip(message["places"], message["vectors"])]
+                future.set_result((pieces, message["kept"], message["timing"]))
             elif op == "explained":
                 future.set_result(message["body"])
             elif op == "error":

@@ -274,8 +274,9 @@ class Pipeline:
 
     # ---- requests (event loop) ----
 
-    async def run(self, job: Job, cls: int = BULK, deadline_s: float | None = None) -> tuple[np.ndarray, RequestTiming]:
-        """Run one request's job -> ([P, D] per sequence, timing). Raises QueueFull, TooLarge, Draining, BatchError.
+    async def run(self, job: Job, cls: int = BULK, deadline_s: float | None = None) -> RequestTiming:
+        """Run one request's job (its outputs then in `job.out`) -> its timing. Raises QueueFull, TooLarge, Draining,
+        BatchError.
 
         `cls`: its request class; `deadline_s`: its latency budget (earliest deadline first within a class).
 
@@ -286,7 +287,7 @@ class Pipeline:
         finally:
             if jid in self._entries:  # not answered: the caller went away
                 self.cancel(jid)
-        return job.out, timing
+        return timing
 
     def submit(self, job: Job, cls: int = BULK, deadline_s: float | None = None) -> tuple[int, asyncio.Future,
                                                                                             RequestTiming]:

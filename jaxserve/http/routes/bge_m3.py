@@ -77,7 +77,7 @@ async def embed_m3(state: AppState, body, ask: Ask = NO_ASK) -> web.Response:
             b',"colbert_vecs":', b"null" if colbert is None else b"[" + b",".join(map(dump, colbert)) + b"]",
             b"}"))
 
-    encoded, _ = await respond(state, encode, ran.out.size)
+    encoded, _ = await respond(state, encode, ran.floats)
     return bytes_response(encoded)
 
 
@@ -87,5 +87,5 @@ async def embed_sparse(state: AppState, body, ask: Ask = NO_ASK) -> web.Response
     req = await parsed(state, ask, lambda: api.parse_tei_embed_sparse(body, state.limits, state.config.long))
     ran = await run(state, req, ask)
     records = lambda: bge_m3.index_values(outputs(state, ran, ("sparse",))["sparse"])
-    encoded, _ = await respond(state, lambda: orjson.dumps(records()), ran.out.size)
+    encoded, _ = await respond(state, lambda: orjson.dumps(records()), ran.floats)
     return bytes_response(encoded)

@@ -54,7 +54,7 @@ async def embed(request: web.Request) -> web.Response:
         enc.embedding_config.matryoshka_dimensions))
     ran = await run_request(state, lambda: embedding_pieces(state, req), ask=ask, inputs=req.count)
     encoded, _ = await respond(state, lambda: api.cohere_embed_body(vectors_of(ran, req), types, req.texts, ran.tokens),
-                               ran.out.size * len(types))
+                               ran.floats * len(types))
     return bytes_response(encoded)
 
 
@@ -93,7 +93,7 @@ async def _cosine(state: AppState, req: api.CohereRerank, ask: Ask):
     q, d = await asyncio.gather(*(run_request(state, lambda r=r: embedding_pieces(state, r), ask=ask, inputs=r.count)
                                   for r in (query, docs)))
     return (lambda: (vectors_of(d, docs) @ vectors_of(q, query)[0]).astype(np.float32),
-            q.tokens + d.tokens, q.out.size + d.out.size)
+            q.tokens + d.tokens, q.floats + d.floats)
 
 
 async def _maxsim(state: AppState, req: api.CohereRerank, ask: Ask):
@@ -104,7 +104,7 @@ async def _maxsim(state: AppState, req: api.CohereRerank, ask: Ask):
     mean = state.encoder.colbert.similarity == "meanmaxsim"
     return (lambda: multivector.maxsim_flat(multivector_routes.token_outputs(state, q, "query")[0],
                                             *multivector_routes.token_outputs(state, d, "document"), mean=mean),
-            q.tokens + d.tokens, q.out.size + d.out.size)
+            q.tokens + d.tokens, q.floats + d.floats)
 
 
 SCORERS = {"reranker": _cross_encoder, "embedding": _cosine, "multivector": _maxsim}

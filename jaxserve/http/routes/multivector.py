@@ -64,7 +64,7 @@ async def embeddings(state: AppState, body, ask: Ask = NO_ASK) -> web.Response:
                                                                   "total_tokens": ran.tokens}})
         return b"".join((*parts, b"],", rest[1:]))
 
-    encoded, _ = await respond(state, encode, ran.out.size)
+    encoded, _ = await respond(state, encode, ran.floats)
     return bytes_response(encoded)
 
 
@@ -84,5 +84,5 @@ async def rerank(state: AppState, body, ask: Ask = NO_ASK) -> web.Response:
         return orjson.dumps([{"index": i, "score": s, **({"text": texts[i]} if return_text else {})}
                              for i, s in zip(order, best)])
 
-    encoded, _ = await respond(state, ranked, q.out.size + docs.out.size)
+    encoded, _ = await respond(state, ranked, q.floats + docs.floats)
     return bytes_response(encoded)

@@ -48,7 +48,7 @@ async def embeddings(request: web.Request) -> web.Response:
                             ask=ask, inputs=req.count)
     body, encode_s = await respond(  # every format combines and normalises the vectors first: request-sized
         state, lambda: api.openai_body(vectors_of(ran, req), state.model_name, ran.tokens, req.encoding_format),
-        ran.out.size)
+        ran.floats)
     if wants_explain:
         measured = dict(ran.phases, encode_s=encode_s, total_s=time.perf_counter() - start)
         explained = dict(ran.explain, measured=measured, dispatched=[
@@ -116,7 +116,7 @@ async def classify(request: web.Request) -> web.Response:
             "usage": {"prompt_tokens": ran.tokens, "total_tokens": ran.tokens},
         })
 
-    body, _ = await respond(state, encode, len(texts) * DICT_FLOATS + ran.out.size)
+    body, _ = await respond(state, encode, len(texts) * DICT_FLOATS + ran.floats)
     return bytes_response(body)
 
 

@@ -56,7 +56,7 @@ async def _embed(state: AppState, body, ask: Ask = NO_ASK) -> web.Response:
     req = await parsed(state, ask, lambda: api.parse_tei_embed(body, state.limits, state.encoder.dim, state.config.long))
     ran = await run_request(state, lambda: embedding_pieces(state, req), ask=ask, inputs=req.count)
     encoded, _ = await respond(state, lambda: orjson.dumps(vectors_of(ran, req), option=orjson.OPT_SERIALIZE_NUMPY),
-                               ran.out.size)
+                               ran.floats)
     return bytes_response(encoded)
 
 
@@ -70,11 +70,13 @@ async def _embed_sparse(state: AppState, body, ask: Ask = NO_ASK) -> web.Respons
     req = await parsed(state, ask, lambda: api.parse_tei_embed_sparse(body, state.limits, state.config.long))
     ran = await run_request(state, lambda: embedding_pieces(state, req), ask=ask, inputs=req.count)
     enc = state.encoder
-    rows = sparse.SparseRows(ran.out, ran.job.kept)
-    floats = rows.compact.size + len(rows.full) * enc.splade.vocab_size  # at most
-    # joined, not added: a large bytes join lets go of the GIL, and so of the event loop
-    encoded, _ = await respond(state, lambda: b"".join((b"[", b",".join(sparse.json_rows(rows, enc.splade)), b"]")),
-                               floats)
+    floats = ran.floats + len(ran.job.kept) * enc.splade.vocab_size  # at most
+
+    def encode():  # joined, not added: a large bytes join lets go of the GIL, and so of the event loop
+        rows = sparse.SparseRows(ran.out, ran.job.kept)
+        return b"".join((b"[", b",".join(sparse.json_rows(rows, enc.splade)), b"]"))
+
+    encoded, _ = await respond(state, encode, floats)
     return bytes_response(encoded)
 
 
@@ -91,7 +93,7 @@ async def _embed_all(state: AppState, body, ask: Ask = NO_ASK) -> web.Response:
                             inputs=req.count)
     encoded, _ = await respond(
         state, lambda: orjson.dumps([ran.job.token_vectors(p) for p in range(ran.pieces.count)],
-                                    option=orjson.OPT_SERIALIZE_NUMPY), ran.out.size)
+                                    option=orjson.OPT_SERIALIZE_NUMPY), ran.floats)
     return bytes_response(encoded)
 
 
@@ -106,7 +108,7 @@ async def _similarity(state: AppState, body, ask: Ask = NO_ASK) -> web.Response:
         unit = vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
         return orjson.dumps((unit[1:] @ unit[0]).astype(np.float32), option=orjson.OPT_SERIALIZE_NUMPY)
 
-    encoded, _ = await respond(state, similarities, ran.out.size)
+    encoded, _ = await respond(state, similarities, ran.floats)
     return bytes_response(encoded)
 
 
@@ -125,7 +127,7 @@ async def _predict(state: AppState, body, ask: Ask = NO_ASK) -> web.Response:
             results.append([{"label": label, "score": score} for label, score in ranked])
         return orjson.dumps(results[0] if req.single else results)
 
-    encoded, _ = await respond(state, predictions, ran.out.size * DICT_FLOATS)
+    encoded, _ = await respond(state, predictions, ran.floats * DICT_FLOATS)
     return bytes_response(encoded)
 
 
