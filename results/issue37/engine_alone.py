@@ -82,7 +82,7 @@ if __name__ == "__main__":
     cpu0, b0 = sum(engine.cpu_times()[:2]), batches(url)
     time.sleep(end - time.time())
     cpu1, b1 = sum(engine.cpu_times()[:2]), batches(url)
-    n = sum(q.get() for _ in ps)
+    n = sum(q.get(timeout=60) for _ in ps)  # a client that failed raises queue.Empty here, not a hang
     for p in ps:
         p.join()
     print(f"docs={docs} inflight={procs}x{inflight} jobs/s={n / seconds:.0f} engine_cpu_ms/job={1e3 * (cpu1 - cpu0) / n:.3f} "
