@@ -102,3 +102,26 @@ def test_serve_flags_for_the_queue_and_the_pools():
     assert (args.max_queue_tokens, args.tokenizer_threads, args.respond_threads) == (100_000, 6, 3)
     args = build_parser().parse_args(["serve"])
     assert (args.max_queue_tokens, args.tokenizer_threads, args.respond_threads) == (None, None, None)
+
+
+def test_the_model_process_keeps_freed_batch_memory():
+    """In a process of its own: with the settings, a batch-sized block freed and taken again comes back at the same
+    address (kept by malloc); without them, the first is a mapping of its own, given back to the kernel on free,
+    and the second lands elsewhere."""
+    import subprocess
+    import sys
+
+    code = """
+import sys
+import numpy as np
+from jaxserve.runtime import host
+applied = host.keep_freed_memory() if sys.argv[1] == "on" else False
+first = np.empty(host.MMAP_THRESHOLD // 4, np.uint8)
+at = first.ctypes.data
+del first
+print(applied, np.empty(host.MMAP_THRESHOLD // 4, np.uint8).ctypes.data == at)
+"""
+    run = lambda mode: subprocess.run([sys.executable, "-c", code, mode], capture_output=True, text=True,
+                                      check=True).stdout.split()
+    assert run("on") == ["True", "True"]
+    assert run("off") == ["False", "False"]

@@ -41,6 +41,7 @@ from jaxserve.http.state import (  # noqa: F401
     ServerConfig,
 )
 from jaxserve.runtime import compiles, startup
+from jaxserve.runtime.host import keep_freed_memory
 from jaxserve.view import ModelView
 
 log = logging.getLogger("jaxserve.http.server")
@@ -243,6 +244,7 @@ def serve(config: ServerConfig, host: str, port: int) -> None:
     from jaxserve.http.loading import check_prompt, load_encoder  # JAX: only a process that runs the model
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    keep_freed_memory()
     started = startup.Startup()
     started.add("import", startup.since_process_start())
     with started.phase("weights", "loading weights"):

@@ -83,6 +83,9 @@ def engine_main(config, path: str, run_dir: str, parent: int) -> None:
     _follow_parent(parent)
     _logging("engine")
     from jaxserve.http.server import new_loop
+    from jaxserve.runtime import host
+
+    host.keep_freed_memory()
 
     asyncio.run(_engine(config, path, run_dir), loop_factory=new_loop)
 

@@ -10,9 +10,16 @@ responding (combine, normalise, encode) a quarter, each at least 2, so a
 
 from __future__ import annotations
 
+import ctypes
 import os
+import sys
 
 MIN_POOL_THREADS = 2  # each pool: one thread busy while another waits on the GIL
+# glibc's malloc: blocks below this come from its heap, and up to this much free heap is kept (not the defaults'
+# returning every block of a batch's size to the kernel, to fault it in again, zeroed, for the next batch)
+MMAP_THRESHOLD = 8 << 20
+TRIM_THRESHOLD = 64 << 20
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt's parameters (malloc.h)
 
 
 def usable_cores() -> int:
@@ -46,3 +53,17 @@ def frontend_workers(cores: int | None = None) -> int:
     from 4, all cores but two (the engine's pipeline threads, and the kernel's network work), at most 32."""
     cores = usable_cores() if cores is None else cores
     return 1 if cores < 4 else min(cores - 2, 32)
+
+
+def keep_freed_memory() -> bool:
+    """Have glibc's malloc keep the blocks of a batch's size once freed (`MMAP_THRESHOLD`, `TRIM_THRESHOLD`), for
+    the process that runs the model: its batches' inputs, outputs and joins, a few MB each, come and go every
+    batch, and by default each is a fresh mapping whose pages the kernel faults in and zeroes (with the engine
+    saturated, about 8% of its respond thread). True where applied (glibc on Linux)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None)
+        return bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) and libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+    except (OSError, AttributeError):  # not glibc (musl has no mallopt)
+        return False
