@@ -108,6 +108,7 @@ def test_the_model_process_keeps_freed_batch_memory():
     """In a process of its own: with the settings, a batch-sized block freed and taken again comes back at the same
     address (kept by malloc); without them, the first is a mapping of its own, given back to the kernel on free,
     and the second lands elsewhere."""
+    import os
     import subprocess
     import sys
 
@@ -121,7 +122,8 @@ at = first.ctypes.data
 del first
 print(applied, np.empty(host.MMAP_THRESHOLD // 4, np.uint8).ctypes.data == at)
 """
-    run = lambda mode: subprocess.run([sys.executable, "-c", code, mode], capture_output=True, text=True,
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("GLIBC_TUNABLES", "MALLOC_"))}  # defaults
+    run = lambda mode: subprocess.run([sys.executable, "-c", code, mode], capture_output=True, text=True, env=env,
                                       check=True).stdout.split()
     assert run("on") == ["True", "True"]
     assert run("off") == ["False", "False"]

@@ -51,6 +51,21 @@ def test_no_ascii_tokenizer_for_another_normalizer_or_pre_tokenizer(minilm_token
     assert plain._tokenizer(["Plain text."], "right") is plain._truncating["right"]
 
 
+def test_no_ascii_tokenizer_where_an_added_token_holds_whitespace(minilm_tokenizers):
+    """BERT's normalizer turns a tab into a space before added tokens are matched; the ASCII one does not, so a
+    normalized added token with whitespace in it would match differently."""
+    from tokenizers import AddedToken
+
+    tok, ref = minilm_tokenizers
+    other = Tokenizer.from_str(tok.tokenizer.to_str())
+    other.add_tokens([AddedToken("foo bar", normalized=True)])
+    plain = TextTokenizer(other, tok.prefix, tok.suffix, tok.max_length)
+    assert plain._ascii is None
+    want = Tokenizer.from_str(other.to_str())
+    want.enable_truncation(MAX_LEN)
+    assert ids_of(plain.documents(["x foo\tbar y"])) == [want.encode("x foo\tbar y").ids]
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.lists(ascii_text, min_size=1, max_size=4))
 @example(["A\x01b\tC\x0bd\x7fe\r\nF\x1fG\x0cH\x00", "Tab\tand  spaces, UPPER; (punct)!"])

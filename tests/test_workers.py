@@ -254,6 +254,10 @@ def test_workers_start_on_a_port_another_server_just_left():
             listeners("127.0.0.1", port, 2)
     finally:
         listening.close()
+    held = [listeners(address, port, 2) for address in ("127.0.0.1", "127.0.0.2")]  # a claim is per address
+    for holder, socks in held:
+        for s in (holder, *socks):
+            s.close()
 
 
 async def send_raw(url: str, body: dict):

@@ -139,6 +139,10 @@ class TextTokenizer:
         if (type(bert) is not normalizers.BertNormalizer
                 or type(self.tokenizer.pre_tokenizer) is not pre_tokenizers.BertPreTokenizer):
             return None
+        # added tokens are matched in the normalized text, where BERT's has turned tab and newlines into spaces
+        if any(t.normalized and any(c.isspace() for c in t.content)
+               for t in self.tokenizer.get_added_tokens_decoder().values()):
+            return None
         steps = []
         if bert.clean_text:  # its control characters in ASCII: C0 but tab, LF and CR, and DEL (those three become
             # spaces there, which changes no id: BERT's pre-tokenizer splits on them as on a space)

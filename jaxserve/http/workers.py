@@ -339,14 +339,16 @@ def listeners(host: str, port: int, n: int) -> tuple[PortHold, list[socket.socke
     no connection waits on a front-end still starting, or one that died, while the others could take it. A
     port in use fails at once: one with a listener (anyone's), or one another jaxserve holds."""
     probe = socket.create_server((host, port), backlog=1, reuse_port=False)
-    family, port = probe.family, probe.getsockname()[1]
+    family, (address, port) = probe.family, probe.getsockname()[:2]
     probe.close()
     claim = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     try:
-        claim.bind(f"\0jaxserve-port-{port}")
-    except OSError:
+        claim.bind(f"\0jaxserve-port-{family.name}-{address}-{port}")
+    except OSError as exc:
         claim.close()
-        raise OSError(errno.EADDRINUSE, f"port {port} is held by another jaxserve server") from None
+        if exc.errno != errno.EADDRINUSE:
+            raise
+        raise OSError(errno.EADDRINUSE, f"{address} port {port} is held by another jaxserve server") from None
     try:
         sock = bound(family, (host, port), reuse_address=False)  # no SO_REUSEADDR: no one else binds the port
     except OSError as exc:
@@ -354,7 +356,9 @@ def listeners(host: str, port: int, n: int) -> tuple[PortHold, list[socket.socke
             claim.close()
             raise
         # TIME_WAITs of another server's connections (one without SO_REUSEPORT: `--workers 1`, another program)
-        # refuse a bind without SO_REUSEADDR for a minute; the probe found no listener
+        # refuse a bind without SO_REUSEADDR for a minute; the probe found no listener. The price: until the
+        # front-ends listen, a program binding with SO_REUSEADDR alone could still take the port (their listen
+        # would then fail, and the supervisor restart them until it is free)
         sock = bound(family, (host, port))
     return PortHold(sock, claim), [bound(family, (host, port)) for _ in range(n)]
 

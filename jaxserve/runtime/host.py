@@ -17,7 +17,7 @@ import sys
 MIN_POOL_THREADS = 2  # each pool: one thread busy while another waits on the GIL
 # glibc's malloc: blocks below this come from its heap, and up to this much free heap is kept (not the defaults'
 # returning every block of a batch's size to the kernel, to fault it in again, zeroed, for the next batch)
-MMAP_THRESHOLD = 8 << 20
+MMAP_THRESHOLD = 32 << 20  # the most glibc's own dynamic threshold would reach, fixed from the start
 TRIM_THRESHOLD = 64 << 20
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt's parameters (malloc.h)
 

@@ -99,8 +99,8 @@ class Job:
         """The outputs, with what came from the engine placed on this first read (a job's outputs are read by
         one thread at a time)."""
         if self._pieces:
-            pieces, self._pieces = self._pieces, []
-            place(self._out, pieces)
+            place(self._out, self._pieces)
+            self._pieces = []
         return self._out
 
     @property
