@@ -56,7 +56,7 @@ def test_no_ascii_tokenizer_where_an_added_token_holds_whitespace(minilm_tokeniz
     normalized added token with whitespace in it would match differently."""
     from tokenizers import AddedToken
 
-    tok, ref = minilm_tokenizers
+    tok, _ = minilm_tokenizers
     other = Tokenizer.from_str(tok.tokenizer.to_str())
     other.add_tokens([AddedToken("foo bar", normalized=True)])
     plain = TextTokenizer(other, tok.prefix, tok.suffix, tok.max_length)
@@ -73,6 +73,21 @@ def test_no_ascii_tokenizer_where_an_added_token_holds_whitespace(minilm_tokeniz
 def test_ascii_path_gives_the_checkpoints_own_ids(minilm_tokenizers, texts):
     tok, ref = minilm_tokenizers
     assert ids_of(tok.documents(texts)) == [e.ids for e in ref.encode_batch(texts)]
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(ascii_text, min_size=1, max_size=4), st.sampled_from(["chunk", "truncate"]),
+       st.sampled_from(["right", "left"]))
+@example(["A\x01b\tC " * 40], "chunk", "right")
+def test_ascii_windows_and_ends_as_the_checkpoints_own_path(minilm_tokenizers, texts, long, direction):
+    """Windows of long documents (`chunk`, bodies without special tokens) and truncation at either end: the same
+    sequences with the ASCII path as with the checkpoint's own tokenizer (the same tokenizer, ASCII path off)."""
+    tok, _ = minilm_tokenizers
+    own = TextTokenizer(tok.tokenizer, tok.prefix, tok.suffix, tok.max_length)
+    own.__dict__["_ascii"] = None  # the cached property, read as off
+    assert tok._tokenizer(texts, "whole") is tok._ascii["whole"]
+    assert ids_of(tok.documents(texts, long, direction=direction)) == ids_of(own.documents(texts, long,
+                                                                                             direction=direction))
 
 
 @settings(max_examples=100, deadline=None)

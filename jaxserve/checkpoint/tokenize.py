@@ -131,7 +131,8 @@ class TextTokenizer:
 
     @functools.cached_property
     def _ascii(self) -> dict[str, Tokenizer] | None:
-        """The truncating copies for texts that are all ASCII, where the checkpoint's tokenizer is BERT's
+        """Copies for texts that are all ASCII (the truncating ones by direction, and "whole" of the tokenizer
+        itself, which does not truncate), where the checkpoint's tokenizer is BERT's
         (its normalizer and pre-tokenizer): a normalizer that does to ASCII what BERT's does (control characters
         dropped, lower case) without its Unicode work (NFD, accents, a category lookup per character), which is
         a quarter of tokenizing English text. None for any other tokenizer."""
@@ -150,21 +151,23 @@ class TextTokenizer:
         if bert.lowercase:
             steps.append(normalizers.Lowercase())
         out = {}
-        for direction, tok in self._truncating.items():
+        for which, tok in (*self._truncating.items(), ("whole", self.tokenizer)):
             fast = Tokenizer.from_str(tok.to_str())
             fast.normalizer = normalizers.Sequence(steps)
-            out[direction] = fast
+            out[which] = fast
         return out
 
     def _tokenizer(self, texts: list, direction: str) -> Tokenizer:
-        """The truncating tokenizer for these texts (or pairs): the ASCII one when every text is ASCII."""
+        """The truncating tokenizer for these texts (or pairs), by `direction` ("whole": the one that does not
+        truncate): the ASCII one when every text is ASCII."""
         if self._ascii is not None and all(map(_is_ascii, texts)):
             return self._ascii[direction]
-        return self._truncating[direction]
+        return self.tokenizer if direction == "whole" else self._truncating[direction]
 
     def encode_bodies(self, texts: list[str]) -> list[np.ndarray]:
         """Token ids of each text, without special tokens and untruncated."""
-        return [np.asarray(e.ids, dtype=np.int32) for e in self.tokenizer.encode_batch(texts, add_special_tokens=False)]
+        tok = self._tokenizer(texts, "whole")
+        return [np.asarray(e.ids, dtype=np.int32) for e in tok.encode_batch(texts, add_special_tokens=False)]
 
     def wrap(self, body: np.ndarray) -> np.ndarray:
         """Body ids -> one model sequence, truncated to fit."""
