@@ -87,7 +87,7 @@ def test_every_sequence_comes_back_to_its_place(requests, t, cancelled, shuffle,
     for jid, job in jobs.items():
         if across:
             assert engine[jid].remaining == 0 and job.remaining == len(seqs[jid]) and not job.out.any()
-            job.receive(engine[jid].pieces, engine[jid].kept)
+            job.receive(engine[jid].gathered, engine[jid].kept)
         assert job.remaining == 0
         want = np.array([[s.sum(), len(s), 0, len(s)] for s in seqs[jid]])
         np.testing.assert_array_equal(job.out, want)  # positions restart at 0 in every slot
@@ -143,4 +143,4 @@ def test_a_job_crosses_to_the_engine_whole(lengths, t, output):
         np.testing.assert_array_equal(getattr(got.rows, name), getattr(job.rows, name))
     np.testing.assert_array_equal(got.rows.docs, job.rows.docs)
     assert (got.rows.width, got.output, got.remaining, got.kept) == (job.rows.width, output, len(lengths), {})
-    assert got.out_shape == job.out_shape and got.out is None and got.pieces == []  # outputs go back as pieces
+    assert got.out_shape == job.out_shape and got.out is None and got.gathered == []  # outputs go back gathered

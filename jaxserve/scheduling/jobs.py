@@ -90,7 +90,7 @@ class Job:
         self.lengths = lengths
         size = self.flat.shape[1] if output == "tokens" else len(lengths)
         self._out: np.ndarray | None = np.zeros((size, out_dim), np.float32)  # [P, D] per sequence, or [T, D]
-        self._pieces: list[tuple[np.ndarray, np.ndarray]] = []  # (where in `out`, vectors) not yet placed
+        self._gathered: list[tuple[np.ndarray, np.ndarray]] = []  # (where in `out`, vectors) not yet placed
         self.remaining = len(lengths)  # sequences not yet done
         self.kept: dict[int, object] = {}
 
@@ -98,9 +98,9 @@ class Job:
     def out(self) -> np.ndarray:
         """The outputs, with what came from the engine placed on this first read (a job's outputs are read by
         one thread at a time)."""
-        if self._pieces:
-            place(self._out, self._pieces)
-            self._pieces = []
+        if self._gathered:
+            place(self._out, self._gathered)
+            self._gathered = []
         return self._out
 
     @property
@@ -114,20 +114,21 @@ class Job:
 
     def put(self, dst: np.ndarray, values: np.ndarray) -> None:
         """Outputs for sequences (or tokens) `dst`: written into `out`, or, in the engine's copy of a job from a
-        front-end, kept as gathered for the front-end to place (`pieces`)."""
+        front-end, kept as gathered for the front-end to place (`gathered`)."""
         if self._out is None:
-            self._pieces.append((dst, values))
+            self._gathered.append((dst, values))
         else:
             self._out[dst] = values
 
     @property
-    def pieces(self) -> list[tuple[np.ndarray, np.ndarray]]:
+    def gathered(self) -> list[tuple[np.ndarray, np.ndarray]]:
         """The engine's copy of a job: its gathered outputs, (where in `out`, vectors) per batch part."""
-        return self._pieces
+        return self._gathered
 
-    def receive(self, pieces: list[tuple[np.ndarray, np.ndarray]], kept: dict) -> None:
-        """The front-end's job, finished by the engine: its pieces to place when `out` is read, and what was kept."""
-        self._pieces, self.kept, self.remaining = pieces, kept, 0
+    def receive(self, gathered: list[tuple[np.ndarray, np.ndarray]], kept: dict) -> None:
+        """The front-end's job, finished by the engine: what it gathered, placed when `out` is read, and what was
+        kept."""
+        self._gathered, self.kept, self.remaining = gathered, kept, 0
 
     def __getstate__(self) -> tuple:
         """A job sent to the engine process (scheduling/link.py): its tokens and one array of all its indices
@@ -150,16 +151,16 @@ class Job:
             at += n
         lengths, members, starts, seqlen, self.row_start, self.seq_start, self.lengths, self.row_of, self.slot_of = parts
         self.rows = Rows(lengths, members, starts, seqlen, width)
-        self._out, self._shape, self._pieces = None, tuple(out_shape), []  # outputs go back as pieces
+        self._out, self._shape, self._gathered = None, tuple(out_shape), []  # outputs go back gathered
 
     def token_vectors(self, p: int) -> np.ndarray:
         """[L, D] sequence p's token vectors (a `tokens` job)."""
         return self.out[self.seq_start[p] : self.seq_start[p] + self.lengths[p]]
 
 
-def place(out: np.ndarray, pieces: list[tuple[np.ndarray, np.ndarray]]) -> None:
-    """Each piece's vectors into `out` at its places (a front-end finishing a job the engine gathered)."""
-    for dst, values in pieces:
+def place(out: np.ndarray, gathered: list[tuple[np.ndarray, np.ndarray]]) -> None:
+    """Each gathered part's vectors into `out` at its places (a front-end finishing a job the engine ran)."""
+    for dst, values in gathered:
         out[dst] = values
 
 

@@ -339,7 +339,7 @@ class LinkServer:
             # the outputs as the batches gathered them, (places, vectors) per part, for the front-end to place; raw
             # buffers of known dtypes (int64, float32): a pickled array's dtype is rebuilt from its name
             places, vectors = [], []
-            for dst, values in job.pieces:
+            for dst, values in job.gathered:
                 places.append(pickle.PickleBuffer(np.ascontiguousarray(dst, np.int64)))
                 vectors.append(pickle.PickleBuffer(np.ascontiguousarray(values, np.float32)))
             wire.post({"op": "done", "id": rid, "places": places, "vectors": vectors, "width": job.out_shape[1],
@@ -462,7 +462,7 @@ class EngineLink:
         self._idle.clear()
         try:
             wire.post({"op": "run", "id": rid, "job": job, "cls": cls, "deadline_s": deadline_s}, job.flat.nbytes)
-            pieces, kept, timing = await future
+            gathered, kept, timing = await future
         except asyncio.CancelledError:
             if rid in self._pending and self._wire is wire:
                 wire.post({"op": "cancel", "id": rid})
@@ -471,7 +471,7 @@ class EngineLink:
             self._pending.pop(rid, None)
             if not self._pending:
                 self._idle.set()
-        job.receive(pieces, kept)  # placed into job.out where it is first read
+        job.receive(gathered, kept)  # placed into job.out where it is first read
         return timing
 
     def explain(self, rows, doc, output: str, max_wait_s: float) -> dict:
@@ -544,9 +544,9 @@ class EngineLink:
         elif (future := self._pending.get(message.get("id"))) is not None and not future.done():
             if op == "done":
                 width = message["width"]
-                pieces = [(np.frombuffer(dst, np.int64), np.frombuffer(values, np.float32).reshape(-1, width))
+                gathered = [(np.frombuffer(dst, np.int64), np.frombuffer(values, np.float32).reshape(-1, width))
                           for dst, values in zip(message["places"], message["vectors"])]
-                future.set_result((pieces, message["kept"], message["timing"]))
+                future.set_result((gathered, message["kept"], message["timing"]))
             elif op == "explained":
                 future.set_result(message["body"])
             elif op == "error":
