@@ -10,7 +10,7 @@ millisecond of device time. So the work is split as vLLM's API servers do:
       |                  listening socket of the port (`listeners`); its jobs go to the engine over a Unix
       |                  socket (scheduling/link.py)
       `-- engine x 1:    loads and warms the model (the warm artifact, once), runs the one Pipeline: the
-                         batchers across every front-end's rows, the device threads, scattering
+                         batchers across every front-end's rows, the device threads, gathering the outputs
 
 Faults: a front-end that dies is restarted (only its own in-flight requests
 fail: their connections close); an engine that dies fails every waiting
@@ -27,8 +27,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
-import errno
 import dataclasses
+import errno
 import json
 import logging
 import math

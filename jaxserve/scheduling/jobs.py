@@ -90,7 +90,9 @@ class Job:
         self.lengths = lengths
         size = self.flat.shape[1] if output == "tokens" else len(lengths)
         self._out: np.ndarray | None = np.zeros((size, out_dim), np.float32)  # [P, D] per sequence, or [T, D]
-        self._gathered: list[tuple[np.ndarray, np.ndarray]] = []  # (where in `out`, vectors) not yet placed
+        # (where in `out`, vectors) per batch part: the engine's copy of a job gathers its outputs here, and the
+        # front-end's holds them until `out` is read
+        self.gathered: list[tuple[np.ndarray, np.ndarray]] = []
         self.remaining = len(lengths)  # sequences not yet done
         self.kept: dict[int, object] = {}
 
@@ -98,9 +100,9 @@ class Job:
     def out(self) -> np.ndarray:
         """The outputs, with what came from the engine placed on this first read (a job's outputs are read by
         one thread at a time)."""
-        if self._gathered:
-            place(self._out, self._gathered)
-            self._gathered = []
+        if self.gathered:
+            place(self._out, self.gathered)
+            self.gathered = []
         return self._out
 
     @property
@@ -116,24 +118,19 @@ class Job:
         """Outputs for sequences (or tokens) `dst`: written into `out`, or, in the engine's copy of a job from a
         front-end, kept as gathered for the front-end to place (`gathered`)."""
         if self._out is None:
-            self._gathered.append((dst, values))
+            self.gathered.append((dst, values))
         else:
             self._out[dst] = values
-
-    @property
-    def gathered(self) -> list[tuple[np.ndarray, np.ndarray]]:
-        """The engine's copy of a job: its gathered outputs, (where in `out`, vectors) per batch part."""
-        return self._gathered
 
     def receive(self, gathered: list[tuple[np.ndarray, np.ndarray]], kept: dict) -> None:
         """The front-end's job, finished by the engine: what it gathered, placed when `out` is read, and what was
         kept."""
-        self._gathered, self.kept, self.remaining = gathered, kept, 0
+        self.gathered, self.kept, self.remaining = gathered, kept, 0
 
     def __getstate__(self) -> tuple:
         """A job sent to the engine process (scheduling/link.py): its tokens and one array of all its indices
         (pickling ten small arrays each on its own cost a front-end more than the rest of the message); its
-        empty outputs stay behind, made there."""
+        outputs stay behind: the engine's copy has none, and gathers them (`put`) for the reply."""
         r = self.rows
         index = np.concatenate((r.lengths, r.members, r.starts, r.seqlen, self.row_start, self.seq_start,
                                 self.lengths, self.row_of, self.slot_of), dtype=np.int64)
@@ -151,7 +148,7 @@ class Job:
             at += n
         lengths, members, starts, seqlen, self.row_start, self.seq_start, self.lengths, self.row_of, self.slot_of = parts
         self.rows = Rows(lengths, members, starts, seqlen, width)
-        self._out, self._shape, self._gathered = None, tuple(out_shape), []  # outputs go back gathered
+        self._out, self._shape, self.gathered = None, tuple(out_shape), []  # outputs go back gathered
 
     def token_vectors(self, p: int) -> np.ndarray:
         """[L, D] sequence p's token vectors (a `tokens` job)."""
