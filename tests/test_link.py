@@ -160,3 +160,44 @@ def test_the_same_on_uvloop():
         return type(asyncio.get_running_loop())
 
     assert uvloop.run(each()) is uvloop.Loop
+
+
+async def test_a_job_past_its_timeout_fails_with_timeout_and_the_engine_drops_it(tmp_path):
+    """EngineLink.run's `timeout_s` (the request's timeout): TimeoutError for the caller, and a cancel to the
+    engine, whose pipeline drops the job's waiting rows."""
+    from jaxserve.runtime.buckets import fixed
+    from jaxserve.scheduling.jobs import Job
+    from jaxserve.scheduling.link import EngineLink, LinkServer
+    from jaxserve.scheduling.planner import pack
+
+    loop = asyncio.get_running_loop()
+
+    class Held:  # a pipeline that never finishes a job
+        cancelled: list = []
+
+        def submit(self, job, cls, deadline_s):
+            self.job = job
+            return 5, loop.create_future(), None
+
+        def cancel(self, jid):
+            self.cancelled.append(jid)
+
+    path, held = str(tmp_path / "engine.sock"), Held()
+    server = LinkServer(path, lambda: {"ready": True})
+    await server.start()
+    link = EngineLink(path, retry_s=0.01)
+    await link.start()
+    try:
+        await server.ready(held, {"model": "m"})
+        assert await link.settled(BOUND_S)
+        ids, offsets = np.arange(3, dtype=np.int32), np.array([0, 3])
+        job = Job(pack([3], fixed([(1, 16)])), ids, offsets, None, 4, "pooled")
+        with pytest.raises(TimeoutError):
+            await link.run(job, timeout_s=0.05)
+        async with asyncio.timeout(BOUND_S):
+            while held.cancelled != [5]:
+                await asyncio.sleep(0.01)
+        assert held.job.flat[0].tolist() == [0, 1, 2] and not link._pending
+    finally:
+        await link.stop()
+        await server.stop()

@@ -75,6 +75,10 @@ class Pieces:
 
 def flat_ids(encodings, with_types: bool = False):
     """Encodings -> (ids [T] int32, offsets [P + 1], types [T] or None) without per-token Python objects."""
+    if len(encodings) == 1:  # a query: its one list as is
+        e = encodings[0]
+        ids = np.array(e.ids, np.int32)
+        return ids, np.array([0, len(ids)], np.int64), np.array(e.type_ids, np.int32) if with_types else None
     lengths = np.fromiter(map(len, encodings), np.int64, len(encodings))  # len(e), not len(e.ids): no list
     offsets = np.zeros(len(encodings) + 1, np.int64)
     np.cumsum(lengths, out=offsets[1:])

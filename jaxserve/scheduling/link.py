@@ -40,7 +40,7 @@ import numpy as np
 
 from jaxserve.scheduling.batcher import BULK
 from jaxserve.scheduling.jobs import Job
-from jaxserve.scheduling.pipeline import Draining, Pipeline
+from jaxserve.scheduling.pipeline import Draining, Pipeline, fail_after
 
 PREFIX = struct.Struct("<IIQ")  # header bytes, buffers, their bytes; then each buffer's length (<Q), the header, them
 JOIN_BYTES = 64 * 2**10  # a message whose arrays hold less than this goes out as one write (a copy costs less)
@@ -454,20 +454,24 @@ class EngineLink:
 
     # ---- requests ----
 
-    async def run(self, job: Job, cls: int = BULK, deadline_s: float | None = None):
-        """As `Pipeline.run`: the job's timing, its outputs then in `job.out`; cancelling drops its rows."""
+    async def run(self, job: Job, cls: int = BULK, deadline_s: float | None = None, timeout_s: float | None = None):
+        """As `Pipeline.run`: the job's timing, its outputs then in `job.out`; cancelling, or its timeout, drops its
+        rows."""
         if self._draining:
             raise Draining("the server is draining")
         wire, rid, future = self._expect()
+        timer = fail_after(future, timeout_s)
         self._idle.clear()
         try:
             wire.post({"op": "run", "id": rid, "job": job, "cls": cls, "deadline_s": deadline_s}, job.flat.nbytes)
             gathered, kept, timing = await future
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, TimeoutError):
             if rid in self._pending and self._wire is wire:
                 wire.post({"op": "cancel", "id": rid})
             raise
         finally:
+            if timer is not None:
+                timer.cancel()
             self._pending.pop(rid, None)
             if not self._pending:
                 self._idle.set()

@@ -70,6 +70,19 @@ SERVER_CLASSES = server_classes()
 MAX_CONSECUTIVE_FAILURES = 3  # device steps failing in a row before the service calls itself unhealthy
 
 
+def fail_after(future: asyncio.Future, timeout_s: float | None) -> asyncio.TimerHandle | None:
+    """Fail `future` with TimeoutError if it is not done within `timeout_s` (None: never): a request's timeout as
+    one timer, not the task and context manager of `asyncio.wait_for` (twice the cost on a small request)."""
+    if timeout_s is None:
+        return None
+    return future.get_loop().call_later(timeout_s, _time_out, future)
+
+
+def _time_out(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_exception(TimeoutError())
+
+
 class Draining(Exception):
     """The service is shutting down (or broken) and takes no new work."""
 
@@ -274,18 +287,22 @@ class Pipeline:
 
     # ---- requests (event loop) ----
 
-    async def run(self, job: Job, cls: int = BULK, deadline_s: float | None = None) -> RequestTiming:
+    async def run(self, job: Job, cls: int = BULK, deadline_s: float | None = None,
+                  timeout_s: float | None = None) -> RequestTiming:
         """Run one request's job (its outputs then in `job.out`) -> its timing. Raises QueueFull, TooLarge, Draining,
-        BatchError.
+        BatchError, and TimeoutError after `timeout_s`.
 
         `cls`: its request class; `deadline_s`: its latency budget (earliest deadline first within a class).
 
-        If the caller is cancelled (client gone, timeout), the job's waiting rows are dropped."""
+        If the caller is cancelled (client gone) or it times out, the job's waiting rows are dropped."""
         jid, future, timing = self.submit(job, cls, deadline_s)
+        timer = fail_after(future, timeout_s)
         try:
             await future
         finally:
-            if jid in self._entries:  # not answered: the caller went away
+            if timer is not None:
+                timer.cancel()
+            if jid in self._entries:  # not answered: the caller went away, or it timed out
                 self.cancel(jid)
         return timing
 
