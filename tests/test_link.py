@@ -201,3 +201,15 @@ async def test_a_job_past_its_timeout_fails_with_timeout_and_the_engine_drops_it
     finally:
         await link.stop()
         await server.stop()
+
+
+def test_a_request_timing_crosses_the_link_whole():
+    """RequestTiming pickles as its fields' values (`__reduce__`): every field, set or default, comes back."""
+    import pickle
+
+    from jaxserve.scheduling.pipeline import RequestTiming
+
+    full = RequestTiming(submitted=1.0, first_dispatch=1.5, done=2.0, batches=[((4, 32), 1, "interactive", 1e-4)],
+                         cls=0, deadline_s=0.25, behind={"interactive": 3})
+    for timing in (full, RequestTiming(submitted=3.0)):
+        assert pickle.loads(pickle.dumps(timing, protocol=5)) == timing
