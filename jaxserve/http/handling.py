@@ -218,7 +218,7 @@ async def run_request(state: AppState, make_pieces, want_explain: bool = False, 
     cls, source = decide(ask, int(job.rows.docs.sum()), int(pieces.lengths.sum()), policy)
     try:
         deadline_s = None if ask.deadline_ms is None else ask.deadline_ms / 1000
-        timing = await service.run(job, cls, deadline_s, timeout)
+        timing = await service.run(job, cls, deadline_s, timeout_s=timeout)
     except TimeoutError:
         raise ApiError(503, f"the request did not finish within {timeout:g} s; its waiting rows were dropped",
                        "timeout", {"Retry-After": str(RETRY_AFTER_S)}) from None
