@@ -76,7 +76,7 @@ def pack(lengths, table: BucketTable, layout: str | None = None) -> Rows:
         raise ValueError(f"no bucket holds {int(lengths.max())} tokens (largest seqlen {table.max_seqlen})")
     if len(lengths) == 1:  # one sequence (a query): its row's seqlen found without numpy's per-call overhead
         return Rows(lengths, np.zeros(1, np.int64), np.arange(2), np.full(1, table.pick(int(lengths[0])).seqlen), width)
-    if width is None or len(lengths) < 2:
+    if width is None or not len(lengths):  # padded, or no sequences (one sequence returned above)
         rows = None
         members = np.arange(len(lengths))
         starts = np.arange(len(lengths) + 1)
