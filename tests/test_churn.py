@@ -197,7 +197,7 @@ async def test_many_requests_racing_cancellations_lose_nothing(make_server, tiny
     state = client.app[STATE]
     await until(lambda: state.service.in_flight == 0, "every request answered or dropped")
     assert state.service.batcher.queued == 0
-    text = state.metrics.render().decode()
+    text = await (await client.get("/metrics")).text()
     count = lambda k: float(next(line.split()[-1] for line in text.splitlines()
                                  if line.startswith(f'jaxserve_sequences_total{{outcome="{k}"}}')))
     assert count("submitted") == count("dispatched") + count("dropped")

@@ -22,6 +22,7 @@ import psutil
 import pytest
 import tiny
 from conftest import TINY_TABLE, cosine_rows
+from prometheus_client.parser import text_string_to_metric_families
 
 from jaxserve.integrations.launch import free_port, stop, wait_ready
 
@@ -142,6 +143,12 @@ def test_two_front_ends_serve_as_one_process_does(files):
         # the engine's own counts: every sequence submitted, and dispatched for a waiting request
         assert count('jaxserve_sequences_total{outcome="submitted"}') == 16
         assert count('jaxserve_sequences_total{outcome="dispatched"}') == 16
+        # one family per name: the front-ends' per-request phases (their files) beside the engine's per-batch ones
+        # (its tally, asked for over the link)
+        families = list(text_string_to_metric_families(metrics))
+        assert len({f.name for f in families}) == len(families)
+        assert count('jaxserve_phase_seconds_count{phase="tokenize"}') == 5
+        assert count('jaxserve_phase_seconds_count{phase="device"}') == count("jaxserve_batches_total")
     finally:
         stop(proc)
     assert proc.returncode == 0
@@ -319,6 +326,12 @@ def test_faults_fail_only_what_they_must_and_leave_no_process(files):
         await poll(lambda: _health_is(url, 503), "/health 503 once the engine is gone")
         status, body = await get_json(url, "/health")
         assert status == 503 and "engine" in json.dumps(body)
+        # /metrics still answers: the front-ends' own, without the engine's
+        async with aiohttp.ClientSession() as s:
+            async with s.get(url + "/metrics") as r:
+                assert r.status == 200
+                text = await r.text()
+        assert "jaxserve_requests_total" in text and "jaxserve_sequences_total" not in text
         return replaced
 
     try:

@@ -1,19 +1,22 @@
-"""Prometheus metrics of one server (own registry, so several apps can live in one process).
+"""Prometheus metrics of one server: the HTTP layer's (`ServerMetrics`) and the pipeline's (`EngineMetrics`).
 
 Everything is a counter, gauge or histogram updated in O(1) per dispatch or
 request; rates (tokens per second, ...) are PromQL's job: `rate(jaxserve_tokens_total[1m])`.
-Served by several processes (`--workers N`), each writes its values to files in
-$PROMETHEUS_MULTIPROC_DIR (prometheus_client's multiprocess mode) and any
-front-end's /metrics adds them up: one view of the front-ends and the engine.
+The pipeline's metrics live in a `Tally` in its own process (with `--workers N`, the engine: the serial
+process, where prometheus_client's cost per update would cap every front-end). The HTTP layer's are
+prometheus_client's; served by several processes, each front-end writes them to files in
+$PROMETHEUS_MULTIPROC_DIR (prometheus_client's multiprocess mode). /metrics is one view of both: the
+front-ends' files (or the one process's registry) and a snapshot of the engine's tally, asked for over
+its link when scraped.
 """
 
 from __future__ import annotations
 
 import os
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, multiprocess
 
+from jaxserve.http.tally import Spec, Tally, families, merged
 from jaxserve.runtime import compiles
 from jaxserve.scheduling.batcher import CLASSES, Dispatch
 from jaxserve.scheduling.pipeline import Metrics
@@ -22,23 +25,18 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2
 # A query waits about one bulk dispatch: finer steps (x1.25, 1 ms to ~70 s) so its median can be read off them.
 DISPATCH_BUCKETS = tuple(round(0.001 * 1.25**k, 6) for k in range(51))
 RATIO_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
-
-
-class _Compiles:
-    """`jaxserve_xla_compiles_total`, read from the process-wide counter at scrape time."""
-
-    def collect(self):
-        c = CounterMetricFamily("jaxserve_xla_compiles", "XLA executables built since process start")
-        c.add_metric([], compiles.xla_compiles_total())
-        yield c
+PHASES_DOC = ("Host and device time per phase: per request (parse, tokenize, plan, queue, encode) or per batch "
+              "(assemble, copy, device, scatter)")
 
 
 def multiprocess_dir() -> str | None:
-    """Where this process's metric values go when several processes serve (None: one process)."""
+    """Where this process's HTTP metric values go when several processes serve (None: one process)."""
     return os.environ.get("PROMETHEUS_MULTIPROC_DIR")
 
 
-class ServerMetrics(Metrics):
+class ServerMetrics:
+    """The HTTP layer's metrics: requests, errors, their latency, the per-request phases, documents embedded."""
+
     def __init__(self):
         r = self.registry = CollectorRegistry()
         self.shared = multiprocess_dir() is not None
@@ -46,48 +44,8 @@ class ServerMetrics(Metrics):
         self.errors = Counter("jaxserve_errors", "Error responses by kind", ["type"], registry=r)
         self.request_duration = Histogram("jaxserve_request_duration_seconds", "Request duration", ["route"],
                                           buckets=LATENCY_BUCKETS, registry=r)
-        self.phases = Histogram("jaxserve_phase_seconds", "Host and device time per phase: per request (parse, "
-                                "tokenize, plan, queue, encode) or per batch (assemble, copy, device, scatter)",
-                                ["phase"], buckets=LATENCY_BUCKETS, registry=r)
-        self.batch_wait = Histogram("jaxserve_batch_wait_seconds", "How long a batch's oldest row waited for it",
-                                    buckets=LATENCY_BUCKETS, registry=r)
-        self.class_wait = Histogram("jaxserve_class_queue_wait_seconds", "Queue wait of a request, by request "
-                                    "class", ["class"], buckets=LATENCY_BUCKETS, registry=r)
-        self.class_latency = Histogram("jaxserve_class_request_seconds", "Service latency (queued to answered) of "
-                                       "a request, by request class", ["class"], buckets=LATENCY_BUCKETS, registry=r)
-        self.deadlines = Counter("jaxserve_deadlines", "Requests that gave a deadline, by class and outcome (met, "
-                                 "missed): the share met is met / (met + missed)", ["class", "outcome"], registry=r)
-        self.class_sequences_total = Counter("jaxserve_class_sequences", "Sequences dispatched, by request class: "
-                                             "rate() of bulk is the indexing goodput", ["class"], registry=r)
-        self.dispatch_seconds = Histogram("jaxserve_dispatch_seconds", "Device time of one batch, by the class "
-                                          "that led it", ["class"], buckets=DISPATCH_BUCKETS, registry=r)
-        for cls in CLASSES:
-            self.class_sequences_total.labels(cls)
-        self.depth = Gauge("jaxserve_queue_depth", "Tokens waiting for the device (each row at its seqlen)", registry=r,
-                           multiprocess_mode="livemostrecent")
-        self.batch_fill = Histogram("jaxserve_batch_fill_ratio", "Rows used / rows of the bucket", ["bucket"],
-                                    buckets=RATIO_BUCKETS, registry=r)
-        self.padding = Histogram("jaxserve_padding_ratio", "Padding tokens / computed tokens", ["bucket"],
-                                 buckets=RATIO_BUCKETS, registry=r)
-        self.batches = Counter("jaxserve_batches", "Dispatches by bucket and reason", ["bucket", "reason"], registry=r)
-        self.device_seconds = Counter("jaxserve_device_busy_seconds", "Time the device was busy: batches one after "
-                                      "another, each from its launch (or the end of the one before) to its outputs' "
-                                      "arrival", registry=r)
-        self.tokens = Counter("jaxserve_tokens", "Real (unpadded) tokens run through the model", registry=r)
+        self.phases = Histogram("jaxserve_phase_seconds", PHASES_DOC, ["phase"], buckets=LATENCY_BUCKETS, registry=r)
         self.inputs = Counter("jaxserve_inputs", "Documents embedded", registry=r)
-        self.sequence_outcomes = Counter("jaxserve_sequences", "Model sequences by outcome: submitted, dispatched "
-                                         "(to the device, for a waiting request) or dropped (its client left first)",
-                                         ["outcome"], registry=r)
-        for outcome in ("submitted", "dispatched", "dropped"):
-            self.sequence_outcomes.labels(outcome)  # present from the start, zero until counted
-        self.startup_seconds = Gauge("jaxserve_startup_seconds", "Start-up time by phase (jaxserve.runtime.startup): "
-                                     "import, weights, deserialize, table, compile, timing, save", ["phase"],
-                                     registry=r, multiprocess_mode="livemax")
-        if self.shared:  # the engine process adds its compiles as they happen (`sync_compiles`)
-            self.compiles = Counter("jaxserve_xla_compiles", "XLA executables built since process start", registry=r)
-            self._compiles_seen = 0
-        else:
-            r.register(_Compiles())
         self._children: dict[tuple, object] = {}
 
     def child(self, metric, *labels):
@@ -97,53 +55,111 @@ class ServerMetrics(Metrics):
             c = self._children[key] = metric.labels(*labels)
         return c
 
-    def dispatched(self, d: Dispatch, real_tokens: int, oldest_wait_s: float) -> None:
-        label = f"{d.bucket.batch}x{d.bucket.seqlen}"
-        self.child(self.batches, label, d.reason).inc()
-        self.child(self.batch_fill, label).observe(d.rows / d.bucket.batch)
-        self.child(self.padding, label).observe(1 - real_tokens / d.bucket.tokens)
-        self.batch_wait.observe(oldest_wait_s)
-        self.tokens.inc(real_tokens)
-
-    def sequences(self, outcome: str, n: int) -> None:
-        self.child(self.sequence_outcomes, outcome).inc(n)
-
     def phase(self, name: str, seconds: float) -> None:
         self.child(self.phases, name).observe(seconds)
 
+    def render(self, engine: dict | None) -> bytes:
+        """The exposition of these metrics (every front-end's, with several processes) and of `engine`, a snapshot
+        of the engine's (`EngineMetrics.snapshot`; None: the engine is unreachable, and only these are shown)."""
+        if self.shared:
+            own = CollectorRegistry()
+            multiprocess.MultiProcessCollector(own)
+        else:
+            own = self.registry
+        engine_families = families(ENGINE_SPECS, engine) if engine is not None else []
+        return generate_latest(_Families(merged(own.collect(), engine_families)))
+
+
+class _Families:
+    """Metric families, collected once (what `generate_latest` reads)."""
+
+    def __init__(self, families):
+        self._families = families
+
+    def collect(self):
+        return self._families
+
+
+def _spec(name: str, kind: str, doc: str, labels: tuple[str, ...] = (), bounds: tuple = (), zeros: tuple = ()) -> Spec:
+    return Spec(name, kind, doc, labels, tuple(float(b) for b in bounds), zeros)
+
+
+BATCH_WAIT = _spec("jaxserve_batch_wait_seconds", "histogram", "How long a batch's oldest row waited for it",
+                   bounds=LATENCY_BUCKETS)
+CLASS_WAIT = _spec("jaxserve_class_queue_wait_seconds", "histogram", "Queue wait of a request, by request class",
+                   ("class",), LATENCY_BUCKETS)
+CLASS_LATENCY = _spec("jaxserve_class_request_seconds", "histogram", "Service latency (queued to answered) of a "
+                      "request, by request class", ("class",), LATENCY_BUCKETS)
+DEADLINES = _spec("jaxserve_deadlines", "counter", "Requests that gave a deadline, by class and outcome (met, "
+                  "missed): the share met is met / (met + missed)", ("class", "outcome"))
+CLASS_SEQUENCES = _spec("jaxserve_class_sequences", "counter", "Sequences dispatched, by request class: rate() of "
+                        "bulk is the indexing goodput", ("class",), zeros=tuple((c,) for c in CLASSES))
+DISPATCH_SECONDS = _spec("jaxserve_dispatch_seconds", "histogram", "Device time of one batch, by the class that "
+                         "led it", ("class",), DISPATCH_BUCKETS)
+DEPTH = _spec("jaxserve_queue_depth", "gauge", "Tokens waiting for the device (each row at its seqlen)")
+BATCH_FILL = _spec("jaxserve_batch_fill_ratio", "histogram", "Rows used / rows of the bucket", ("bucket",),
+                   RATIO_BUCKETS)
+PADDING = _spec("jaxserve_padding_ratio", "histogram", "Padding tokens / computed tokens", ("bucket",), RATIO_BUCKETS)
+BATCHES = _spec("jaxserve_batches", "counter", "Dispatches by bucket and reason", ("bucket", "reason"))
+DEVICE_SECONDS = _spec("jaxserve_device_busy_seconds", "counter", "Time the device was busy: batches one after "
+                       "another, each from its launch (or the end of the one before) to its outputs' arrival")
+TOKENS = _spec("jaxserve_tokens", "counter", "Real (unpadded) tokens run through the model")
+SEQUENCES = _spec("jaxserve_sequences", "counter", "Model sequences by outcome: submitted, dispatched (to the "
+                  "device, for a waiting request) or dropped (its client left first)", ("outcome",),
+                  zeros=(("submitted",), ("dispatched",), ("dropped",)))
+STARTUP = _spec("jaxserve_startup_seconds", "gauge", "Start-up time by phase (jaxserve.runtime.startup): import, "
+                "weights, deserialize, table, compile, timing, save", ("phase",))
+COMPILES = _spec("jaxserve_xla_compiles", "counter", "XLA executables built since process start")
+PHASES = _spec("jaxserve_phase_seconds", "histogram", PHASES_DOC, ("phase",), LATENCY_BUCKETS)
+ENGINE_SPECS = (BATCH_WAIT, CLASS_WAIT, CLASS_LATENCY, DEADLINES, CLASS_SEQUENCES, DISPATCH_SECONDS, DEPTH,
+                BATCH_FILL, PADDING, BATCHES, DEVICE_SECONDS, TOKENS, SEQUENCES, STARTUP, COMPILES, PHASES)
+
+
+class EngineMetrics(Metrics):
+    """The pipeline's metrics (batches, sequences, device time, classes, queue, start-up), in a `Tally`."""
+
+    def __init__(self):
+        self.tally = Tally(ENGINE_SPECS)
+
+    def dispatched(self, d: Dispatch, real_tokens: int, oldest_wait_s: float) -> None:
+        t, label = self.tally, f"{d.bucket.batch}x{d.bucket.seqlen}"
+        t.add(BATCHES, 1, (label, d.reason))
+        t.observe(BATCH_FILL, d.rows / d.bucket.batch, (label,))
+        t.observe(PADDING, 1 - real_tokens / d.bucket.tokens, (label,))
+        t.observe(BATCH_WAIT, oldest_wait_s)
+        t.add(TOKENS, real_tokens)
+
+    def sequences(self, outcome: str, n: int) -> None:
+        self.tally.add(SEQUENCES, n, (outcome,))
+
+    def phase(self, name: str, seconds: float) -> None:
+        self.tally.observe(PHASES, seconds, (name,))
+
     def device_busy(self, seconds: float) -> None:
-        self.device_seconds.inc(seconds)
+        self.tally.add(DEVICE_SECONDS, seconds)
 
     def startup(self, phases: dict[str, float]) -> None:
         for name, seconds in phases.items():
-            self.startup_seconds.labels(name).set(seconds)
+            self.tally.set(STARTUP, seconds, (name,))
 
     def class_sequences(self, cls: int, n: int) -> None:
-        self.child(self.class_sequences_total, CLASSES[cls]).inc(n)
+        self.tally.add(CLASS_SEQUENCES, n, (CLASSES[cls],))
 
     def dispatch_time(self, cls: int, seconds: float) -> None:
-        self.child(self.dispatch_seconds, CLASSES[cls]).observe(seconds)
+        self.tally.observe(DISPATCH_SECONDS, seconds, (CLASSES[cls],))
 
     def queue_depth(self, tokens: int) -> None:
-        self.depth.set(tokens)
+        self.tally.set(DEPTH, tokens)
 
     def finished(self, timing) -> None:
-        cls = CLASSES[timing.cls]
-        self.child(self.class_wait, cls).observe(timing.queue_s)
-        self.child(self.class_latency, cls).observe(timing.total_s)
+        t, cls = self.tally, (CLASSES[timing.cls],)
+        t.observe(CLASS_WAIT, timing.queue_s, cls)
+        t.observe(CLASS_LATENCY, timing.total_s, cls)
         if timing.deadline_s is not None:
-            self.child(self.deadlines, cls, "met" if timing.total_s <= timing.deadline_s else "missed").inc()
+            t.add(DEADLINES, 1, (*cls, "met" if timing.total_s <= timing.deadline_s else "missed"))
 
-    def sync_compiles(self) -> int:
-        """Several processes: count the XLA compiles of this one (the engine) since the last call; -> all so far."""
-        now = compiles.xla_compiles_total()
-        self.compiles.inc(now - self._compiles_seen)
-        self._compiles_seen = now
-        return now
-
-    def render(self) -> bytes:
-        if not self.shared:
-            return generate_latest(self.registry)
-        every = CollectorRegistry()
-        multiprocess.MultiProcessCollector(every)
-        return generate_latest(every)
+    def snapshot(self) -> dict:
+        """Every value now (plain data, for `ServerMetrics.render`, across the engine's link when it has one), the
+        XLA compiles of this process so far with them."""
+        self.tally.set(COMPILES, compiles.xla_compiles_total())
+        return self.tally.snapshot()

@@ -71,12 +71,12 @@ async def lifecycle(app: web.Application):
             state.failed = f"warmup failed: {type(exc).__name__}: {exc}"
             log.error(state.failed)
             return
-        state.service = make_pipeline(cfg, state.encoder, state.table, state.metrics)
+        state.service = make_pipeline(cfg, state.encoder, state.table, state.engine_metrics)
         await state.service.start()
         state.device = device.info_of(state.table)
         state.ready = True
         state.startup.doing = "ready"
-        state.metrics.startup(state.startup.phases)
+        state.engine_metrics.startup(state.startup.phases)
         log.info("ready: %d buckets, %d XLA compiles so far", len(state.table.buckets), compiles.xla_compiles_total())
 
     if state.link is not None:  # a front-end process: the engine process does all of the above

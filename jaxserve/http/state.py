@@ -16,13 +16,13 @@ from jaxserve.checkpoint import loader
 from jaxserve.http.api import ApiError, Limits
 from jaxserve.http.budget import ByteBudget
 from jaxserve.http.classes import INTERACTIVE_MAX_SEQUENCES, INTERACTIVE_MAX_TOKENS, Policy
-from jaxserve.http.metrics import ServerMetrics
+from jaxserve.http.metrics import EngineMetrics, ServerMetrics
 from jaxserve.runtime import artifact, host
 from jaxserve.runtime.buckets import BucketTable
 from jaxserve.runtime.derivation import TableOptions
 from jaxserve.runtime.startup import Startup
 from jaxserve.scheduling.batcher import CLASSES
-from jaxserve.scheduling.pipeline import BULK_DISPATCH_MS, MAX_INFLIGHT, Pipeline
+from jaxserve.scheduling.pipeline import BULK_DISPATCH_MS, MAX_INFLIGHT, Draining, Pipeline
 from jaxserve.view import ModelView
 
 # Limits, each with its reason.
@@ -38,6 +38,7 @@ MAX_CONCURRENT_REQUESTS = 512  # model requests being handled at once; past it, 
 MAX_INFLIGHT_BODY_BYTES = 256 * 2**20  # bytes of request bodies being handled at once; past it, 429 (bounds memory
 # before the queue: 16 full-size bodies, or thousands of ordinary ones)
 REQUEST_TIMEOUT_S = 60.0  # a model request still unanswered after this gets 503 and its waiting rows are dropped
+ENGINE_METRICS_TIMEOUT_S = 5.0  # /metrics: past this, the engine process's metrics are left out (the rest shown)
 OFFLOAD_BODY_BYTES = 64 * 2**10  # bodies larger than this are decoded on a thread, not on the event loop
 # A request of at most this many inputs and body bytes is tokenized and packed on the event loop: its tokenizing
 # costs less than the two thread hand-offs that would move it (a few hundred tokens at most: bounded, not growing)
@@ -136,6 +137,7 @@ class AppState:
         self.encoder = encoder
         self.startup = started or Startup()
         self.metrics = ServerMetrics()
+        self.engine_metrics = EngineMetrics() if link is None else None  # one process: its pipeline's
         self.service: Pipeline | None = None  # or, in a front-end process, the EngineLink (`link`)
         self.link = link
         self.table: BucketTable | None = None
@@ -199,6 +201,16 @@ class AppState:
     @property
     def model_name(self) -> str:
         return self.config.model_name or loader.named(self.config.model) or "sentence-transformers/all-MiniLM-L6-v2"
+
+    async def engine_snapshot(self) -> dict | None:
+        """The pipeline's metrics now (`EngineMetrics.snapshot`): this process's, or the engine process's over its
+        link; None while the engine process does not answer."""
+        if self.link is None:
+            return self.engine_metrics.snapshot()
+        try:
+            return await asyncio.wait_for(self.link.metrics(), ENGINE_METRICS_TIMEOUT_S)
+        except (Draining, TimeoutError):
+            return None
 
     async def drain(self, timeout: float) -> bool:
         """Refuse new requests; finish every request being handled, tokenizing ones included (each awaits its

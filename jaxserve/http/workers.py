@@ -92,16 +92,16 @@ def engine_main(config, path: str, run_dir: str, parent: int) -> None:
 
 async def _engine(config, path: str, run_dir: str) -> None:
     from jaxserve.http.loading import load_encoder, make_pipeline, start_engine
-    from jaxserve.http.metrics import ServerMetrics
+    from jaxserve.http.metrics import EngineMetrics
     from jaxserve.http.server import DRAIN_TIMEOUT_S
-    from jaxserve.runtime import device, startup
+    from jaxserve.runtime import compiles, device, startup
     from jaxserve.runtime.simulated import described
     from jaxserve.scheduling.link import LinkServer
 
     loop = asyncio.get_running_loop()
     started = startup.Startup()
     started.add("import", startup.since_process_start())
-    metrics = ServerMetrics()
+    metrics = EngineMetrics()
     held: dict = {"pipeline": None, "failed": None, "engine": None}
 
     def status() -> dict:
@@ -109,10 +109,10 @@ async def _engine(config, path: str, run_dir: str) -> None:
         if pipeline is None:
             return {"ready": False, "failed": held["failed"], "doing": started.doing,
                     "phases": started.shown()}
-        return {"ready": True, **pipeline.status(), "xla_compiles_total": metrics.sync_compiles(),
+        return {"ready": True, **pipeline.status(), "xla_compiles_total": compiles.xla_compiles_total(),
                 "simulated": described(held["engine"])}
 
-    link = LinkServer(path, status)
+    link = LinkServer(path, status, metrics.snapshot)
     await link.start()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -206,7 +206,7 @@ class Supervisor:
         self.stopping = False
 
     def _start(self, target, args, name: str, **env) -> multiprocessing.Process:
-        with _env(PROMETHEUS_MULTIPROC_DIR=self.metrics_dir, **env):
+        with _env(**env):
             proc = self.ctx.Process(target=target, args=(*args, os.getpid()), name=name, daemon=False)
             proc.start()
         self.started_at[proc.pid] = time.monotonic()
@@ -219,14 +219,16 @@ class Supervisor:
     def start_frontend(self, i: int) -> None:
         # JAX_PLATFORMS=cpu: a front-end imports no JAX (it holds the engine's ModelView); were anything to, it
         # would still not touch the accelerator;
-        # RAYON_NUM_THREADS: the tokenizer's own threads, a share of the cores (not every core in every front-end)
+        # RAYON_NUM_THREADS: the tokenizer's own threads, a share of the cores (not every core in every front-end);
+        # PROMETHEUS_MULTIPROC_DIR: its HTTP metrics' files, which any front-end's /metrics adds up (http/metrics.py)
         from jaxserve.runtime import host
 
         share = str(max(1, host.usable_cores() // self.workers))
         self.frontends[i] = self._start(frontend_main, (frontend_config(self.config, self.workers), self.listening(i),
                                                         self.path, self.run_dir, i),
                                         f"jaxserve-frontend-{i}", JAX_PLATFORMS="cpu",
-                                        RAYON_NUM_THREADS=os.environ.get("RAYON_NUM_THREADS", share))
+                                        RAYON_NUM_THREADS=os.environ.get("RAYON_NUM_THREADS", share),
+                                        PROMETHEUS_MULTIPROC_DIR=self.metrics_dir)
         self._write_processes()
 
     def _write_processes(self) -> None:

@@ -10,6 +10,8 @@ pipeline threads. Each front-end holds one Unix socket to the engine:
                         <-- done {places, vectors, timing} --
                         --- cancel ------------> (client gone, timeout)
                         <-- status, card -------- (pushed: health, queue, the model and its tables)
+                        --- explain, metrics --> (asked: the latency math of rows, the engine's metrics)
+                        <-- answer ------------
 
 A message is a pickled header (protocol 5) whose numpy arrays travel out of
 band after it: a job's token ids in, its outputs out as each batch gathered
@@ -226,9 +228,10 @@ class LinkServer:
     """Serves a Pipeline to every front-end that connects. It listens before the model is loaded, so a front-end
     can say "warming" on /health; `ready` hands each front-end the card (the model view and its tables)."""
 
-    def __init__(self, path: str, status):
+    def __init__(self, path: str, status, metrics=dict):
         self.path = path
         self.status = status  # () -> dict: the engine's state (ready, draining, healthy, queue)
+        self.metrics = metrics  # () -> plain data: the engine's metrics now, for a front-end's /metrics
         self.pipeline: Pipeline | None = None
         self.card: dict | None = None
         self._wires: set[Wire] = set()
@@ -314,6 +317,8 @@ class LinkServer:
             self.pipeline.cancel(jid)
         elif op == "explain":
             self._spawn(self._explain(wire, message))
+        elif op == "metrics":
+            wire.post({"op": "answer", "id": message["id"], "body": self.metrics()})
 
     def _run(self, wire: Wire, message: dict, running: dict) -> None:
         """Submit a job; its reply is posted when its future resolves (a callback: no task per request)."""
@@ -347,7 +352,7 @@ class LinkServer:
 
     async def _explain(self, wire: Wire, message: dict) -> None:
         try:
-            reply = {"op": "explained", "id": message["id"],
+            reply = {"op": "answer", "id": message["id"],
                      "body": self.pipeline.explain(message["rows"], message["doc"], message["output"],
                                                    message["max_wait_s"])}
         except Exception as exc:
@@ -491,6 +496,15 @@ class EngineLink:
         finally:
             self._pending.pop(rid, None)
 
+    async def metrics(self) -> dict:
+        """The engine's metrics now (`LinkServer.metrics`)."""
+        wire, rid, future = self._expect()
+        try:
+            wire.post({"op": "metrics", "id": rid})
+            return await future
+        finally:
+            self._pending.pop(rid, None)
+
     def _expect(self) -> tuple[Wire, int, asyncio.Future]:
         """The connected wire, a new request id and the future its reply resolves (Draining: no engine)."""
         wire = self._wire
@@ -551,7 +565,7 @@ class EngineLink:
                 gathered = [(np.frombuffer(dst, np.int64), np.frombuffer(values, np.float32).reshape(-1, width))
                           for dst, values in zip(message["places"], message["vectors"])]
                 future.set_result((gathered, message["kept"], message["timing"]))
-            elif op == "explained":
+            elif op == "answer":
                 future.set_result(message["body"])
             elif op == "error":
                 future.set_exception(message["error"])

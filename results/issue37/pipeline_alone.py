@@ -18,7 +18,7 @@ import harness  # noqa: E402
 import uvloop  # noqa: E402
 
 from jaxserve.encoder import Encoder  # noqa: E402
-from jaxserve.http.metrics import ServerMetrics  # noqa: E402
+from jaxserve.http.metrics import EngineMetrics  # noqa: E402
 from jaxserve.runtime.simulated import SimSpec, simulated_engine  # noqa: E402
 from jaxserve.scheduling.jobs import Job  # noqa: E402
 from jaxserve.scheduling.pipeline import Metrics, Pipeline, server_classes  # noqa: E402
@@ -41,7 +41,7 @@ def jobs():
 
 
 async def main():
-    metrics = Metrics() if os.environ.get("NOMETRICS") else ServerMetrics()
+    metrics = Metrics() if os.environ.get("NOMETRICS") else EngineMetrics()
     p = Pipeline(eng, eng.table, 0.005, None, metrics, streams=1, classes=server_classes(0.02))
     await p.start()
     for phase in ("warm", "measured"):

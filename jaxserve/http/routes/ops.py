@@ -110,9 +110,8 @@ async def info(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    if state.service is not None:
-        state.metrics.queue_depth(state.service.queued)
-    return web.Response(body=state.metrics.render(), content_type="text/plain", charset="utf-8")
+    return web.Response(body=state.metrics.render(await state.engine_snapshot()), content_type="text/plain",
+                        charset="utf-8")
 
 
 async def openapi_json(request: web.Request) -> web.Response:

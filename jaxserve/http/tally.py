@@ -1,0 +1,117 @@
+"""Counters, gauges and histograms as plain numbers: the engine process's metrics.
+
+The engine is the one serial process of a `--workers N` server, so what it spends per job caps every
+front-end. A prometheus_client child spends microseconds per update (its checks, a lock per value, a Python
+loop over a histogram's buckets, and with several processes a write to a memory-mapped file), and the
+pipeline makes about four updates per job and a dozen per batch. Here an update is a dict lookup and an add
+under one lock. The values become Prometheus metric families only when /metrics asks (`families`), from a
+`snapshot` of plain data that crosses the engine's link as it is.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import itertools
+import math
+import threading
+from collections.abc import Iterable
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.utils import floatToGoString
+
+KINDS = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily, "histogram": HistogramMetricFamily}
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """One metric: its name (a counter's without `_total`), kind, help text and label names; a histogram's
+    bucket bounds. `zeros`: label values shown, at zero, before their first update (an unlabelled metric
+    always is)."""
+
+    name: str
+    kind: str  # "counter", "gauge" or "histogram"
+    doc: str
+    labels: tuple[str, ...] = ()
+    bounds: tuple[float, ...] = ()
+    zeros: tuple[tuple[str, ...], ...] = ()
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"kind must be one of {', '.join(KINDS)}, not {self.kind!r}")
+        if self.kind == "histogram" and list(self.bounds) != sorted(set(self.bounds)):
+            raise ValueError(f"{self.name}: bucket bounds must increase")
+
+    def fresh(self):
+        """A value before any update: 0, or a histogram's [sum, count in each bucket, count over the last]."""
+        return [0.0] * (len(self.bounds) + 2) if self.kind == "histogram" else 0.0
+
+
+class Tally:
+    """The values of `specs`, by (name, label values). Safe to update from any thread."""
+
+    def __init__(self, specs: Iterable[Spec]):
+        self.specs = tuple(specs)
+        self._lock = threading.Lock()
+        self._values: dict[tuple[str, tuple[str, ...]], float | list[float]] = {}
+        for spec in self.specs:
+            for labels in spec.zeros if spec.labels else ((),):
+                self._values[(spec.name, labels)] = spec.fresh()
+
+    def add(self, spec: Spec, amount: float, labels: tuple[str, ...] = ()) -> None:
+        """A counter goes up by `amount`."""
+        key = (spec.name, labels)
+        with self._lock:
+            self._values[key] = self._values.get(key, 0.0) + amount
+
+    def set(self, spec: Spec, value: float, labels: tuple[str, ...] = ()) -> None:
+        """A gauge reads `value` (or a counter kept elsewhere, read when it is shown)."""
+        with self._lock:
+            self._values[(spec.name, labels)] = value
+
+    def observe(self, spec: Spec, value: float, labels: tuple[str, ...] = ()) -> None:
+        """A histogram counts `value` in the first bucket whose bound is at least `value` (Prometheus's `le`)."""
+        key = (spec.name, labels)
+        i = bisect.bisect_left(spec.bounds, value) + 1
+        with self._lock:
+            if (v := self._values.get(key)) is None:
+                v = self._values[key] = spec.fresh()
+            v[0] += value
+            v[i] += 1
+
+    def snapshot(self) -> dict[tuple[str, tuple[str, ...]], float | list[float]]:
+        """Every value now, as plain data (a copy: later updates do not change it)."""
+        with self._lock:
+            return {k: v.copy() if isinstance(v, list) else v for k, v in self._values.items()}
+
+
+def families(specs: Iterable[Spec], snapshot: dict) -> list[Metric]:
+    """`snapshot`'s values as Prometheus metric families, one per spec, label values in sorted order."""
+    by_name: dict[str, list] = {}
+    for (name, labels), value in sorted(snapshot.items()):
+        by_name.setdefault(name, []).append((labels, value))
+    out = []
+    for spec in specs:
+        family = KINDS[spec.kind](spec.name, spec.doc, labels=spec.labels)
+        for labels, value in by_name.get(spec.name, ()):
+            if spec.kind == "histogram":
+                counts = itertools.accumulate(value[1:])
+                family.add_metric(labels, [(floatToGoString(b), c) for b, c in zip((*spec.bounds, math.inf), counts)],
+                                  sum_value=value[0])
+            else:
+                family.add_metric(labels, value)
+        out.append(family)
+    return out
+
+
+def merged(*groups: Iterable[Metric]) -> list[Metric]:
+    """Metric families from several sources as one list: families of one name become one family (its samples
+    those of each, in order; the first's help text). The sources share no series (name and label values)."""
+    out: dict[str, Metric] = {}
+    for group in groups:
+        for family in group:
+            if (have := out.get(family.name)) is None:
+                out[family.name] = family
+            else:
+                have.samples.extend(family.samples)
+    return list(out.values())

@@ -1,0 +1,127 @@
+"""The engine's metrics tally: the same exposition as prometheus_client's own metrics for the same updates."""
+
+import pickle
+import threading
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from jaxserve.http.metrics import DISPATCH_BUCKETS, LATENCY_BUCKETS, EngineMetrics, ServerMetrics
+from jaxserve.http.tally import Spec, Tally, families, merged
+
+LABELS = st.sampled_from(["a", "b", "c"])
+VALUES = st.one_of(st.floats(0, 100, allow_nan=False), st.sampled_from([0.0, *LATENCY_BUCKETS, 1e9]))
+
+
+class _Fixed:
+    def __init__(self, fams):
+        self.fams = fams
+
+    def collect(self):
+        return self.fams
+
+
+def _text(registry_like) -> list[str]:
+    """An exposition's lines, without prometheus_client's `_created` samples (the tally keeps no creation time),
+    sorted (prometheus_client shows a family's series as first updated, the tally by label values)."""
+    return sorted(line for line in generate_latest(registry_like).decode().splitlines() if "_created" not in line)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["counter", "gauge", "histogram"]), LABELS, VALUES), max_size=40))
+def test_the_tally_shows_what_prometheus_client_shows_for_the_same_updates(updates):
+    specs = {"counter": Spec("t_count", "counter", "c", ("k",)), "gauge": Spec("t_gauge", "gauge", "g", ("k",)),
+             "histogram": Spec("t_hist", "histogram", "h", ("k",), tuple(float(b) for b in LATENCY_BUCKETS))}
+    tally = Tally(specs.values())
+    r = CollectorRegistry()
+    theirs = {"counter": Counter("t_count", "c", ["k"], registry=r), "gauge": Gauge("t_gauge", "g", ["k"], registry=r),
+              "histogram": Histogram("t_hist", "h", ["k"], buckets=LATENCY_BUCKETS, registry=r)}
+    for kind, label, value in updates:
+        child = theirs[kind].labels(label)
+        if kind == "counter":
+            tally.add(specs[kind], value, (label,))
+            child.inc(value)
+        elif kind == "gauge":
+            tally.set(specs[kind], value, (label,))
+            child.set(value)
+        else:
+            tally.observe(specs[kind], value, (label,))
+            child.observe(value)
+    # the snapshot crosses the engine's link as plain data
+    snapshot = pickle.loads(pickle.dumps(tally.snapshot()))
+    assert _text(_Fixed(families(specs.values(), snapshot))) == _text(r)
+
+
+def test_unlabelled_metrics_and_named_zeros_show_before_any_update():
+    specs = [Spec("u_total", "counter", "u"), Spec("u_hist", "histogram", "h", bounds=(1.0,)),
+             Spec("u_out", "counter", "o", ("outcome",), zeros=(("met",), ("missed",)))]
+    text = "\n".join(_text(_Fixed(families(specs, Tally(specs).snapshot()))))
+    assert "u_total 0.0" in text and 'u_hist_bucket{le="+Inf"} 0.0' in text
+    assert 'u_out_total{outcome="met"} 0.0' in text and 'u_out_total{outcome="missed"} 0.0' in text
+
+
+def test_updates_from_many_threads_are_all_counted():
+    spec, hist = Spec("n", "counter", "n"), Spec("h", "histogram", "h", bounds=(0.5,))
+    tally = Tally([spec, hist])
+
+    def work():
+        for _ in range(20_000):
+            tally.add(spec, 1)
+            tally.observe(hist, 1.0)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    snap = tally.snapshot()
+    assert snap[("n", ())] == 80_000 and snap[("h", ())] == [80_000.0, 0, 80_000]
+
+
+def test_a_snapshot_is_a_copy():
+    hist = Spec("h", "histogram", "h", bounds=(1.0,))
+    tally = Tally([hist])
+    snap = tally.snapshot()
+    tally.observe(hist, 0.5)
+    assert snap[("h", ())] == [0.0, 0, 0] and tally.snapshot()[("h", ())] == [0.5, 1, 0]
+
+
+def test_bad_specs_are_refused():
+    for bad in (dict(kind="summary"), dict(kind="histogram", bounds=(2.0, 1.0))):
+        try:
+            Spec("x", **{"doc": "x", **bad})
+        except ValueError:
+            continue
+        raise AssertionError(f"accepted {bad}")
+
+
+def test_server_metrics_show_the_engines_in_the_same_families():
+    """One process's /metrics: the HTTP layer's phases and the engine's share the phase family, shown once."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    server, engine = ServerMetrics(), EngineMetrics()
+    server.phase("tokenize", 0.002)
+    engine.phase("device", 0.004)
+    engine.dispatch_time(0, DISPATCH_BUCKETS[3])
+    engine.sequences("submitted", 3)
+    text = server.render(engine.snapshot()).decode()
+    fams = list(text_string_to_metric_families(text))
+    names = [f.name for f in fams]
+    assert len(names) == len(set(names))
+    phases = next(f for f in fams if f.name == "jaxserve_phase_seconds")
+    counts = {s.labels["phase"]: s.value for s in phases.samples if s.name.endswith("_count")}
+    assert counts == {"tokenize": 1.0, "device": 1.0}
+    assert 'jaxserve_sequences_total{outcome="submitted"} 3.0' in text
+    assert "jaxserve_xla_compiles_total" in text
+    # the engine unreachable: the HTTP layer's own metrics, no engine series
+    alone = server.render(None).decode()
+    assert 'phase="tokenize"' in alone and "jaxserve_sequences_total" not in alone
+
+
+def test_merged_keeps_one_family_per_name_in_first_seen_order():
+    a = families([Spec("m", "counter", "first", ("k",))], {("m", ("x",)): 1.0})
+    b = families([Spec("m", "counter", "second", ("k",)), Spec("n", "gauge", "n")], {("m", ("y",)): 2.0})
+    out = merged(a, b)
+    assert [f.name for f in out] == ["m", "n"] and out[0].documentation == "first"
+    assert [(s.labels["k"], s.value) for s in out[0].samples] == [("x", 1.0), ("y", 2.0)]
