@@ -213,3 +213,48 @@ def test_a_request_timing_crosses_the_link_whole():
                          cls=0, deadline_s=0.25, behind={"interactive": 3})
     for timing in (full, RequestTiming(submitted=3.0)):
         assert pickle.loads(pickle.dumps(timing, protocol=5)) == timing
+
+
+async def test_the_engines_metrics_cross_the_link_and_an_open_ask_does_not_hold_a_drain(tmp_path):
+    """`EngineLink.metrics` returns the engine's snapshot, or raises the error its snapshot raised (the link keeps
+    serving); a drain waits for jobs only, not for an ask still unanswered (a /metrics scrape, an explain)."""
+    from jaxserve.runtime.buckets import fixed
+    from jaxserve.scheduling.jobs import Job
+    from jaxserve.scheduling.link import EngineLink, LinkServer
+    from jaxserve.scheduling.planner import pack
+
+    loop = asyncio.get_running_loop()
+
+    class Quick:  # a pipeline that finishes each job at once
+        def submit(self, job, cls, deadline_s):
+            done = loop.create_future()
+            done.set_result(None)
+            return 7, done, None
+
+    snapshots = [{("jaxserve_tokens", ()): 3.0}, ValueError("no snapshot")]
+
+    def metrics():
+        got = snapshots.pop(0)
+        if isinstance(got, Exception):
+            raise got
+        return got
+
+    path = str(tmp_path / "engine.sock")
+    server = LinkServer(path, lambda: {"ready": True}, metrics)
+    await server.start()
+    link = EngineLink(path, retry_s=0.01)
+    await link.start()
+    try:
+        await server.ready(Quick(), {"model": "m"})
+        assert await link.settled(BOUND_S)
+        assert await link.metrics() == {("jaxserve_tokens", ()): 3.0}
+        with pytest.raises(ValueError, match="no snapshot"):
+            await link.metrics()
+        _, _, unanswered = link._expect()  # an ask the engine has not answered yet
+        job = Job(pack([3], fixed([(1, 16)])), np.arange(3, dtype=np.int32), np.array([0, 3]), None, 4, "pooled")
+        await link.run(job)
+        assert await link.drain(5.0) and not unanswered.done()
+        unanswered.cancel()
+    finally:
+        await link.stop()
+        await server.stop()

@@ -318,7 +318,10 @@ class LinkServer:
         elif op == "explain":
             self._spawn(self._explain(wire, message))
         elif op == "metrics":
-            wire.post({"op": "answer", "id": message["id"], "body": self.metrics()})
+            try:
+                wire.post({"op": "answer", "id": message["id"], "body": self.metrics()})
+            except Exception as exc:  # the asker's error, not the link's
+                wire.post({"op": "error", "id": message["id"], "error": exc})
 
     def _run(self, wire: Wire, message: dict, running: dict) -> None:
         """Submit a job; its reply is posted when its future resolves (a callback: no task per request)."""
@@ -395,7 +398,8 @@ class EngineLink:
         self._pending: dict[int, asyncio.Future] = {}  # by request id: what the engine will answer
         self._ids = itertools.count()
         self._draining = False
-        self._idle: asyncio.Event | None = None
+        self._idle: asyncio.Event | None = None  # set while no job runs (what `drain` waits for; not an explain)
+        self._running = 0
         self._task: asyncio.Task | None = None
 
     # ---- lifecycle ----
@@ -466,6 +470,7 @@ class EngineLink:
             raise Draining("the server is draining")
         wire, rid, future = self._expect()
         timer = fail_after(future, timeout_s)
+        self._running += 1
         self._idle.clear()
         try:
             wire.post({"op": "run", "id": rid, "job": job, "cls": cls, "deadline_s": deadline_s}, job.flat.nbytes)
@@ -478,7 +483,8 @@ class EngineLink:
             if timer is not None:
                 timer.cancel()
             self._pending.pop(rid, None)
-            if not self._pending:
+            self._running -= 1
+            if not self._running:
                 self._idle.set()
         job.receive(gathered, kept)  # placed into job.out where it is first read
         return timing
