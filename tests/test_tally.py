@@ -105,6 +105,8 @@ def test_server_metrics_show_the_engines_in_the_same_families():
     engine.phase("device", 0.004)
     engine.dispatch_time(0, DISPATCH_BUCKETS[3])
     engine.sequences("submitted", 3)
+    waiting = [42]
+    engine.watch_queue(lambda: waiting[0])  # the pipeline's tokens waiting, read when shown
     text = server.render(engine.snapshot()).decode()
     fams = list(text_string_to_metric_families(text))
     names = [f.name for f in fams]
@@ -113,7 +115,9 @@ def test_server_metrics_show_the_engines_in_the_same_families():
     counts = {s.labels["phase"]: s.value for s in phases.samples if s.name.endswith("_count")}
     assert counts == {"tokenize": 1.0, "device": 1.0}
     assert 'jaxserve_sequences_total{outcome="submitted"} 3.0' in text
-    assert "jaxserve_xla_compiles_total" in text
+    assert "jaxserve_xla_compiles_total" in text and "jaxserve_queue_depth 42.0" in text
+    waiting[0] = 0
+    assert "jaxserve_queue_depth 0.0" in server.render(engine.snapshot()).decode()
     # the engine unreachable: the HTTP layer's own metrics, no engine series
     alone = server.render(None).decode()
     assert 'phase="tokenize"' in alone and "jaxserve_sequences_total" not in alone

@@ -120,6 +120,7 @@ class EngineMetrics(Metrics):
 
     def __init__(self):
         self.tally = Tally(ENGINE_SPECS)
+        self._queued = lambda: 0  # the pipeline's tokens waiting, read when shown (`watch_queue`)
 
     def dispatched(self, d: Dispatch, real_tokens: int, oldest_wait_s: float) -> None:
         t, label = self.tally, f"{d.bucket.batch}x{d.bucket.seqlen}"
@@ -148,8 +149,8 @@ class EngineMetrics(Metrics):
     def dispatch_time(self, cls: int, seconds: float) -> None:
         self.tally.observe(DISPATCH_SECONDS, seconds, (CLASSES[cls],))
 
-    def queue_depth(self, tokens: int) -> None:
-        self.tally.set(DEPTH, tokens)
+    def watch_queue(self, queued) -> None:
+        self._queued = queued
 
     def finished(self, timing) -> None:
         t, cls = self.tally, (CLASSES[timing.cls],)
@@ -160,6 +161,7 @@ class EngineMetrics(Metrics):
 
     def snapshot(self) -> dict:
         """Every value now (plain data, for `ServerMetrics.render`, across the engine's link when it has one), the
-        XLA compiles of this process so far with them."""
+        XLA compiles of this process so far and the tokens waiting with them."""
         self.tally.set(COMPILES, compiles.xla_compiles_total())
+        self.tally.set(DEPTH, self._queued())
         return self.tally.snapshot()

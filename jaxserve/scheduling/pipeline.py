@@ -40,6 +40,7 @@ import operator
 import queue
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -135,7 +136,8 @@ class Metrics:
         """Every sequence submitted is, in the end, dispatched (with its job still waiting for it) or dropped
         (its client left while it waited): submitted = dispatched + dropped + waiting."""
 
-    def queue_depth(self, sequences: int) -> None: ...
+    def watch_queue(self, queued: Callable[[], int]) -> None:
+        """Where the tokens waiting are read, whenever the metrics are shown (not written per job)."""
 
     def class_sequences(self, cls: int, n: int) -> None:
         """`n` sequences of class `cls` dispatched: a class's goodput (bulk docs/s) is the rate of these."""
@@ -174,6 +176,7 @@ class Pipeline:
         self.tables = tables
         self.spills = {lane: _spills(engine, lane) for lane in tables}
         self.metrics = metrics or Metrics()
+        self.metrics.watch_queue(lambda: self.queued)
         self.max_inflight = max_inflight
         self.streams = streams  # 1: launches as batches and slots come (`_launch_ready`); >1: device threads (CPU)
         self.max_failures = max_failures
@@ -341,7 +344,6 @@ class Pipeline:
             self._lock.notify()
         self.metrics.sequences("submitted", job.remaining)
         self._idle.clear()
-        self.metrics.queue_depth(self.queued)
         return jid, future, timing
 
     def cancel(self, jid: int) -> None:
@@ -351,7 +353,6 @@ class Pipeline:
             dropped = sum(b.cancel(jid) for b in self.batchers.values())
             self._entries.pop(jid, None)
         self.metrics.sequences("dropped", dropped)
-        self.metrics.queue_depth(self.queued)
         self._check_idle()
 
     def _answer(self, jid: int, exc: Exception | None = None) -> None:
@@ -447,7 +448,6 @@ class Pipeline:
         while (nxt := self._next()) is not None:
             lane, d, jobs, formed = nxt
             cpu = time.thread_time()
-            self.metrics.queue_depth(self.queued)
             start = time.perf_counter()
             stage = "assembled"
             try:
