@@ -8,24 +8,16 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from jaxserve.http.metrics import DISPATCH_BUCKETS, LATENCY_BUCKETS, EngineMetrics, ServerMetrics
-from jaxserve.http.tally import Spec, Tally, families, merged
+from jaxserve.http.tally import Spec, Tally, exposition, families, merged
 
 LABELS = st.sampled_from(["a", "b", "c"])
 VALUES = st.one_of(st.floats(0, 100, allow_nan=False), st.sampled_from([0.0, *LATENCY_BUCKETS, 1e9]))
 
 
-class _Fixed:
-    def __init__(self, fams):
-        self.fams = fams
-
-    def collect(self):
-        return self.fams
-
-
-def _text(registry_like) -> list[str]:
+def _text(exposed: bytes) -> list[str]:
     """An exposition's lines, without prometheus_client's `_created` samples (the tally keeps no creation time),
     sorted (prometheus_client shows a family's series as first updated, the tally by label values)."""
-    return sorted(line for line in generate_latest(registry_like).decode().splitlines() if "_created" not in line)
+    return sorted(line for line in exposed.decode().splitlines() if "_created" not in line)
 
 
 @settings(max_examples=60, deadline=None)
@@ -50,13 +42,13 @@ def test_the_tally_shows_what_prometheus_client_shows_for_the_same_updates(updat
             child.observe(value)
     # the snapshot crosses the engine's link as plain data
     snapshot = pickle.loads(pickle.dumps(tally.snapshot()))
-    assert _text(_Fixed(families(specs.values(), snapshot))) == _text(r)
+    assert _text(exposition(families(specs.values(), snapshot))) == _text(generate_latest(r))
 
 
 def test_unlabelled_metrics_and_named_zeros_show_before_any_update():
     specs = [Spec("u_total", "counter", "u"), Spec("u_hist", "histogram", "h", bounds=(1.0,)),
              Spec("u_out", "counter", "o", ("outcome",), zeros=(("met",), ("missed",)))]
-    text = "\n".join(_text(_Fixed(families(specs, Tally(specs).snapshot()))))
+    text = "\n".join(_text(exposition(families(specs, Tally(specs).snapshot()))))
     assert "u_total 0.0" in text and 'u_hist_bucket{le="+Inf"} 0.0' in text
     assert 'u_out_total{outcome="met"} 0.0' in text and 'u_out_total{outcome="missed"} 0.0' in text
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import os
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, multiprocess
+from prometheus_client import CollectorRegistry, Counter, Histogram, multiprocess
 
-from jaxserve.http.tally import Spec, Tally, families, merged
+from jaxserve.http.tally import Spec, Tally, exposition, families, merged
 from jaxserve.runtime import compiles
 from jaxserve.scheduling.batcher import CLASSES, Dispatch
 from jaxserve.scheduling.pipeline import Metrics
@@ -67,17 +67,7 @@ class ServerMetrics:
         else:
             own = self.registry
         engine_families = families(ENGINE_SPECS, engine) if engine is not None else []
-        return generate_latest(_Families(merged(own.collect(), engine_families)))
-
-
-class _Families:
-    """Metric families, collected once (what `generate_latest` reads)."""
-
-    def __init__(self, families):
-        self._families = families
-
-    def collect(self):
-        return self._families
+        return exposition(merged(own.collect(), engine_families))
 
 
 def _spec(name: str, kind: str, doc: str, labels: tuple[str, ...] = (), bounds: tuple = (), zeros: tuple = ()) -> Spec:

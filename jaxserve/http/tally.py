@@ -17,6 +17,7 @@ import math
 import threading
 from collections.abc import Iterable
 
+from prometheus_client import generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
@@ -115,3 +116,18 @@ def merged(*groups: Iterable[Metric]) -> list[Metric]:
             else:
                 have.samples.extend(family.samples)
     return list(out.values())
+
+
+def exposition(shown: list[Metric]) -> bytes:
+    """Metric families in Prometheus's text format."""
+    return generate_latest(_Collected(shown))
+
+
+class _Collected:
+    """Metric families already collected, as `generate_latest` reads a registry."""
+
+    def __init__(self, shown: list[Metric]):
+        self._shown = shown
+
+    def collect(self) -> list[Metric]:
+        return self._shown

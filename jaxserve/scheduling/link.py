@@ -316,12 +316,10 @@ class LinkServer:
         elif op == "cancel" and (jid := running.pop(message["id"], None)) is not None:
             self.pipeline.cancel(jid)
         elif op == "explain":
-            self._spawn(self._explain(wire, message))
+            self._spawn(self._answer_ask(wire, message["id"], lambda: self.pipeline.explain(
+                message["rows"], message["doc"], message["output"], message["max_wait_s"])))
         elif op == "metrics":
-            try:
-                wire.post({"op": "answer", "id": message["id"], "body": self.metrics()})
-            except Exception as exc:  # the asker's error, not the link's
-                wire.post({"op": "error", "id": message["id"], "error": exc})
+            self._spawn(self._answer_ask(wire, message["id"], self.metrics))
 
     def _run(self, wire: Wire, message: dict, running: dict) -> None:
         """Submit a job; its reply is posted when its future resolves (a callback: no task per request)."""
@@ -353,13 +351,14 @@ class LinkServer:
             wire.post({"op": "done", "id": rid, "places": places, "vectors": vectors, "width": job.out_shape[1],
                        "kept": job.kept, "timing": timing}, job.out_size * 4)
 
-    async def _explain(self, wire: Wire, message: dict) -> None:
+    @staticmethod
+    async def _answer_ask(wire: Wire, rid: int, answer) -> None:
+        """A front-end's question (explain, metrics): `answer()`'s value, or the error it raised (the asker's
+        error, not the link's)."""
         try:
-            reply = {"op": "answer", "id": message["id"],
-                     "body": self.pipeline.explain(message["rows"], message["doc"], message["output"],
-                                                   message["max_wait_s"])}
+            reply = {"op": "answer", "id": rid, "body": answer()}
         except Exception as exc:
-            reply = {"op": "error", "id": message["id"], "error": exc}
+            reply = {"op": "error", "id": rid, "error": exc}
         with contextlib.suppress(ConnectionError, OSError):
             await wire.send(reply)
 
@@ -491,22 +490,18 @@ class EngineLink:
 
     def explain(self, rows, doc, output: str, max_wait_s: float) -> dict:
         """The engine's latency math for these rows (blocking: called from a tokenizer thread)."""
-        return asyncio.run_coroutine_threadsafe(self._explain(rows, doc, output, max_wait_s), self._loop).result()
-
-    async def _explain(self, rows, doc, output, max_wait_s) -> dict:
-        wire, rid, future = self._expect()
-        try:
-            await wire.send({"op": "explain", "id": rid, "rows": rows, "doc": doc, "output": output,
-                             "max_wait_s": max_wait_s})
-            return await future
-        finally:
-            self._pending.pop(rid, None)
+        ask = self._ask({"op": "explain", "rows": rows, "doc": doc, "output": output, "max_wait_s": max_wait_s})
+        return asyncio.run_coroutine_threadsafe(ask, self._loop).result()
 
     async def metrics(self) -> dict:
         """The engine's metrics now (`LinkServer.metrics`)."""
+        return await self._ask({"op": "metrics"})
+
+    async def _ask(self, message: dict):
+        """Send the engine a question (`message`, given an id here) -> its answer, or the error it answered."""
         wire, rid, future = self._expect()
         try:
-            wire.post({"op": "metrics", "id": rid})
+            await wire.send({**message, "id": rid})
             return await future
         finally:
             self._pending.pop(rid, None)
