@@ -1,8 +1,9 @@
 """The engine process when it is the bottleneck: jobs of DOCS corpus documents sent over its real link (no HTTP,
 no tokenizing: each job is packed once, from the card the engine hands over) by P client processes holding C jobs
 in flight each, for S seconds after a second of warm-up. Prints the engine process's CPU per job (from /proc, all
-its threads) and its batches per job (/metrics), with the engine's one core saturated as it would be behind many
-front-ends, where bench_host.py on two shared cores measures it half idle.
+its threads), its batches per job and the simulated device's busy share (/metrics), with the engine as loaded as
+it would be behind many front-ends, where bench_host.py on two shared cores measures it half idle. Whichever of
+the engine's core and the device is nearer 100% is the limit.
 
     jaxserve serve --simulate-device 400 --workers 2 --port 8950 &   # the engine is a process of its own from 2
     python results/issue37/engine_alone.py http://127.0.0.1:8950 DOCS C S [P]
@@ -62,9 +63,11 @@ def client(path: str, docs: int, inflight: int, start: float, end: float, seed: 
     asyncio.run(main())
 
 
-def batches(url: str) -> float:
-    text = urllib.request.urlopen(url + "/metrics").read().decode()
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("jaxserve_batches_total{"))
+def counters(url: str) -> tuple[float, float]:
+    """(batches so far, the device's busy seconds so far) from /metrics."""
+    lines = urllib.request.urlopen(url + "/metrics").read().decode().splitlines()
+    total = lambda prefix: sum(float(line.split()[-1]) for line in lines if line.startswith(prefix))
+    return total("jaxserve_batches_total{"), total("jaxserve_device_busy_seconds_total")
 
 
 if __name__ == "__main__":
@@ -79,11 +82,12 @@ if __name__ == "__main__":
     for p in ps:
         p.start()
     time.sleep(start - time.time())
-    cpu0, b0 = sum(engine.cpu_times()[:2]), batches(url)
+    cpu0, (b0, busy0) = sum(engine.cpu_times()[:2]), counters(url)
     time.sleep(end - time.time())
-    cpu1, b1 = sum(engine.cpu_times()[:2]), batches(url)
+    cpu1, (b1, busy1) = sum(engine.cpu_times()[:2]), counters(url)
     n = sum(q.get(timeout=60) for _ in ps)  # a client that failed raises queue.Empty here, not a hang
     for p in ps:
         p.join()
     print(f"docs={docs} inflight={procs}x{inflight} jobs/s={n / seconds:.0f} engine_cpu_ms/job={1e3 * (cpu1 - cpu0) / n:.3f} "
-          f"engine_cores={(cpu1 - cpu0) / seconds:.2f} batches/job={(b1 - b0) / n:.2f}")
+          f"engine_cores={(cpu1 - cpu0) / seconds:.2f} batches/job={(b1 - b0) / n:.2f} "
+          f"device_busy={100 * (busy1 - busy0) / seconds:.0f}%")
