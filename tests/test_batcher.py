@@ -218,13 +218,13 @@ def test_the_oldest_run_found_without_a_scan_is_the_scanned_one(ops):
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.lists(st.sampled_from([16, 64, 128]), min_size=1, max_size=12), st.booleans())
+@given(st.lists(st.sampled_from([16, 64, 128]), min_size=0, max_size=12), st.booleans())
 def test_a_jobs_rows_are_grouped_by_seqlen_in_any_order(seqlens, packed):
     """pack's order (each seqlen's rows one range) takes slices; any other order is grouped by value. Either way,
     each seqlen once, with exactly its rows and their sequences per row."""
     from jaxserve.scheduling.batcher import _by_seqlen
 
-    seqlens = np.array(sorted(seqlens, reverse=True) if packed else seqlens)
+    seqlens = np.array(sorted(seqlens, reverse=True) if packed else seqlens, np.int64)
     docs = np.arange(len(seqlens)) + 1
     groups = _by_seqlen(seqlens, docs)
     assert sorted(s for s, _, _ in groups) == sorted(set(seqlens.tolist()))

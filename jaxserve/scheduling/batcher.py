@@ -119,8 +119,8 @@ def _by_seqlen(seqlens: np.ndarray, docs: np.ndarray) -> list[tuple[int, np.ndar
     """A job's rows by seqlen: (seqlen, row indices, their sequences per row). `planner.pack` puts each seqlen's
     rows in one range (longest first), so a range's rows are an arange and its docs a slice; any other order is
     grouped by value."""
-    if len(seqlens) == 1:  # a query's one row
-        return [(int(seqlens[0]), ONE_ROW, docs)]
+    if len(seqlens) <= 1:  # a query's one row, or none (an empty request)
+        return [(int(s), ONE_ROW, docs) for s in seqlens.tolist()]
     bounds = [0, *(np.flatnonzero(seqlens[1:] != seqlens[:-1]) + 1).tolist(), len(seqlens)]
     values = seqlens[bounds[:-1]].tolist()
     if len(set(values)) == len(values):
