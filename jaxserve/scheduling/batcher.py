@@ -333,11 +333,13 @@ class Batcher:
             return
         young = []
         for s, q in self._queues[BULK].items():
-            if q and (t := self._first_young(s)) is not None and now - t >= self.classes.max_bulk_wait_s:
+            t = self._first_young(s) if q else None
+            if t is not None and now - t >= self.classes.max_bulk_wait_s:
                 q = [dataclasses.replace(r, aged=True) if now - r.enqueued >= self.classes.max_bulk_wait_s else r
                      for r in q]
                 self._queues[BULK][s] = sorted(q, key=lambda r: r.key)
-            if q and (t := self._first_young(s)) is not None:
+                t = self._first_young(s)  # the oldest row still young, if any
+            if t is not None:
                 young.append(t)
         self._age_at = min(young, default=math.inf) + self.classes.max_bulk_wait_s
 
