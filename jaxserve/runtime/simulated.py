@@ -233,9 +233,14 @@ def simulated_engine(real_engine, model_config, max_seq_length: int, out_dim: in
     else:
         dims = sim_dims(*spec.sizes, dtype_bytes=dtype_bytes)
         weights = sized_weights_bytes(*spec.sizes, model_config.vocab_size, dtype_bytes)
+    return SimEngine(real_engine, simulated_table(dims, weights, max_seq_length, spec), dims, out_dim, spec, device)
+
+
+def simulated_table(dims: ModelDims, weights_bytes: int, max_seq_length: int, spec: SimSpec) -> BucketTable:
+    """The H200 table a simulated device of `spec` serves for a model of `dims` (`h200_table`), its buckets timed
+    by the simulated step."""
     step_s = lambda b: step_seconds(dims, b, spec.tflops * 1e12, spec.step_overhead_us * 1e-6)
     # the host's own time per dispatch: the spec's launch overhead stands for it (without it, the batcher's cost
     # floor, HOST_DISPATCH_S, would make every bucket under it look free, and a query would take a 256-row one)
-    table = h200_table(dims, weights, max_seq_length, step_s, host_s=spec.step_overhead_us * 1e-6)
-    return SimEngine(real_engine, table, dims, out_dim, spec, device)
+    return h200_table(dims, weights_bytes, max_seq_length, step_s, host_s=spec.step_overhead_us * 1e-6)
 

@@ -1,7 +1,9 @@
 """The engine's pure work per job, without its threads, link or metrics: a batcher's submit and its dispatches
-(`next_dispatch` on an idle device), `assemble` and `scatter`, on the simulated H200 table of a model of one
-size, for jobs of DOCS corpus-like sequences (44 +- 15 tokens), JOBS of them queued at once, REPS times. Each
-of ROUNDS rounds prints microseconds per job; compare the fastest round of two trees (this VM's speed drifts).
+(`next_dispatch` on an idle device), `assemble` and `scatter`, on the simulated H200 table that
+`--simulate-device 400 --simulate-size H,I,L` serves over the bundled MiniLM (its vocabulary, its max length
+of 256, float32 weights) for a model of bge-base's or MiniLM's sizes, for jobs of DOCS corpus-like sequences
+(44 +- 15 tokens), JOBS of them queued at once, REPS times. Each of ROUNDS rounds prints microseconds per job;
+compare the fastest round of two trees (this VM's speed drifts; the tree needs `simulated.simulated_table`).
 Against engine_alone.py's CPU per job it says how much of the engine's time is this work and how much is
 the rest (threads, link, bookkeeping).
 
@@ -13,12 +15,13 @@ import time
 
 import numpy as np
 
-from jaxserve.runtime.simulated import h200_table, sim_dims, sized_weights_bytes, step_seconds
+from jaxserve.runtime.simulated import SimSpec, sim_dims, simulated_table, sized_weights_bytes
 from jaxserve.scheduling.batcher import BULK, Batcher
 from jaxserve.scheduling.jobs import Job, assemble, most_per_row, scatter
 from jaxserve.scheduling.planner import pack
 
-SIZES = {"bge": ((768, 3072, 12), 512), "minilm": ((384, 1536, 6), 256)}  # (hidden, intermediate, layers), max len
+SIZES = {"bge": (768, 3072, 12), "minilm": (384, 1536, 6)}  # (hidden, intermediate, layers)
+VOCAB, MAX_LENGTH, DTYPE_BYTES = 30522, 256, 4  # the bundled MiniLM's
 
 
 def jobs_of(table, docs: int, dim: int, rng) -> list[Job]:
@@ -69,10 +72,10 @@ def one_round(table, made: list[Job], at_once: int, reps: int, dim: int) -> dict
 def main() -> None:
     size, docs, at_once, reps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     rounds = int(sys.argv[5]) if len(sys.argv) > 5 else 5
-    (hidden, intermediate, layers), max_len = SIZES[size]
-    dims = sim_dims(hidden, intermediate, layers)
-    table = h200_table(dims, sized_weights_bytes(hidden, intermediate, layers, 30522, 4), max_len,
-                       lambda b: step_seconds(dims, b, 400e12, 30e-6), host_s=30e-6)
+    sizes = SIZES[size]
+    table = simulated_table(sim_dims(*sizes, dtype_bytes=DTYPE_BYTES), sized_weights_bytes(*sizes, VOCAB, DTYPE_BYTES),
+                            MAX_LENGTH, SimSpec(400.0, sizes=sizes))
+    hidden = sizes[0]
     made = jobs_of(table, docs, hidden, np.random.default_rng(0))
     for _ in range(rounds):
         r = one_round(table, made, at_once, reps, hidden)
