@@ -11,7 +11,7 @@ from jaxserve.checkpoint.tokenize import from_sequences
 from jaxserve.runtime import output_chunks
 from jaxserve.runtime.buckets import fixed
 from jaxserve.scheduling.batcher import Batcher
-from jaxserve.scheduling.jobs import Job, assemble, most_per_row, ragged_arange, scatter
+from jaxserve.scheduling.jobs import Job, assemble, joined, most_per_row, ragged_arange, scatter
 from jaxserve.scheduling.planner import Rows, pack
 
 TABLES = [fixed([(4, 16), (2, 64), (2, 128)], layout="packed"), fixed([(4, 16), (2, 64), (2, 128)]),
@@ -93,6 +93,46 @@ def test_every_sequence_comes_back_to_its_place(requests, t, cancelled, shuffle,
         np.testing.assert_array_equal(job.out, want)  # positions restart at 0 in every slot
     if cancelled < len(requests):
         assert gone.remaining == len(requests[cancelled])  # never ran
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 120), min_size=1, max_size=40), st.sampled_from(range(len(TABLES))), st.booleans())
+def test_joined_queries_each_get_their_own_output(lengths, t, typed):
+    """`joined` packs one-sequence jobs (queries) as one job's sequences, sequence i being job i's: run through the
+    batcher on the engine's copy, each query's output is its own tokens', placed at i."""
+    table = TABLES[t]
+    rng = np.random.default_rng(len(lengths))
+    seqs = [rng.integers(1, 1000, n).astype(np.int32) for n in lengths]
+    types = [rng.integers(0, 2, n).astype(np.int32) if typed else None for n in lengths]
+    queries = []
+    for s, ty in zip(seqs, types):
+        pieces = from_sequences([s], np.arange(1), np.ones(1), None if ty is None else [ty])
+        queries.append(Job(pack(pieces.lengths, table), pieces.ids, pieces.offsets, pieces.types, 4))
+    job = joined(queries, table)
+    assert job.rows.width == pack(lengths, table).width and list(job.lengths) == lengths
+    for i, (s, ty) in enumerate(zip(seqs, types)):  # sequence i: query i's tokens and types
+        a = job.seq_start[i]
+        np.testing.assert_array_equal(job.flat[0, a : a + len(s)], s)
+        np.testing.assert_array_equal(job.flat[3, a : a + len(s)], 0 if ty is None else ty)
+    engine = {0: crossed(job)}
+    batcher = Batcher(table, max_wait_s=0.0, max_queued=10_000_000)
+    batcher.submit(0, job.rows.seqlen, job.rows.docs, 0.0)
+    while (d := batcher.next_dispatch(0.0, device_idle=True)) is not None:
+        inputs, _ = assemble(d.bucket, d.parts, engine)
+        scatter(d.parts, fake_device(inputs, d.bucket.slots), engine)
+    job.receive(engine[0].gathered, engine[0].kept)
+    np.testing.assert_array_equal(job.out, [[s.sum(), len(s), 0, len(s)] for s in seqs])
+
+
+def test_only_one_sequence_jobs_of_pooled_outputs_are_joined():
+    table = TABLES[0]
+    two = from_sequences([np.arange(1, 4, dtype=np.int32), np.arange(1, 3, dtype=np.int32)], np.arange(2), np.ones(2))
+    one = from_sequences([np.arange(1, 4, dtype=np.int32)], np.arange(1), np.ones(1))
+    query = Job(pack(one.lengths, table), one.ids, one.offsets, None, 4)
+    for other in (Job(pack(two.lengths, table), two.ids, two.offsets, None, 4),
+                  Job(pack(one.lengths, table), one.ids, one.offsets, None, 4, "tokens")):
+        with pytest.raises(ValueError, match="one-sequence"):
+            joined([query, other], table)
 
 
 @pytest.mark.parametrize("n", [2, 1])  # one sequence takes Job's own short path

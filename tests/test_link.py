@@ -175,7 +175,7 @@ async def test_a_job_past_its_timeout_fails_with_timeout_and_the_engine_drops_it
     class Held:  # a pipeline that never finishes a job
         cancelled: list = []
 
-        def submit(self, job, cls, deadline_s):
+        def submit(self, job, cls, deadline_s, requests=1):
             self.job = job
             return 5, loop.create_future(), None
 
@@ -226,7 +226,7 @@ async def test_the_engines_metrics_cross_the_link_and_an_open_ask_does_not_hold_
     loop = asyncio.get_running_loop()
 
     class Quick:  # a pipeline that finishes each job at once
-        def submit(self, job, cls, deadline_s):
+        def submit(self, job, cls, deadline_s, requests=1):
             done = loop.create_future()
             done.set_result(None)
             return 7, done, None
@@ -255,6 +255,167 @@ async def test_the_engines_metrics_cross_the_link_and_an_open_ask_does_not_hold_
         await link.run(job)
         assert await link.drain(5.0) and not unanswered.done()
         unanswered.cancel()
+    finally:
+        await link.stop()
+        await server.stop()
+
+
+class Echo:
+    """A pipeline whose jobs finish when the test says: each sequence's output is [its first token id, its length,
+    the job's class, 0]. Records what it was given (jobs, classes, deadlines, requests) and what was cancelled."""
+
+    def __init__(self, loop, fail: Exception | None = None):
+        self.loop, self.fail = loop, fail
+        self.got, self.cancelled, self.futures = [], [], {}
+
+    def submit(self, job, cls, deadline_s, requests=1):
+        if self.fail is not None:
+            raise self.fail
+        jid = len(self.got)
+        self.got.append((job, cls, deadline_s, requests))
+        self.futures[jid] = self.loop.create_future()
+        return jid, self.futures[jid], None
+
+    def finish(self, jid):
+        job, cls = self.got[jid][:2]
+        p = len(job.lengths)
+        job.put(np.arange(p), np.stack([job.flat[0, job.seq_start], job.lengths, np.full(p, cls), np.zeros(p)], 1))
+        self.futures[jid].set_result(None)
+
+    def cancel(self, jid):
+        self.cancelled.append(jid)
+
+
+async def linked(tmp_path, pipeline, max_queued=None):
+    from jaxserve.runtime.buckets import fixed
+    from jaxserve.scheduling.link import EngineLink, LinkServer
+
+    path = str(tmp_path / "engine.sock")
+    server = LinkServer(path, lambda: {"ready": True, "max_queued": max_queued})
+    await server.start()
+    link = EngineLink(path, retry_s=0.01)
+    await link.start()
+    table = fixed([(4, 16), (4, 64)], layout="packed")
+    await server.ready(pipeline, {"table": table})
+    assert await link.settled(BOUND_S)
+    return server, link, table
+
+
+def query(table, first: int, n: int):
+    from jaxserve.scheduling.jobs import Job
+    from jaxserve.scheduling.planner import pack
+
+    return Job(pack([n], table), np.arange(first, first + n, dtype=np.int32), np.array([0, n]), None, 4)
+
+
+async def until(condition):
+    async with asyncio.timeout(BOUND_S):
+        while not condition():
+            await asyncio.sleep(0.005)
+
+
+async def test_queries_of_one_turn_reach_the_engine_as_one_job_and_each_gets_its_own_output(tmp_path):
+    """One-sequence jobs of a class that arrive in one turn of the loop: one job at the engine (counted as that
+    many requests), each caller's output its own. Not joined: another class (a job of its own), a job with a
+    deadline, one that asked not to be (`join=False`), one of several sequences, one alone in its turn."""
+    from jaxserve.scheduling.batcher import BULK, INTERACTIVE
+    from jaxserve.scheduling.jobs import Job
+    from jaxserve.scheduling.planner import pack
+
+    echo = Echo(asyncio.get_running_loop())
+    server, link, table = await linked(tmp_path, echo)
+    try:
+        two = Job(pack([3, 2], table), np.arange(500, 505, dtype=np.int32), np.array([0, 3, 5]), None, 4)
+        jobs = [query(table, 100 * (i + 1), 3 + i) for i in range(7)]
+        runs = [link.run(j, BULK) for j in jobs[:4]] + [link.run(jobs[4], INTERACTIVE),
+                                                        link.run(jobs[5], BULK, deadline_s=5.0),
+                                                        link.run(jobs[6], BULK, join=False), link.run(two, BULK)]
+        tasks = [asyncio.ensure_future(r) for r in runs]
+        await until(lambda: len(echo.got) == 5)
+        sizes = sorted((len(job.lengths), cls, deadline or 0, requests) for job, cls, deadline, requests in echo.got)
+        assert sizes == [(1, INTERACTIVE, 0, 1), (1, BULK, 0, 1), (1, BULK, 5.0, 1), (2, BULK, 0, 1), (4, BULK, 0, 4)]
+        for jid in range(5):
+            echo.finish(jid)
+        await asyncio.gather(*tasks)
+        for i, j in enumerate(jobs):
+            cls = INTERACTIVE if i == 4 else BULK
+            np.testing.assert_array_equal(j.out, [[100 * (i + 1), 3 + i, cls, 0]])
+        np.testing.assert_array_equal(two.out, [[500, 3, BULK, 0], [503, 2, BULK, 0]])
+        alone = query(table, 900, 5)
+        task = asyncio.ensure_future(link.run(alone))
+        await until(lambda: len(echo.got) == 6)
+        assert echo.got[5][3] == 1 and len(echo.got[5][0].lengths) == 1
+        echo.finish(5)
+        await task
+        np.testing.assert_array_equal(alone.out, [[900, 5, BULK, 0]])
+        assert not link._pending and not link._joining
+    finally:
+        await link.stop()
+        await server.stop()
+
+
+async def test_a_joined_job_takes_at_most_its_share_of_the_engines_queue(tmp_path):
+    """The engine admits a job whole or not at all: queries are joined only up to `JOIN_QUEUE_SHARE` of its queue
+    (their rows' tokens), so a joined job is never refused where its queries alone would be taken."""
+    from jaxserve.scheduling.link import JOIN_QUEUE_SHARE
+
+    echo = Echo(asyncio.get_running_loop())
+    server, link, table = await linked(tmp_path, echo, max_queued=int(2 * 16 / JOIN_QUEUE_SHARE))  # 2 rows of 16
+    try:
+        jobs = [query(table, 10 * (i + 1), 3) for i in range(5)]
+        tasks = [asyncio.ensure_future(link.run(j)) for j in jobs]
+        await until(lambda: len(echo.got) == 3)
+        assert [requests for *_, requests in echo.got] == [2, 2, 1]
+        for jid in range(3):
+            echo.finish(jid)
+        await asyncio.gather(*tasks)
+        for i, j in enumerate(jobs):
+            np.testing.assert_array_equal(j.out, [[10 * (i + 1), 3, 1, 0]])
+    finally:
+        await link.stop()
+        await server.stop()
+
+
+async def test_a_joined_job_is_dropped_only_once_every_request_in_it_has_gone(tmp_path):
+    """A request joined with others that goes away (cancelled, timed out) leaves the job running for the rest; the
+    last one to go cancels it at the engine. One gone before its turn ended is never sent."""
+    echo = Echo(asyncio.get_running_loop())
+    server, link, table = await linked(tmp_path, echo)
+    try:
+        jobs = [query(table, 10 * (i + 1), 2) for i in range(3)]
+        tasks = [asyncio.ensure_future(link.run(j)) for j in jobs[:2]]
+        timed = asyncio.ensure_future(link.run(jobs[2], timeout_s=0.05))
+        never = asyncio.ensure_future(link.run(query(table, 7, 2)))
+        await asyncio.sleep(0)  # each task runs up to its wait for the engine; `never` goes before the turn ends
+        never.cancel()
+        await until(lambda: len(echo.got) == 1)
+        assert echo.got[0][3] == 3  # the three that stayed, `never` left out
+        with pytest.raises(TimeoutError):
+            await timed
+        tasks[0].cancel()
+        await asyncio.sleep(0.05)
+        assert echo.cancelled == []  # one request of the job still waits
+        tasks[1].cancel()
+        await until(lambda: echo.cancelled == [0])
+        for t in (*tasks, never):
+            with pytest.raises(asyncio.CancelledError):
+                await t
+        assert not link._pending
+    finally:
+        await link.stop()
+        await server.stop()
+
+
+async def test_a_joined_jobs_error_reaches_each_of_its_requests(tmp_path):
+    """The engine refuses the joined job (its queue is full): every request in it gets that error."""
+    from jaxserve.scheduling.batcher import QueueFull
+
+    echo = Echo(asyncio.get_running_loop(), fail=QueueFull("no room"))
+    server, link, table = await linked(tmp_path, echo)
+    try:
+        runs = [link.run(query(table, 10 * (i + 1), 2)) for i in range(3)]
+        results = await asyncio.gather(*runs, return_exceptions=True)
+        assert [type(r) for r in results] == [QueueFull] * 3 and all("no room" in str(r) for r in results)
     finally:
         await link.stop()
         await server.stop()

@@ -115,6 +115,21 @@ def test_server_metrics_show_the_engines_in_the_same_families():
     assert 'phase="tokenize"' in alone and "jaxserve_sequences_total" not in alone
 
 
+def test_a_joined_job_counts_as_the_requests_it_answers():
+    """A job of joined queries (`jobs.joined`) is several requests: the engine's per-request histograms and deadline
+    counts take each of them."""
+    from jaxserve.scheduling.pipeline import RequestTiming
+
+    engine = EngineMetrics()
+    engine.finished(RequestTiming(submitted=1.0, first_dispatch=1.25, done=1.5, cls=0, requests=3))
+    engine.finished(RequestTiming(submitted=2.0, first_dispatch=2.0, done=2.1, cls=0, deadline_s=1.0))
+    text = ServerMetrics().render(engine.snapshot()).decode()
+    assert 'jaxserve_class_request_seconds_count{class="interactive"} 4.0' in text
+    assert 'jaxserve_class_request_seconds_sum{class="interactive"} 1.6' in text  # 3 x 0.5 + 0.1
+    assert 'jaxserve_class_queue_wait_seconds_count{class="interactive"} 4.0' in text
+    assert 'jaxserve_deadlines_total{class="interactive",outcome="met"} 1.0' in text
+
+
 def test_merged_keeps_one_family_per_name_in_first_seen_order():
     a = families([Spec("m", "counter", "first", ("k",))], {("m", ("x",)): 1.0})
     b = families([Spec("m", "counter", "second", ("k",)), Spec("n", "gauge", "n")], {("m", ("y",)): 2.0})

@@ -119,6 +119,13 @@ def test_two_front_ends_serve_as_one_process_does(files):
                         assert r.status == 200, await r.text()
                         return [d["embedding"] for d in (await r.json())["data"]]
             vectors = await asyncio.gather(*(one(i) for i in range(0, 12, 3)))
+            # one-document queries at once: a front-end joins those of one turn of its loop into one engine job
+            async with aiohttp.ClientSession() as s:
+                async def query(text):
+                    async with s.post(url + "/v1/embeddings", json={"input": text}) as r:
+                        assert r.status == 200, await r.text()
+                        return (await r.json())["data"][0]["embedding"]
+                queries = await asyncio.gather(*(query(t) for t in texts[:8]))
             async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s:
                 async with s.post(url + "/v1/embeddings", json={"input": ["x"], "dimensions": 0}) as r:
                     bad = r.status, await r.json()
@@ -126,28 +133,31 @@ def test_two_front_ends_serve_as_one_process_does(files):
                     explained = r.status, await r.json()
                 async with s.get(url + "/metrics") as r:
                     metrics = await r.text()
-            return [v for part in vectors for v in part], bad, explained, metrics
+            return [v for part in vectors for v in part], queries, bad, explained, metrics
 
-        vectors, bad, explained, metrics = asyncio.run(requests())
+        vectors, queries, bad, explained, metrics = asyncio.run(requests())
         assert len(set(asyncio.run(_burst(url, procs["frontends"], 16)))) == 2  # a burst of connections: both
         reference = warm_encoder(path, TINY_TABLE).embed(texts)
         assert cosine_rows(np.array(vectors), reference).min() > 0.99999
+        assert cosine_rows(np.array(queries), reference[:8]).min() > 0.99999  # each query its own vector
         assert bad[0] == 400 and "dimensions" in bad[1]["error"]["message"]
         assert explained[0] == 200 and explained[1]["explain"]["batches"]
         count = lambda name: sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
                                  if line.startswith(name))
         # every request counted once, whichever front-end took it; the engine's batches and device time with them
-        assert count('jaxserve_requests_total{route="/v1/embeddings",status="200"}') == 5
-        assert count('jaxserve_inputs_total') == 16
+        assert count('jaxserve_requests_total{route="/v1/embeddings",status="200"}') == 13
+        assert count('jaxserve_inputs_total') == 24
+        # the engine's per-request histograms count every request, joined queries each
+        assert count("jaxserve_class_request_seconds_count") == 13
         assert count("jaxserve_batches_total") >= 1 and count("jaxserve_device_busy_seconds_total") > 0
         # the engine's own counts: every sequence submitted, and dispatched for a waiting request
-        assert count('jaxserve_sequences_total{outcome="submitted"}') == 16
-        assert count('jaxserve_sequences_total{outcome="dispatched"}') == 16
+        assert count('jaxserve_sequences_total{outcome="submitted"}') == 24
+        assert count('jaxserve_sequences_total{outcome="dispatched"}') == 24
         # one family per name: the front-ends' per-request phases (their files) beside the engine's per-batch ones
         # (its tally, asked for over the link)
         families = list(text_string_to_metric_families(metrics))
         assert len({f.name for f in families}) == len(families)
-        assert count('jaxserve_phase_seconds_count{phase="tokenize"}') == 5
+        assert count('jaxserve_phase_seconds_count{phase="tokenize"}') == 13
         assert count('jaxserve_phase_seconds_count{phase="device"}') == count("jaxserve_batches_total")
     finally:
         stop(proc)

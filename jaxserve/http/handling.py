@@ -218,7 +218,8 @@ async def run_request(state: AppState, make_pieces, want_explain: bool = False, 
     cls, source = decide(ask, int(job.rows.docs.sum()), int(pieces.lengths.sum()), policy)
     try:
         deadline_s = None if ask.deadline_ms is None else ask.deadline_ms / 1000
-        timing = await service.run(job, cls, deadline_s, timeout_s=timeout)
+        # a request that asked for its latency math is not joined with others: its batches are then its own
+        timing = await service.run(job, cls, deadline_s, timeout_s=timeout, join=not want_explain)
     except TimeoutError:
         raise ApiError(503, f"the request did not finish within {timeout:g} s; its waiting rows were dropped",
                        "timeout", {"Retry-After": str(RETRY_AFTER_S)}) from None

@@ -143,11 +143,11 @@ class EngineMetrics(Metrics):
         self._queued = queued
 
     def finished(self, timing) -> None:
-        t, cls = self.tally, (CLASSES[timing.cls],)
-        t.observe(CLASS_WAIT, timing.queue_s, cls)
-        t.observe(CLASS_LATENCY, timing.total_s, cls)
+        t, cls, n = self.tally, (CLASSES[timing.cls],), timing.requests
+        t.observe(CLASS_WAIT, timing.queue_s, cls, n)
+        t.observe(CLASS_LATENCY, timing.total_s, cls, n)
         if timing.deadline_s is not None:
-            t.add(DEADLINES, 1, (*cls, "met" if timing.total_s <= timing.deadline_s else "missed"))
+            t.add(DEADLINES, n, (*cls, "met" if timing.total_s <= timing.deadline_s else "missed"))
 
     def snapshot(self) -> dict:
         """Every value now (plain data, for `ServerMetrics.render`, across the engine's link when it has one), the

@@ -70,15 +70,16 @@ class Tally:
         with self._lock:
             self._values[(spec.name, labels)] = value
 
-    def observe(self, spec: Spec, value: float, labels: tuple[str, ...] = ()) -> None:
-        """A histogram counts `value` in the first bucket whose bound is at least `value` (Prometheus's `le`)."""
+    def observe(self, spec: Spec, value: float, labels: tuple[str, ...] = (), count: int = 1) -> None:
+        """A histogram counts `value` (`count` times) in the first bucket whose bound is at least `value`
+        (Prometheus's `le`)."""
         key = (spec.name, labels)
         i = bisect.bisect_left(spec.bounds, value) + 1
         with self._lock:
             if (v := self._values.get(key)) is None:
                 v = self._values[key] = spec.fresh()
-            v[0] += value
-            v[i] += 1
+            v[0] += value * count
+            v[i] += count
 
     def snapshot(self) -> dict[tuple[str, tuple[str, ...]], float | list[float]]:
         """Every value now, as plain data (a copy: later updates do not change it)."""

@@ -25,8 +25,8 @@ import pickle
 
 import numpy as np
 
-from jaxserve.runtime.buckets import Bucket
-from jaxserve.scheduling.planner import Rows
+from jaxserve.runtime.buckets import Bucket, BucketTable
+from jaxserve.scheduling.planner import Rows, pack
 
 
 def ragged_arange(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
@@ -153,6 +153,18 @@ class Job:
     def token_vectors(self, p: int) -> np.ndarray:
         """[L, D] sequence p's token vectors (a `tokens` job)."""
         return self.out[self.seq_start[p] : self.seq_start[p] + self.lengths[p]]
+
+
+def joined(jobs: list[Job], table: BucketTable) -> Job:
+    """One job of one-sequence jobs (queries that arrived together), packed as one request's sequences: sequence i
+    is `jobs[i]`'s. The engine then submits, forms, scatters and answers once for all of them, not once each."""
+    if any(len(j.lengths) != 1 or j.output != "pooled" for j in jobs):
+        raise ValueError("only one-sequence jobs of pooled outputs are joined")
+    lengths = np.array([j.flat.shape[1] for j in jobs], np.int64)
+    ids = np.concatenate([j.flat[0] for j in jobs])
+    types = np.concatenate([j.flat[3] for j in jobs])
+    offsets = np.concatenate(([0], np.cumsum(lengths)))
+    return Job(pack(lengths, table), ids, offsets, types, jobs[0].out_shape[1])
 
 
 def place(out: np.ndarray, gathered: list[tuple[np.ndarray, np.ndarray]]) -> None:

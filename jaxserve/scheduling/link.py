@@ -21,7 +21,9 @@ the one serial process, thus copies each vector once and holds no request's
 output array. A large message is
 copied once into the socket and once out of it, into one buffer its arrays
 then use; a small one (64 KiB or less) once more, out of the buffer that
-batches reads of small messages. Only
+batches reads of small messages. Queries (one-sequence jobs) that
+reach a front-end in one turn of its event loop go to the engine joined as one job (`EngineLink.run`), so
+the engine's work per job is paid once for all of them. Only
 jaxserve's own processes speak on the socket: it lives in a directory only this
 user may open (`http/workers.py` makes it 0700).
 """
@@ -32,6 +34,7 @@ import asyncio
 import collections
 import contextlib
 import itertools
+import math
 import os
 import pickle
 import socket
@@ -41,7 +44,7 @@ import time
 import numpy as np
 
 from jaxserve.scheduling.batcher import BULK
-from jaxserve.scheduling.jobs import Job
+from jaxserve.scheduling.jobs import Job, joined, place
 from jaxserve.scheduling.pipeline import Draining, Pipeline, fail_after
 
 PREFIX = struct.Struct("<IIQ")  # header bytes, buffers, their bytes; then each buffer's length (<Q), the header, them
@@ -49,6 +52,10 @@ JOIN_BYTES = 64 * 2**10  # a message whose arrays hold less than this goes out a
 STAGE_BYTES = 256 * 2**10  # reads of small messages land here, several at a time
 DIRECT_BYTES = 64 * 2**10  # a message larger than this is read into a buffer of its own (no second copy)
 STATUS_EVERY_S = 0.25  # the engine's queue and health, pushed to each front-end this often (and on change)
+JOIN_MOST = 64  # one-sequence jobs of one turn of the event loop sent to the engine as one job, at most
+# ... and at most this share of the engine's queue (its tokens at their rows' seqlens): the engine admits a job
+# whole or not at all, so a joined job must not be refused (413, 429) where its queries alone would be taken
+JOIN_QUEUE_SHARE = 1 / 8
 
 
 # ---- the wire ----
@@ -86,15 +93,16 @@ class Wire(asyncio.BufferedProtocol):
         event loop, as one (a batch's replies, a burst of requests: one write and one read for all of them, not
         one each); a large one at once, after those. A broken connection surfaces to the reader, not here."""
         if nbytes >= JOIN_BYTES:
-            self._flush()
+            self.flush()
             self._write(message)
             return
         self._outbox.append(message)
         if not self._flush_due:
             self._flush_due = True
-            asyncio.get_running_loop().call_soon(self._flush)
+            asyncio.get_running_loop().call_soon(self.flush)
 
-    def _flush(self) -> None:
+    def flush(self) -> None:
+        """Send what was posted in this turn now (as one message)."""
         self._flush_due = False
         if self._outbox:
             messages, self._outbox = self._outbox, []
@@ -104,7 +112,7 @@ class Wire(asyncio.BufferedProtocol):
         """Send `message` now (after what was posted); waits while the transport's buffer is full."""
         if self._closed is not None:
             raise ConnectionError(f"the link is closed ({self._closed})")
-        self._flush()
+        self.flush()
         self._write(message)
         if self._writable is not None:
             await asyncio.shield(self._writable)
@@ -327,7 +335,8 @@ class LinkServer:
         try:
             if self.pipeline is None:
                 raise Draining("the engine is still warming up")
-            jid, future, timing = self.pipeline.submit(job, message["cls"], message["deadline_s"])
+            jid, future, timing = self.pipeline.submit(job, message["cls"], message["deadline_s"],
+                                                       message.get("requests", 1))
         except Exception as exc:  # the request's own outcome (queue full, too large, draining)
             wire.post({"op": "error", "id": rid, "error": exc})
             return
@@ -365,6 +374,28 @@ class LinkServer:
 
 # ---- the front-end's side ----
 
+_FIRST = np.zeros(1, np.int64)  # a joined query's one place in its own output
+
+
+class _Ticket:
+    """One request's job on its way to the engine: its future, the wire and id it went with (None while it waits
+    for its turn to end), and the joined job it went in, if any."""
+
+    __slots__ = ("future", "group", "job", "rid", "wire")
+
+    def __init__(self, job: Job, wire: Wire | None, rid: int | None, future: asyncio.Future):
+        self.job, self.wire, self.rid, self.future, self.group = job, wire, rid, future, None
+
+
+class _Joined:
+    """Queries sent as one job (`jobs.joined`): sequence i is `tickets[i]`'s; `left`: those still waiting."""
+
+    __slots__ = ("left", "rid", "tickets", "wire")
+
+    def __init__(self, tickets: list[_Ticket], wire: Wire, rid: int):
+        self.tickets, self.wire, self.rid, self.left = tickets, wire, rid, len(tickets)
+
+
 class RemoteBatcher:
     """What the HTTP layer reads of the engine's batcher, from its last status."""
 
@@ -400,6 +431,8 @@ class EngineLink:
         self._idle: asyncio.Event | None = None  # set while no job runs (what `drain` waits for; not an explain)
         self._running = 0
         self._task: asyncio.Task | None = None
+        self._joining: dict[int, list[_Ticket]] = {}  # by class: queries of this turn of the loop, to send joined
+        self._join_due = False
 
     # ---- lifecycle ----
 
@@ -462,31 +495,126 @@ class EngineLink:
 
     # ---- requests ----
 
-    async def run(self, job: Job, cls: int = BULK, deadline_s: float | None = None, timeout_s: float | None = None):
+    async def run(self, job: Job, cls: int = BULK, deadline_s: float | None = None, timeout_s: float | None = None,
+                  join: bool = True):
         """As `Pipeline.run`: the job's timing, its outputs then in `job.out`; cancelling, or its timeout, drops its
-        rows."""
+        rows. A one-sequence job without a deadline (a query; `join`: allowed) goes to the engine joined with the
+        others of its class that arrive in the same turn of the event loop (`jobs.joined`): the engine's work per
+        job is then done once for all of them. Its timing is then the joined job's, and its rows are dropped only
+        when every request joined with it has gone."""
         if self._draining:
             raise Draining("the server is draining")
-        wire, rid, future = self._expect()
-        timer = fail_after(future, timeout_s)
+        if join and deadline_s is None and len(job.lengths) == 1 and job.output == "pooled" and self.card:
+            ticket = self._join(job, cls)
+        else:
+            ticket = _Ticket(job, *self._expect())
+            self._post_run(ticket.wire, ticket.rid, job, cls, deadline_s)
+        timer = fail_after(ticket.future, timeout_s)
         self._running += 1
         self._idle.clear()
         try:
-            wire.post({"op": "run", "id": rid, "job": job, "cls": cls, "deadline_s": deadline_s}, job.flat.nbytes)
-            gathered, kept, timing = await future
+            gathered, kept, timing = await ticket.future
         except (asyncio.CancelledError, TimeoutError):
-            if rid in self._pending and self._wire is wire:
-                wire.post({"op": "cancel", "id": rid})
+            self._withdraw(ticket)
             raise
         finally:
             if timer is not None:
                 timer.cancel()
-            self._pending.pop(rid, None)
+            if ticket.group is None:
+                self._pending.pop(ticket.rid, None)
             self._running -= 1
             if not self._running:
                 self._idle.set()
         job.receive(gathered, kept)  # placed into job.out where it is first read
         return timing
+
+    def _post_run(self, wire: Wire, rid: int, job: Job, cls: int, deadline_s: float | None, requests: int = 1) -> None:
+        wire.post({"op": "run", "id": rid, "job": job, "cls": cls, "deadline_s": deadline_s, "requests": requests},
+                  job.flat.nbytes)
+
+    def _join(self, job: Job, cls: int) -> _Ticket:
+        """Queue a query for the end of this turn of the loop (`_send_joined`)."""
+        if self._wire is None:
+            raise Draining(f"the engine process is not available ({self.healthy})")
+        ticket = _Ticket(job, None, None, self._loop.create_future())
+        self._joining.setdefault(cls, []).append(ticket)
+        if not self._join_due:
+            self._join_due = True
+            self._loop.call_soon(self._send_joined)
+        return ticket
+
+    def _send_joined(self) -> None:
+        """The queries of this turn, by class: one alone as itself, several as one job (`_groups`)."""
+        self._join_due = False
+        waiting, self._joining = self._joining, {}
+        wire = self._wire
+        for cls, tickets in waiting.items():
+            tickets = [t for t in tickets if not t.future.done()]  # a request gone before its turn ended
+            for group in self._groups(tickets):
+                if wire is None:
+                    for t in group:
+                        t.future.set_exception(Draining(f"the engine process is not available ({self.healthy})"))
+                    continue
+                if len(group) == 1:
+                    t = group[0]
+                    t.wire, t.rid = wire, next(self._ids)
+                    self._pending[t.rid] = t.future
+                    self._post_run(wire, t.rid, t.job, cls, None)
+                    continue
+                together = _Joined(group, wire, next(self._ids))
+                for t in group:
+                    t.group = together
+                future = self._pending[together.rid] = self._loop.create_future()
+                future.add_done_callback(lambda f, g=together: self._split(g, f))
+                self._post_run(wire, together.rid, joined([t.job for t in group], self.card["table"]), cls, None,
+                               len(group))
+        if wire is not None:
+            wire.flush()  # now, not a turn later
+
+    def _groups(self, tickets: list[_Ticket]):
+        """`tickets` in order, as groups of at most `JOIN_MOST` whose tokens (at their rows' seqlens) stay within
+        `JOIN_QUEUE_SHARE` of the engine's queue."""
+        queued = self.status.get("max_queued")
+        most = math.inf if queued is None else max(1.0, queued * JOIN_QUEUE_SHARE)
+        group, tokens = [], 0
+        for t in tickets:
+            n = int(t.job.rows.seqlen[0])
+            if group and (len(group) == JOIN_MOST or tokens + n > most):
+                yield group
+                group, tokens = [], 0
+            group.append(t)
+            tokens += n
+        if group:
+            yield group
+
+    def _split(self, together: _Joined, future: asyncio.Future) -> None:
+        """The joined job's reply (or error) -> each of its requests, its own vector (sequence i is ticket i's)."""
+        self._pending.pop(together.rid, None)
+        exc = Draining("the server stopped before this request finished") if future.cancelled() else future.exception()
+        if exc is None:
+            gathered, kept, timing = future.result()
+            out = np.zeros((len(together.tickets), together.tickets[0].job.out_shape[1]), np.float32)
+            place(out, gathered)
+        for i, t in enumerate(together.tickets):
+            if t.future.done():
+                continue
+            if exc is not None:
+                t.future.set_exception(exc)
+            else:
+                t.future.set_result(([(_FIRST, out[i : i + 1])], {0: kept[i]} if i in kept else {}, timing))
+
+    def _withdraw(self, ticket: _Ticket) -> None:
+        """A request went away (cancelled, timed out): its job's rows are dropped, a joined job's once all of its
+        requests have gone. One not yet sent is left out when its turn ends."""
+        wire, rid = ticket.wire, ticket.rid
+        if ticket.group is not None:
+            ticket.group.left -= 1
+            if ticket.group.left:
+                return
+            wire, rid = ticket.group.wire, ticket.group.rid
+        if rid is not None and rid in self._pending and self._wire is wire:
+            self._pending.pop(rid, None)
+            wire.post({"op": "cancel", "id": rid})
 
     def explain(self, rows, doc, output: str, max_wait_s: float) -> dict:
         """The engine's latency math for these rows (blocking: called from a tokenizer thread)."""

@@ -104,6 +104,7 @@ class RequestTiming:
     cls: int = BULK  # its request class (batcher.CLASSES)
     deadline_s: float | None = None  # its latency budget, if it gave one
     behind: dict | None = None  # tokens waiting per class when it was queued (what it waited behind)
+    requests: int = 1  # the requests it answers: a job of joined queries (`jobs.joined`) is several
 
     def __reduce__(self):
         """Pickled as its fields' values, in order: the engine sends one with every reply, and a dataclass's own
@@ -300,11 +301,12 @@ class Pipeline:
     # ---- requests (event loop) ----
 
     async def run(self, job: Job, cls: int = BULK, deadline_s: float | None = None,
-                  timeout_s: float | None = None) -> RequestTiming:
+                  timeout_s: float | None = None, join: bool = True) -> RequestTiming:
         """Run one request's job (its outputs then in `job.out`) -> its timing. Raises QueueFull, TooLarge, Draining,
         BatchError, and TimeoutError after `timeout_s`.
 
-        `cls`: its request class; `deadline_s`: its latency budget (earliest deadline first within a class).
+        `cls`: its request class; `deadline_s`: its latency budget (earliest deadline first within a class);
+        `join`: as `EngineLink.run`'s (one process has no link whose per-job cost joining saves: no effect).
 
         If the caller is cancelled (client gone) or it times out, the job's waiting rows are dropped."""
         jid, future, timing = self.submit(job, cls, deadline_s)
@@ -318,13 +320,14 @@ class Pipeline:
                 self.cancel(jid)
         return timing
 
-    def submit(self, job: Job, cls: int = BULK, deadline_s: float | None = None) -> tuple[int, asyncio.Future,
-                                                                                            RequestTiming]:
+    def submit(self, job: Job, cls: int = BULK, deadline_s: float | None = None,
+               requests: int = 1) -> tuple[int, asyncio.Future, RequestTiming]:
         """`run` without a coroutine of its own, for a caller with many jobs in flight (the engine process's link):
         queue the job's rows -> (its id for `cancel`, a future resolved once `job.out` holds its outputs, or failed
-        with BatchError or Draining, and its timing). Raises QueueFull, TooLarge and Draining at once."""
+        with BatchError or Draining, and its timing). Raises QueueFull, TooLarge and Draining at once. `requests`:
+        how many requests the job answers (joined queries), as the metrics count them."""
         now = time.monotonic()
-        timing = RequestTiming(submitted=now, cls=cls, deadline_s=deadline_s)
+        timing = RequestTiming(submitted=now, cls=cls, deadline_s=deadline_s, requests=requests)
         if self._stopping:
             raise Draining("the server stopped and takes no new requests")
         future = self._loop.create_future()
