@@ -98,8 +98,8 @@ def test_every_sequence_comes_back_to_its_place(requests, t, cancelled, shuffle,
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.integers(1, 120), min_size=1, max_size=40), st.sampled_from(range(len(TABLES))), st.booleans())
 def test_joined_queries_each_get_their_own_output(lengths, t, typed):
-    """`joined` packs one-sequence jobs (queries) as one job's sequences, sequence i being job i's: run through the
-    batcher on the engine's copy, each query's output is its own tokens', placed at i."""
+    """`joined` makes one-sequence jobs (queries) one job's sequences, sequence i being job i's, each in its own row:
+    run through the batcher on the engine's copy, each query's output is its own tokens', placed at i."""
     table = TABLES[t]
     rng = np.random.default_rng(len(lengths))
     seqs = [rng.integers(1, 1000, n).astype(np.int32) for n in lengths]
@@ -108,8 +108,10 @@ def test_joined_queries_each_get_their_own_output(lengths, t, typed):
     for s, ty in zip(seqs, types):
         pieces = from_sequences([s], np.arange(1), np.ones(1), None if ty is None else [ty])
         queries.append(Job(pack(pieces.lengths, table), pieces.ids, pieces.offsets, pieces.types, 4))
-    job = joined(queries, table)
-    assert job.rows.width == pack(lengths, table).width and list(job.lengths) == lengths
+    job = joined(queries)
+    assert list(job.lengths) == lengths and job.rows.count == len(lengths)  # each query its own row
+    assert sorted(job.rows.seqlen.tolist(), reverse=True) == job.rows.seqlen.tolist()  # longest seqlen first
+    assert sorted(job.rows.seqlen.tolist()) == sorted(q.rows.seqlen[0] for q in queries)
     for i, (s, ty) in enumerate(zip(seqs, types)):  # sequence i: query i's tokens and types
         a = job.seq_start[i]
         np.testing.assert_array_equal(job.flat[0, a : a + len(s)], s)
@@ -132,7 +134,7 @@ def test_only_one_sequence_jobs_of_pooled_outputs_are_joined():
     for other in (Job(pack(two.lengths, table), two.ids, two.offsets, None, 4),
                   Job(pack(one.lengths, table), one.ids, one.offsets, None, 4, "tokens")):
         with pytest.raises(ValueError, match="one-sequence"):
-            joined([query, other], table)
+            joined([query, other])
 
 
 @pytest.mark.parametrize("n", [2, 1])  # one sequence takes Job's own short path

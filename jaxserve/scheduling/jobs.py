@@ -25,8 +25,8 @@ import pickle
 
 import numpy as np
 
-from jaxserve.runtime.buckets import Bucket, BucketTable
-from jaxserve.scheduling.planner import Rows, pack
+from jaxserve.runtime.buckets import Bucket
+from jaxserve.scheduling.planner import Rows
 
 
 def ragged_arange(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
@@ -155,16 +155,28 @@ class Job:
         return self.out[self.seq_start[p] : self.seq_start[p] + self.lengths[p]]
 
 
-def joined(jobs: list[Job], table: BucketTable) -> Job:
-    """One job of one-sequence jobs (queries that arrived together), packed as one request's sequences: sequence i
-    is `jobs[i]`'s. The engine then submits, forms, scatters and answers once for all of them, not once each."""
+def joined(jobs: list[Job]) -> Job:
+    """One job of one-sequence jobs (queries that arrived together): sequence i is `jobs[i]`'s, each in its own row
+    at its own seqlen, rows longest seqlen first as `pack` orders them. The engine then submits, forms, scatters
+    and answers once for all of them, not once each; built from their flat tokens as they are (a few numpy calls
+    however many there are: the front-end that joins them pays little for it)."""
     if any(len(j.lengths) != 1 or j.output != "pooled" for j in jobs):
         raise ValueError("only one-sequence jobs of pooled outputs are joined")
+    seqlen = np.array([j.rows.seqlen[0] for j in jobs], np.int64)
+    order = np.argsort(-seqlen, kind="stable")  # row r holds sequence order[r]
+    flat = np.concatenate([jobs[i].flat for i in order.tolist()], axis=1)  # each: segment 1, positions from 0
     lengths = np.array([j.flat.shape[1] for j in jobs], np.int64)
-    ids = np.concatenate([j.flat[0] for j in jobs])
-    types = np.concatenate([j.flat[3] for j in jobs])
-    offsets = np.concatenate(([0], np.cumsum(lengths)))
-    return Job(pack(lengths, table), ids, offsets, types, jobs[0].out_shape[1])
+    job = Job.__new__(Job)
+    n = len(jobs)
+    job.rows = Rows(lengths, order, np.arange(n + 1), seqlen[order], jobs[0].rows.width)
+    job.output, job.flat, job.lengths = "pooled", flat, lengths
+    job.row_start = np.concatenate(([0], np.cumsum(lengths[order])))
+    job.seq_start = np.empty(n, np.int64)
+    job.seq_start[order] = job.row_start[:-1]
+    job.row_of, job.slot_of = np.arange(n), np.zeros(n, np.int64)
+    job._out = np.zeros((n, jobs[0].out_shape[1]), np.float32)
+    job.gathered, job.remaining, job.kept = [], n, {}
+    return job
 
 
 def place(out: np.ndarray, gathered: list[tuple[np.ndarray, np.ndarray]]) -> None:

@@ -566,7 +566,7 @@ class EngineLink:
                     t.group = together
                 future = self._pending[together.rid] = self._loop.create_future()
                 future.add_done_callback(lambda f, g=together: self._split(g, f))
-                self._post_run(wire, together.rid, joined([t.job for t in group], self.card["table"]), cls, None,
+                self._post_run(wire, together.rid, joined([t.job for t in group]), cls, None,
                                len(group))
         if wire is not None:
             wire.flush()  # now, not a turn later
