@@ -7,6 +7,8 @@ the engine's core and the device is nearer 100% is the limit.
 
     jaxserve serve --simulate-device 400 --workers 2 --port 8950 &   # the engine is a process of its own from 2
     python results/issue37/engine_alone.py http://127.0.0.1:8950 DOCS C S [P]
+    PIN=1 ...    # the engine on a core of its own (the last), the clients on the rest: as on a larger host
+    JOIN=0 ...   # one-document jobs sent one by one (by default a turn's are joined, as a front-end's are)
 """
 import asyncio
 import json
@@ -46,6 +48,7 @@ def client(path: str, docs: int, inflight: int, start: float, end: float, seed: 
             pieces = view.tokenizer.documents(texts)
             made.append((pack(pieces.lengths, table), pieces))
         cls = INTERACTIVE if docs == 1 else BULK
+        join = os.environ.get("JOIN", "1") != "0"
         counted = 0
 
         async def one(i):
@@ -53,7 +56,7 @@ def client(path: str, docs: int, inflight: int, start: float, end: float, seed: 
             while time.time() < end:
                 rows, p = made[i % 16]
                 i += 1
-                await link.run(Job(rows, p.ids, p.offsets, p.types, view.out_dim), cls)
+                await link.run(Job(rows, p.ids, p.offsets, p.types, view.out_dim), cls, join=join)
                 counted += start <= time.time() <= end
 
         await asyncio.gather(*(one(7 * k) for k in range(inflight)))
@@ -73,8 +76,16 @@ def counters(url: str) -> tuple[float, float]:
 if __name__ == "__main__":
     url, docs, inflight, seconds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
     procs = int(sys.argv[5]) if len(sys.argv) > 5 else 1
-    engine = psutil.Process(json.loads(urllib.request.urlopen(url + "/info").read())["processes"]["engine"])
+    processes = json.loads(urllib.request.urlopen(url + "/info").read())["processes"]
+    engine = psutil.Process(processes["engine"])
     path = engine_socket(engine.pid)
+    if os.environ.get("PIN") == "1":  # the engine's threads on the last core; the rest (the clients too) not
+        cores = sorted(os.sched_getaffinity(0))
+        others = [processes.get("supervisor"), *processes.get("frontends", [])]
+        for pid, where in [(engine.pid, {cores[-1]}), *((p, set(cores[:-1])) for p in others if p)]:
+            for thread in psutil.Process(pid).threads():
+                os.sched_setaffinity(thread.id, where)
+        os.sched_setaffinity(0, set(cores[:-1]))
     start = time.time() + 3.0 + procs  # the clients' start (imports, their jobs) and a second of load before it
     end = start + seconds
     q = mp.Queue()
