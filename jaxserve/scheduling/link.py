@@ -504,7 +504,7 @@ class EngineLink:
         when every request joined with it has gone."""
         if self._draining:
             raise Draining("the server is draining")
-        if join and deadline_s is None and len(job.lengths) == 1 and job.output == "pooled" and self.card:
+        if join and deadline_s is None and len(job.lengths) == 1 and job.output == "pooled":
             ticket = self._join(job, cls)
         else:
             ticket = _Ticket(job, *self._expect())
@@ -534,8 +534,7 @@ class EngineLink:
 
     def _join(self, job: Job, cls: int) -> _Ticket:
         """Queue a query for the end of this turn of the loop (`_send_joined`)."""
-        if self._wire is None:
-            raise Draining(f"the engine process is not available ({self.healthy})")
+        self._connected()
         ticket = _Ticket(job, None, None, self._loop.create_future())
         self._joining.setdefault(cls, []).append(ticket)
         if not self._join_due:
@@ -547,29 +546,27 @@ class EngineLink:
         """The queries of this turn, by class: one alone as itself, several as one job (`_groups`)."""
         self._join_due = False
         waiting, self._joining = self._joining, {}
-        wire = self._wire
         for cls, tickets in waiting.items():
             tickets = [t for t in tickets if not t.future.done()]  # a request gone before its turn ended
             for group in self._groups(tickets):
-                if wire is None:
+                try:
+                    if len(group) == 1:
+                        t = group[0]
+                        t.wire, t.rid, _ = self._expect(t.future)
+                        self._post_run(t.wire, t.rid, t.job, cls, None)
+                        continue
+                    wire, rid, future = self._expect()
+                except Draining as exc:
                     for t in group:
-                        t.future.set_exception(Draining(f"the engine process is not available ({self.healthy})"))
+                        t.future.set_exception(exc)
                     continue
-                if len(group) == 1:
-                    t = group[0]
-                    t.wire, t.rid = wire, next(self._ids)
-                    self._pending[t.rid] = t.future
-                    self._post_run(wire, t.rid, t.job, cls, None)
-                    continue
-                together = _Joined(group, wire, next(self._ids))
+                together = _Joined(group, wire, rid)
                 for t in group:
                     t.group = together
-                future = self._pending[together.rid] = self._loop.create_future()
                 future.add_done_callback(lambda f, g=together: self._split(g, f))
-                self._post_run(wire, together.rid, joined([t.job for t in group]), cls, None,
-                               len(group))
-        if wire is not None:
-            wire.flush()  # now, not a turn later
+                self._post_run(wire, rid, joined([t.job for t in group]), cls, None, len(group))
+        if self._wire is not None:
+            self._wire.flush()  # now, not a turn later
 
     def _groups(self, tickets: list[_Ticket]):
         """`tickets` in order, as groups of at most `JOIN_MOST` whose tokens (at their rows' seqlens) stay within
@@ -634,14 +631,18 @@ class EngineLink:
         finally:
             self._pending.pop(rid, None)
 
-    def _expect(self) -> tuple[Wire, int, asyncio.Future]:
-        """The connected wire, a new request id and the future its reply resolves (Draining: no engine)."""
-        wire = self._wire
-        if wire is None:
-            raise Draining(f"the engine process is not available ({self.healthy})")
+    def _expect(self, future: asyncio.Future | None = None) -> tuple[Wire, int, asyncio.Future]:
+        """The connected wire, a new request id and the future its reply resolves (`future`, else a new one)."""
+        wire = self._connected()
         rid = next(self._ids)
-        future = self._pending[rid] = self._loop.create_future()
+        self._pending[rid] = future = self._loop.create_future() if future is None else future
         return wire, rid, future
+
+    def _connected(self) -> Wire:
+        """The wire to the engine; Draining (503) while there is none."""
+        if self._wire is None:
+            raise Draining(f"the engine process is not available ({self.healthy})")
+        return self._wire
 
     # ---- the connection ----
 
