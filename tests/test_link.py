@@ -419,3 +419,33 @@ async def test_a_joined_jobs_error_reaches_each_of_its_requests(tmp_path):
     finally:
         await link.stop()
         await server.stop()
+
+
+async def test_metrics_add_up_every_front_end_and_keep_those_of_one_gone(tmp_path):
+    """/metrics on one front-end: the engine's metrics with every other front-end's, each asked for its report when
+    the question comes; a front-end that stops reports first, and what it counted stays counted."""
+    from jaxserve.http.tally import combined
+    from jaxserve.scheduling.link import EngineLink, LinkServer
+
+    path = str(tmp_path / "engine.sock")
+    server = LinkServer(path, lambda: {"ready": True}, lambda: {("engine", ()): 1.0}, combined)
+    await server.start()
+    counts = [{("requests", ()): 2.0}, {("requests", ()): 5.0}, {("requests", ()): 11.0}]
+    links = [EngineLink(path, retry_s=0.01, report=lambda c=c: dict(c)) for c in counts]
+    try:
+        await server.ready(object(), {"model": "m"})
+        for link in links:
+            await link.start()
+            assert await link.settled(BOUND_S)
+        # asked by the first: the others' (5 + 11) and the engine's, not its own (it adds its own, live)
+        assert await links[0].metrics() == {("engine", ()): 1.0, ("requests", ()): 16.0}
+        counts[1][("requests", ())] = 6.0  # it counts on: the next question asks again
+        assert await links[2].metrics() == {("engine", ()): 1.0, ("requests", ()): 8.0}
+        await links[1].stop()  # its last report (6) outlives it
+        async with asyncio.timeout(BOUND_S):
+            while await links[0].metrics() != {("engine", ()): 1.0, ("requests", ()): 17.0}:
+                await asyncio.sleep(0.01)
+    finally:
+        for link in links:
+            await link.stop()
+        await server.stop()

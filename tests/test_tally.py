@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from jaxserve.http.metrics import DISPATCH_BUCKETS, LATENCY_BUCKETS, EngineMetrics, ServerMetrics
-from jaxserve.http.tally import Spec, Tally, exposition, families, merged
+from jaxserve.http.tally import Spec, Tally, combined, exposition, families
 
 LABELS = st.sampled_from(["a", "b", "c"])
 VALUES = st.one_of(st.floats(0, 100, allow_nan=False), st.sampled_from([0.0, *LATENCY_BUCKETS, 1e9]))
@@ -130,9 +130,14 @@ def test_a_joined_job_counts_as_the_requests_it_answers():
     assert 'jaxserve_deadlines_total{class="interactive",outcome="met"} 1.0' in text
 
 
-def test_merged_keeps_one_family_per_name_in_first_seen_order():
-    a = families([Spec("m", "counter", "first", ("k",))], {("m", ("x",)): 1.0})
-    b = families([Spec("m", "counter", "second", ("k",)), Spec("n", "gauge", "n")], {("m", ("y",)): 2.0})
-    out = merged(a, b)
-    assert [f.name for f in out] == ["m", "n"] and out[0].documentation == "first"
-    assert [(s.labels["k"], s.value) for s in out[0].samples] == [("x", 1.0), ("y", 2.0)]
+def test_combined_adds_up_processes_snapshots_and_leaves_them_as_they_were():
+    """Several processes' metrics as one (/metrics with several front-ends): counters and histograms add up, a
+    series only one process has (the engine's gauges) stays as it is."""
+    counter, hist = ("c", ("x",)), ("h", ())
+    a = {counter: 1.0, hist: [0.5, 1.0, 0.0], ("g", ()): 7.0}
+    b = {counter: 2.0, hist: [0.25, 0.0, 1.0], ("c", ("y",)): 3.0}
+    out = combined(a, b, {})
+    assert out == {counter: 3.0, hist: [0.75, 1.0, 1.0], ("g", ()): 7.0, ("c", ("y",)): 3.0}
+    assert a[hist] == [0.5, 1.0, 0.0] and b[hist] == [0.25, 0.0, 1.0]  # inputs untouched
+    out[hist][0] = 9.0
+    assert a[hist][0] == 0.5  # and not shared with the output

@@ -234,7 +234,7 @@ async def run_request(state: AppState, make_pieces, want_explain: bool = False, 
     phases.update(queue_s=timing.queue_s, service_s=timing.total_s)
     for name in ("tokenize", "plan", "queue"):
         state.metrics.phase(name, phases[name + "_s"])
-    state.metrics.inputs.inc(int(pieces.doc[-1]) + 1 if len(pieces.doc) else 0)
+    state.metrics.inputs(int(pieces.doc[-1]) + 1 if len(pieces.doc) else 0)
     if explained is not None:
         explained["request_class"] = CLASSES[timing.cls]
         explained["class_from"] = source

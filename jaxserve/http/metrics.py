@@ -2,21 +2,15 @@
 
 Everything is a counter, gauge or histogram updated in O(1) per dispatch or
 request; rates (tokens per second, ...) are PromQL's job: `rate(jaxserve_tokens_total[1m])`.
-The pipeline's metrics live in a `Tally` in its own process (with `--workers N`, the engine: the serial
-process, where prometheus_client's cost per update would cap every front-end). The HTTP layer's are
-prometheus_client's; served by several processes, each front-end writes them to files in
-$PROMETHEUS_MULTIPROC_DIR (prometheus_client's multiprocess mode). /metrics is one view of both: the
-front-ends' files (or the one process's registry) and a snapshot of the engine's tally, asked for over
-its link when scraped.
+Each process keeps its own in a `Tally` (plain numbers: prometheus_client's own values, with several processes
+a write to a memory-mapped file each, were 7% of a front-end's instructions per one-document request).
+/metrics is one view of them all, added up when scraped: the answering process's, and over the link the
+engine's with every other front-end's (`scheduling.link.LinkServer` asks each for its snapshot then).
 """
 
 from __future__ import annotations
 
-import os
-
-from prometheus_client import CollectorRegistry, Counter, Histogram, multiprocess
-
-from jaxserve.http.tally import Spec, Tally, exposition, families, merged
+from jaxserve.http.tally import Spec, Tally, combined, exposition, families
 from jaxserve.runtime import compiles
 from jaxserve.scheduling.batcher import CLASSES, Dispatch
 from jaxserve.scheduling.pipeline import Metrics
@@ -27,47 +21,6 @@ DISPATCH_BUCKETS = tuple(round(0.001 * 1.25**k, 6) for k in range(51))
 RATIO_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 PHASES_DOC = ("Host and device time per phase: per request (parse, tokenize, plan, queue, encode) or per batch "
               "(assemble, copy, device, scatter)")
-
-
-def multiprocess_dir() -> str | None:
-    """Where this process's HTTP metric values go when several processes serve (None: one process)."""
-    return os.environ.get("PROMETHEUS_MULTIPROC_DIR")
-
-
-class ServerMetrics:
-    """The HTTP layer's metrics: requests, errors, their latency, the per-request phases, documents embedded."""
-
-    def __init__(self):
-        r = self.registry = CollectorRegistry()
-        self.shared = multiprocess_dir() is not None
-        self.requests = Counter("jaxserve_requests", "HTTP requests", ["route", "status"], registry=r)
-        self.errors = Counter("jaxserve_errors", "Error responses by kind", ["type"], registry=r)
-        self.request_duration = Histogram("jaxserve_request_duration_seconds", "Request duration", ["route"],
-                                          buckets=LATENCY_BUCKETS, registry=r)
-        self.phases = Histogram("jaxserve_phase_seconds", PHASES_DOC, ["phase"], buckets=LATENCY_BUCKETS, registry=r)
-        self.inputs = Counter("jaxserve_inputs", "Documents embedded", registry=r)
-        self._children: dict[tuple, object] = {}
-
-    def child(self, metric, *labels):
-        """A labelled child, looked up once (prometheus_client's `labels()` costs more than the update)."""
-        key = (id(metric), labels)
-        if (c := self._children.get(key)) is None:
-            c = self._children[key] = metric.labels(*labels)
-        return c
-
-    def phase(self, name: str, seconds: float) -> None:
-        self.child(self.phases, name).observe(seconds)
-
-    def render(self, engine: dict | None) -> bytes:
-        """The exposition of these metrics (every front-end's, with several processes) and of `engine`, a snapshot
-        of the engine's (`EngineMetrics.snapshot`; None: the engine is unreachable, and only these are shown)."""
-        if self.shared:
-            own = CollectorRegistry()
-            multiprocess.MultiProcessCollector(own)
-        else:
-            own = self.registry
-        engine_families = families(ENGINE_SPECS, engine) if engine is not None else []
-        return exposition(merged(own.collect(), engine_families))
 
 
 def _spec(name: str, kind: str, doc: str, labels: tuple[str, ...] = (), bounds: tuple = (), zeros: tuple = ()) -> Spec:
@@ -103,6 +56,47 @@ COMPILES = _spec("jaxserve_xla_compiles", "counter", "XLA executables built sinc
 PHASES = _spec("jaxserve_phase_seconds", "histogram", PHASES_DOC, ("phase",), LATENCY_BUCKETS)
 ENGINE_SPECS = (BATCH_WAIT, CLASS_WAIT, CLASS_LATENCY, DEADLINES, CLASS_SEQUENCES, DISPATCH_SECONDS, DEPTH,
                 BATCH_FILL, PADDING, BATCHES, DEVICE_SECONDS, TOKENS, SEQUENCES, STARTUP, COMPILES, PHASES)
+
+REQUESTS = _spec("jaxserve_requests", "counter", "HTTP requests", ("route", "status"))
+ERRORS = _spec("jaxserve_errors", "counter", "Error responses by kind", ("type",))
+REQUEST_DURATION = _spec("jaxserve_request_duration_seconds", "histogram", "Request duration", ("route",),
+                         LATENCY_BUCKETS)
+INPUTS = _spec("jaxserve_inputs", "counter", "Documents embedded")
+SERVER_SPECS = (REQUESTS, ERRORS, REQUEST_DURATION, PHASES, INPUTS)  # the per-request phases share PHASES
+ALL_SPECS = (*SERVER_SPECS, *(spec for spec in ENGINE_SPECS if spec not in SERVER_SPECS))
+
+
+class ServerMetrics:
+    """The HTTP layer's metrics: requests, errors, their latency, the per-request phases, documents embedded."""
+
+    def __init__(self):
+        self.tally = Tally(SERVER_SPECS)
+
+    def request(self, route: str, status: int, seconds: float, error: str | None = None) -> None:
+        """A response sent (`error`: its kind, for an error response)."""
+        t = self.tally
+        t.add(REQUESTS, 1, (route, str(status)))
+        t.observe(REQUEST_DURATION, seconds, (route,))
+        if error is not None:
+            t.add(ERRORS, 1, (error,))
+
+    def phase(self, name: str, seconds: float) -> None:
+        self.tally.observe(PHASES, seconds, (name,))
+
+    def inputs(self, n: int) -> None:
+        self.tally.add(INPUTS, n)
+
+    def snapshot(self) -> dict:
+        """Every value now (plain data: what this front-end reports to the engine when another is scraped)."""
+        return self.tally.snapshot()
+
+    def render(self, rest: dict | None) -> bytes:
+        """The exposition of these metrics added to `rest`, a snapshot of everyone else's (the engine's, and with
+        several front-ends theirs: `EngineMetrics.snapshot`, `LinkServer`); None: the engine is unreachable, and
+        only this process's are shown."""
+        if rest is None:
+            return exposition(families(SERVER_SPECS, self.tally.snapshot()))
+        return exposition(families(ALL_SPECS, combined(self.tally.snapshot(), rest)))
 
 
 class EngineMetrics(Metrics):

@@ -148,11 +148,8 @@ async def errors_middleware(request: web.Request, handler):
     if isinstance(response, web.Response) and isinstance(response.body, bytes) and \
             len(response.body) > STREAM_BODY_BYTES:
         response = await _send_large(request, response)
-    m = state.metrics
-    m.child(m.requests, route, str(response.status)).inc()
-    m.child(m.request_duration, route).observe(time.perf_counter() - start)
-    if response.status >= 400:
-        m.child(m.errors, getattr(response, "error_type", "http_error")).inc()
+    error = getattr(response, "error_type", "http_error") if response.status >= 400 else None
+    state.metrics.request(route, response.status, time.perf_counter() - start, error)
     return response
 
 

@@ -148,6 +148,7 @@ class AppState:
         if link is not None:
             link.on_card = self.take_card
             link.on_status = self.take_status
+            link.report = self.metrics.snapshot  # what this front-end adds to another's /metrics
         # Work that grows with the request, off the event loop: decoding, tokenizing, packing, explaining ...
         self.pool_threads = host.pool_sizes(config.tokenizer_threads, config.respond_threads)
         self.tokenizer_pool = concurrent.futures.ThreadPoolExecutor(self.pool_threads[0],
@@ -204,7 +205,7 @@ class AppState:
 
     async def engine_snapshot(self) -> dict | None:
         """The pipeline's metrics now (`EngineMetrics.snapshot`): this process's, or the engine process's over its
-        link; None while the engine process does not answer."""
+        link with every other front-end's added (`LinkServer`); None while the engine process does not answer."""
         if self.link is None:
             return self.engine_metrics.snapshot()
         try:

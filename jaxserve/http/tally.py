@@ -1,11 +1,13 @@
-"""Counters, gauges and histograms as plain numbers: the engine process's metrics.
+"""Counters, gauges and histograms as plain numbers: every process's metrics.
 
 The engine is the one serial process of a `--workers N` server, so what it spends per job caps every
-front-end. A prometheus_client child spends microseconds per update (its checks, a lock per value, a Python
-loop over a histogram's buckets, and with several processes a write to a memory-mapped file), and the
-pipeline makes about four updates per job and a dozen per batch. Here an update is a dict lookup and an add
-under one lock. The values become Prometheus metric families only when /metrics asks (`families`), from a
-`snapshot` of plain data that crosses the engine's link as it is.
+front-end; a front-end's CPU per one-document request is what one-document requests per core come to. A
+prometheus_client child spends microseconds per update (its checks, a lock per value, a Python loop over a
+histogram's buckets, and with several processes a write to a memory-mapped file); the pipeline makes about
+four updates per job and a dozen per batch, a front-end eight per request. Here an update is a dict lookup
+and an add under one lock. The values become Prometheus metric families only when /metrics asks
+(`families`), from `snapshot`s of plain data that cross the engine's link as they are, several processes'
+added up (`combined`).
 """
 
 from __future__ import annotations
@@ -106,17 +108,19 @@ def families(specs: Iterable[Spec], snapshot: dict) -> list[Metric]:
     return out
 
 
-def merged(*groups: Iterable[Metric]) -> list[Metric]:
-    """Metric families from several sources as one list: families of one name become one family (its samples
-    those of each, in order; the first's help text). The sources share no series (name and label values)."""
-    out: dict[str, Metric] = {}
-    for group in groups:
-        for family in group:
-            if (have := out.get(family.name)) is None:
-                out[family.name] = family
+def combined(*snapshots: dict) -> dict:
+    """Snapshots of several processes as one: a series in several is added up (counters, histograms), a series in
+    one (a gauge: only the engine keeps any) is as it was. The inputs are left as they are."""
+    out: dict = {}
+    for snapshot in snapshots:
+        for key, value in snapshot.items():
+            if (have := out.get(key)) is None:
+                out[key] = value.copy() if isinstance(value, list) else value
+            elif isinstance(have, list):
+                out[key] = [a + b for a, b in zip(have, value)]
             else:
-                have.samples.extend(family.samples)
-    return list(out.values())
+                out[key] = have + value
+    return out
 
 
 def exposition(shown: list[Metric]) -> bytes:

@@ -94,7 +94,8 @@ async def _engine(config, path: str, run_dir: str) -> None:
     from jaxserve.http.loading import load_encoder, make_pipeline, start_engine
     from jaxserve.http.metrics import EngineMetrics
     from jaxserve.http.server import DRAIN_TIMEOUT_S
-    from jaxserve.runtime import compiles, device, startup
+    from jaxserve.http.tally import combined
+    from jaxserve.runtime import compiles, device, host, startup
     from jaxserve.runtime.simulated import described
     from jaxserve.scheduling.link import LinkServer
 
@@ -112,7 +113,7 @@ async def _engine(config, path: str, run_dir: str) -> None:
         return {"ready": True, **pipeline.status(), "xla_compiles_total": compiles.xla_compiles_total(),
                 "simulated": described(held["engine"])}
 
-    link = LinkServer(path, status, metrics.snapshot)
+    link = LinkServer(path, status, metrics.snapshot, combined)
     await link.start()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -195,8 +196,6 @@ class Supervisor:
         self.workers = workers
         self.run_dir = tempfile.mkdtemp(prefix="jaxserve-")  # 0700: only this user may reach the engine's socket
         self.path = os.path.join(self.run_dir, "engine.sock")
-        self.metrics_dir = os.path.join(self.run_dir, "metrics")
-        os.mkdir(self.metrics_dir)
         self.ctx = multiprocessing.get_context("spawn")
         self.engine: multiprocessing.Process | None = None
         self.frontends: list[multiprocessing.Process | None] = [None] * workers
@@ -219,16 +218,14 @@ class Supervisor:
     def start_frontend(self, i: int) -> None:
         # JAX_PLATFORMS=cpu: a front-end imports no JAX (it holds the engine's ModelView); were anything to, it
         # would still not touch the accelerator;
-        # RAYON_NUM_THREADS: the tokenizer's own threads, a share of the cores (not every core in every front-end);
-        # PROMETHEUS_MULTIPROC_DIR: its HTTP metrics' files, which any front-end's /metrics adds up (http/metrics.py)
+        # RAYON_NUM_THREADS: the tokenizer's own threads, a share of the cores (not every core in every front-end)
         from jaxserve.runtime import host
 
         share = str(max(1, host.usable_cores() // self.workers))
         self.frontends[i] = self._start(frontend_main, (frontend_config(self.config, self.workers), self.listening(i),
                                                         self.path, self.run_dir, i),
                                         f"jaxserve-frontend-{i}", JAX_PLATFORMS="cpu",
-                                        RAYON_NUM_THREADS=os.environ.get("RAYON_NUM_THREADS", share),
-                                        PROMETHEUS_MULTIPROC_DIR=self.metrics_dir)
+                                        RAYON_NUM_THREADS=os.environ.get("RAYON_NUM_THREADS", share))
         self._write_processes()
 
     def _write_processes(self) -> None:
@@ -252,9 +249,6 @@ class Supervisor:
 
     def _died(self, proc: multiprocessing.Process) -> None:
         proc.join()
-        from prometheus_client import multiprocess
-
-        multiprocess.mark_process_dead(proc.pid, self.metrics_dir)
         if self.stopping:
             return
         role = "engine" if proc is self.engine else "frontend"

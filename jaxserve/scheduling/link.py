@@ -10,8 +10,10 @@ pipeline threads. Each front-end holds one Unix socket to the engine:
                         <-- done {places, vectors, timing} --
                         --- cancel ------------> (client gone, timeout)
                         <-- status, card -------- (pushed: health, queue, the model and its tables)
-                        --- explain, metrics --> (asked: the latency math of rows, the engine's metrics)
+                        --- explain, metrics --> (asked: the latency math of rows, the metrics of all)
                         <-- answer ------------
+                        <-- report ------------ (another front-end's /metrics asked: this one's metrics)
+                        --- report {snapshot} -> (and before it stops)
 
 A message is a pickled header (protocol 5) whose numpy arrays travel out of
 band after it: a job's token ids in, its outputs out as each batch gathered
@@ -52,6 +54,7 @@ JOIN_BYTES = 64 * 2**10  # a message whose arrays hold less than this goes out a
 STAGE_BYTES = 256 * 2**10  # reads of small messages land here, several at a time
 DIRECT_BYTES = 64 * 2**10  # a message larger than this is read into a buffer of its own (no second copy)
 STATUS_EVERY_S = 0.25  # the engine's queue and health, pushed to each front-end this often (and on change)
+REPORT_TIMEOUT_S = 2.0  # /metrics: a front-end that has not reported its metrics by then is shown as last reported
 JOIN_MOST = 64  # one-sequence jobs of one turn of the event loop sent to the engine as one job, at most
 # ... and at most this share of the engine's queue (its tokens at their rows' seqlens): the engine admits a job
 # whole or not at all, so a joined job must not be refused (413, 429) where its queries alone would be taken
@@ -64,13 +67,15 @@ class Wire(asyncio.BufferedProtocol):
     """One connected socket: whole messages in and out, in order. An asyncio protocol over the loop's transport
     (uvloop's, in C): a write goes to the socket at once, or waits in the transport's buffer, with no task or
     future per message; reads land in a staging buffer, and a message over `DIRECT_BYTES` is read straight into a
-    buffer of its own, which its arrays then use. Open one with `await Wire.open(sock)`."""
+    buffer of its own, which its arrays then use. Open one with `await Wire.open(sock)`; read it with `recv`, or
+    hand each message to a function as it arrives (`deliver_to`: no task wakes per message)."""
 
     def __init__(self):
         self._transport: asyncio.Transport | None = None
         self._outbox: list[dict] = []
         self._flush_due = False
         self._received: collections.deque[dict] = collections.deque()
+        self._on_message = None  # (message) -> None, called as each arrives (`deliver_to`); else `recv` reads them
         self._waiter: asyncio.Future | None = None
         self._writable: asyncio.Future | None = None  # set while the transport asks writers to pause
         self._closed: Exception | None = None
@@ -145,6 +150,23 @@ class Wire(asyncio.BufferedProtocol):
                 self._waiter = None
         return self._received.popleft()
 
+    def deliver_to(self, on_message) -> None:
+        """From now on, each message (and those already received) goes to `on_message(message)` on arrival, in
+        the protocol's own callback: no `recv`, so no future or task wake-up per message."""
+        self._on_message = on_message
+        while self._received:
+            on_message(self._received.popleft())
+
+    async def wait_closed(self) -> None:
+        """Until the other side has gone (a wire whose messages go to `deliver_to`'s function); ConnectionError."""
+        while self._closed is None:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        raise ConnectionError(f"the other process closed the link ({self._closed})")
+
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._body is not None:
             return self._body[self._body_got :]
@@ -195,6 +217,9 @@ class Wire(asyncio.BufferedProtocol):
         return pickle.loads(head, buffers=buffers)
 
     def _deliver(self, message: dict) -> None:
+        if self._on_message is not None:
+            self._on_message(message)
+            return
         self._received.append(message)
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
@@ -236,10 +261,14 @@ class LinkServer:
     """Serves a Pipeline to every front-end that connects. It listens before the model is loaded, so a front-end
     can say "warming" on /health; `ready` hands each front-end the card (the model view and its tables)."""
 
-    def __init__(self, path: str, status, metrics=dict):
+    def __init__(self, path: str, status, metrics=dict, add_up=lambda first, *rest: first):
         self.path = path
         self.status = status  # () -> dict: the engine's state (ready, draining, healthy, queue)
-        self.metrics = metrics  # () -> plain data: the engine's metrics now, for a front-end's /metrics
+        self.metrics = metrics  # () -> plain data: the engine's metrics now (`EngineMetrics.snapshot`)
+        self.add_up = add_up  # (*snapshots) -> one: the metrics of several processes as one (`tally.combined`)
+        self._reports: dict[Wire, dict] = {}  # each front-end's metrics, as it last reported them
+        self._report_waiters: dict[Wire, list[asyncio.Future]] = {}
+        self._retired: dict = {}  # the last reports of front-ends gone (their counts stay counted)
         self.pipeline: Pipeline | None = None
         self.card: dict | None = None
         self._wires: set[Wire] = set()
@@ -300,14 +329,17 @@ class LinkServer:
         """One front-end: its jobs go to the pipeline; when it goes away, they are cancelled (their rows dropped)."""
         running: dict[int, int] = {}  # the front-end's request id -> the pipeline's job id, while it runs
         self._wires.add(wire)
+
+        def on_message(received: dict) -> None:
+            for message in received["messages"] if received["op"] == "many" else (received,):
+                self._handle(wire, message, running)
+
         try:
             await wire.send({"op": "status", **self.status()})
             if self.card is not None:
                 await wire.send({"op": "card", **self.card})
-            while True:
-                received = await wire.recv()
-                for message in received["messages"] if received["op"] == "many" else (received,):
-                    self._handle(wire, message, running)
+            wire.deliver_to(on_message)
+            await wire.wait_closed()
         except (ConnectionError, OSError):
             pass
         finally:
@@ -316,6 +348,9 @@ class LinkServer:
                 self.pipeline.cancel(jid)
             running.clear()
             wire.close()
+            if (last := self._reports.pop(wire, None)) is not None:
+                self._retired = self.add_up(self._retired, last)
+            self._reported(wire)
 
     def _handle(self, wire: Wire, message: dict, running: dict) -> None:
         op = message["op"]
@@ -327,7 +362,10 @@ class LinkServer:
             self._spawn(self._answer_ask(wire, message["id"], lambda: self.pipeline.explain(
                 message["rows"], message["doc"], message["output"], message["max_wait_s"])))
         elif op == "metrics":
-            self._spawn(self._answer_ask(wire, message["id"], self.metrics))
+            self._spawn(self._answer_ask(wire, message["id"], lambda: self._all_metrics(wire)))
+        elif op == "report":
+            self._reports[wire] = message["snapshot"]
+            self._reported(wire)
 
     def _run(self, wire: Wire, message: dict, running: dict) -> None:
         """Submit a job; its reply is posted when its future resolves (a callback: no task per request)."""
@@ -360,12 +398,33 @@ class LinkServer:
             wire.post({"op": "done", "id": rid, "places": places, "vectors": vectors, "width": job.out_shape[1],
                        "kept": job.kept, "timing": timing}, job.out_size * 4)
 
+    async def _all_metrics(self, asker: Wire) -> dict:
+        """The engine's metrics added to every front-end's but `asker`'s (which adds its own): each is asked for its
+        report now, and one that does not answer within `REPORT_TIMEOUT_S` counts as it last reported; front-ends
+        gone count as they last reported."""
+        loop = asyncio.get_running_loop()
+        asked = []
+        for wire in self._wires - {asker}:
+            self._report_waiters.setdefault(wire, []).append(future := loop.create_future())
+            wire.post({"op": "report"})
+            asked.append(future)
+        if asked:
+            await asyncio.wait(asked, timeout=REPORT_TIMEOUT_S)
+        others = [self._reports[w] for w in self._wires - {asker} if w in self._reports]
+        return self.add_up(self.metrics(), self._retired, *others)
+
+    def _reported(self, wire: Wire) -> None:
+        for future in self._report_waiters.pop(wire, ()):
+            if not future.done():
+                future.set_result(None)
+
     @staticmethod
     async def _answer_ask(wire: Wire, rid: int, answer) -> None:
-        """A front-end's question (explain, metrics): `answer()`'s value, or the error it raised (the asker's
-        error, not the link's)."""
+        """A front-end's question (explain, metrics): `answer()`'s value (awaited, where it is a coroutine), or the
+        error it raised (the asker's error, not the link's)."""
         try:
-            reply = {"op": "answer", "id": rid, "body": answer()}
+            body = answer()
+            reply = {"op": "answer", "id": rid, "body": await body if asyncio.iscoroutine(body) else body}
         except Exception as exc:
             reply = {"op": "error", "id": rid, "error": exc}
         with contextlib.suppress(ConnectionError, OSError):
@@ -415,10 +474,11 @@ class EngineLink:
     `healthy`, ...) over the socket. It reconnects when the engine comes back (restarted by the supervisor);
     while it is gone, every waiting request fails with Draining (503) and `healthy` says why."""
 
-    def __init__(self, path: str, on_card=None, on_status=None, retry_s: float = 0.1):
+    def __init__(self, path: str, on_card=None, on_status=None, retry_s: float = 0.1, report=dict):
         self.path = path
         self.on_card = on_card  # (card dict) -> None, on the loop, each time the engine hands one over
         self.on_status = on_status  # (status dict) -> None, on the loop, each status the engine pushes
+        self.report = report  # () -> this front-end's metrics (`ServerMetrics.snapshot`), when the engine asks
         self.retry_s = retry_s
         self.status: dict = {"ready": False, "doing": "connecting to the engine process"}
         self.card: dict | None = None
@@ -457,6 +517,8 @@ class EngineLink:
         if self._task is not None:
             self._task.cancel()
         if self._wire is not None:
+            self._wire.post({"op": "report", "snapshot": self.report()})  # its counts outlive it
+            self._wire.flush()
             self._wire.close()
         self._fail_all(Draining("the server stopped before this request finished"))
 
@@ -670,10 +732,12 @@ class EngineLink:
             await asyncio.sleep(self.retry_s)
 
     async def _read(self, wire: Wire) -> None:
-        while True:
-            received = await wire.recv()
-            for message in received["messages"] if received["op"] == "many" else (received,):
-                self._take(message)
+        wire.deliver_to(self._take_all)
+        await wire.wait_closed()
+
+    def _take_all(self, received: dict) -> None:
+        for message in received["messages"] if received["op"] == "many" else (received,):
+            self._take(message)
 
     def _take(self, message: dict) -> None:
         op = message.pop("op")
@@ -689,6 +753,9 @@ class EngineLink:
             if self.on_card is not None:
                 self.on_card(message)
             self._settled.set()
+        elif op == "report":
+            if self._wire is not None:
+                self._wire.post({"op": "report", "snapshot": self.report()})
         elif (future := self._pending.get(message.get("id"))) is not None and not future.done():
             if op == "done":
                 width = message["width"]
