@@ -127,3 +127,33 @@ print(applied, np.empty(host.MMAP_THRESHOLD // 4, np.uint8).ctypes.data == at)
                                       check=True).stdout.split()
     assert run("on") == ["True", "True"]
     assert run("off") == ["False", "False"]
+
+
+def test_a_settled_heap_keeps_what_was_loaded_out_of_the_collectors_walks():
+    """In a process of its own (it would freeze this one's heap): after `settle_heap`, what the process held is frozen
+    (a collection walks none of it) and the youngest generation waits for `GC_YOUNG_THRESHOLD` new containers;
+    garbage made after still goes."""
+    import subprocess
+    import sys
+
+    code = """
+import gc, weakref
+from jaxserve.runtime import host
+loaded = [{"model": i} for i in range(1000)]
+host.settle_heap()
+class Node: pass
+a, b = Node(), Node()
+a.other, b.other = b, a  # a cycle made after: collected
+gone = weakref.ref(a)
+del a, b
+gc.collect()
+print(gc.get_freeze_count() >= 1000, gc.get_threshold()[0] == host.GC_YOUNG_THRESHOLD, gone() is None)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["True", "True", "True"]
+
+
+def test_serving_processes_get_the_malloc_tunable_unless_the_user_set_their_own():
+    assert host.malloc_tunables(None) == host.MALLOC_TUNABLES == "glibc.malloc.tcache_count=1024"
+    assert host.malloc_tunables("glibc.malloc.arena_max=2") == "glibc.malloc.arena_max=2:" + host.MALLOC_TUNABLES
+    assert host.malloc_tunables("glibc.malloc.tcache_count=7") == "glibc.malloc.tcache_count=7"  # theirs stands

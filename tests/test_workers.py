@@ -25,6 +25,7 @@ from conftest import TINY_TABLE, cosine_rows
 from prometheus_client.parser import text_string_to_metric_families
 
 from jaxserve.integrations.launch import free_port, stop, wait_ready
+from jaxserve.runtime import host
 
 POLL_S = 0.05
 BOUND_S = 120.0  # the most any state is waited for (a slow machine's start-up)
@@ -109,6 +110,8 @@ def test_two_front_ends_serve_as_one_process_does(files):
         assert info["host_dispatch"]["source"] == "measured"  # the engine's, as its status says
         # the engine runs the model with JAX; a front-end never imports it (its memory map holds no jaxlib)
         assert maps_jax(procs["engine"]) and not any(maps_jax(pid) for pid in procs["frontends"])
+        for pid in [procs["engine"], *procs["frontends"]]:  # glibc's larger cache of freed blocks, from their start
+            assert host.MALLOC_TUNABLES in psutil.Process(pid).environ().get("GLIBC_TUNABLES", "")
 
         texts = [f"document number {i} " * (1 + i % 5) for i in range(12)]
 

@@ -41,7 +41,7 @@ from jaxserve.http.state import (  # noqa: F401
     ServerConfig,
 )
 from jaxserve.runtime import compiles, startup
-from jaxserve.runtime.host import keep_freed_memory
+from jaxserve.runtime.host import keep_freed_memory, settle_heap
 from jaxserve.view import ModelView
 
 log = logging.getLogger("jaxserve.http.server")
@@ -77,6 +77,8 @@ async def lifecycle(app: web.Application):
         state.ready = True
         state.startup.doing = "ready"
         state.engine_metrics.startup(state.startup.phases)
+        if state.settle_heap:
+            settle_heap()
         log.info("ready: %d buckets, %d XLA compiles so far", len(state.table.buckets), compiles.xla_compiles_total())
 
     if state.link is not None:  # a front-end process: the engine process does all of the above
@@ -249,6 +251,8 @@ def serve(config: ServerConfig, host: str, port: int) -> None:
     check_prompt(config, encoder)
     log.info("loaded %s (%s, dim %d) in %s; warming up", encoder.path, encoder.arch.model_type, encoder.dim,
              started.summary())
-    web.run_app(create_app(config, encoder, started), host=host, port=port, handler_cancellation=True,
+    app = create_app(config, encoder, started)
+    app[STATE].settle_heap = True
+    web.run_app(app, host=host, port=port, handler_cancellation=True,
                 access_log=access_logger(config), loop=new_loop(),
                 shutdown_timeout=DRAIN_TIMEOUT_S, print=lambda msg: log.info(msg))

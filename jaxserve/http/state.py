@@ -160,6 +160,9 @@ class AppState:
         self.respond_pool = concurrent.futures.ThreadPoolExecutor(self.pool_threads[1],
                                                                   thread_name_prefix="jaxserve-respond")
         self.limits = Limits(config.max_client_batch, config.max_input_chars)
+        # a serving process (`jaxserve serve`'s, not an app inside another program, whose later garbage this would
+        # keep): once ready, what it loaded leaves the garbage collector's sight (`host.settle_heap`)
+        self.settle_heap = False
         self.active = 0  # model requests being handled
         self.budget = ByteBudget(config.max_inflight_bytes)  # bytes their bodies hold, inflated
 
@@ -170,6 +173,8 @@ class AppState:
         self.failed = None
         self.ready = True
         self.startup.doing = "ready"
+        if self.settle_heap:
+            host.settle_heap()
 
     def take_status(self, status: dict) -> None:
         """A front-end process: the engine's start-up as it goes (/health shows it while warming)."""

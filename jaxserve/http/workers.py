@@ -133,6 +133,7 @@ async def _engine(config, path: str, run_dir: str) -> None:
                 "phases": started.shown()}
         held["pipeline"] = pipeline
         await link.ready(pipeline, card)
+        host.settle_heap()
         log.info("ready: %d buckets; %s", len(table.buckets), started.summary())
     except Exception as exc:
         held["failed"] = f"warmup failed: {type(exc).__name__}: {exc}"
@@ -165,6 +166,7 @@ def frontend_main(config, sock: socket.socket, path: str, run_dir: str, index: i
 
     app = create_app(config, link=EngineLink(path))
     app[STATE].processes_file = os.path.join(run_dir, PROCESSES_FILE)
+    app[STATE].settle_heap = True
     web.run_app(app, sock=sock, handler_cancellation=True, shutdown_timeout=DRAIN_TIMEOUT_S, print=None,
                 access_log=access_logger(config), loop=new_loop())
 
@@ -205,6 +207,10 @@ class Supervisor:
         self.stopping = False
 
     def _start(self, target, args, name: str, **env) -> multiprocessing.Process:
+        from jaxserve.runtime import host
+
+        # a larger cache of freed small blocks (the tokenizer's, numpy's): GLIBC_TUNABLES is read at process start
+        env.setdefault("GLIBC_TUNABLES", host.malloc_tunables(os.environ.get("GLIBC_TUNABLES")))
         with _env(**env):
             proc = self.ctx.Process(target=target, args=(*args, os.getpid()), name=name, daemon=False)
             proc.start()

@@ -11,10 +11,18 @@ responding (combine, normalise, encode) a quarter, each at least 2, so a
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
 import sys
 
 MIN_POOL_THREADS = 2  # each pool: one thread busy while another waits on the GIL
+# glibc's per-thread cache of freed small blocks (up to 1032 bytes), per size: 7 by default. The tokenizer (Rust)
+# frees and takes back dozens of one size per text; past 7 each goes to malloc's slower bins. 1024 of each size
+# hold at most ~34 MB per thread, in practice what one request's tokens took.
+MALLOC_TUNABLES = "glibc.malloc.tcache_count=1024"
+# the cyclic collector's first generation runs after this many new containers (Python's default: 700, a collection
+# every two or three one-document requests, each walking what the requests in flight hold)
+GC_YOUNG_THRESHOLD = 20_000
 # glibc's malloc: blocks below this come from its heap, and up to this much free heap is kept (not the defaults'
 # returning every block of a batch's size to the kernel, to fault it in again, zeroed, for the next batch)
 MMAP_THRESHOLD = 32 << 20  # the most glibc's own dynamic threshold would reach, fixed from the start
@@ -67,3 +75,24 @@ def keep_freed_memory() -> bool:
         return bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) and libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
     except (OSError, AttributeError):  # not glibc (musl has no mallopt)
         return False
+
+
+def malloc_tunables(given: str | None) -> str:
+    """$GLIBC_TUNABLES for a serving process started from this one (read by the dynamic loader at its start, so it
+    cannot be set from inside): `given` (the user's) with `MALLOC_TUNABLES` added where it sets no tcache count
+    of its own. Other C libraries ignore it."""
+    given = given or ""
+    if "glibc.malloc.tcache_count=" in given:
+        return given
+    return f"{given}:{MALLOC_TUNABLES}" if given else MALLOC_TUNABLES
+
+
+def settle_heap() -> None:
+    """Once a serving process is ready (its modules, model view and tables loaded): what it built so far moves out
+    of the cyclic garbage collector's sight (`gc.freeze`: it is never garbage, and each older-generation collection
+    walked all of it), and the youngest generation is collected after `GC_YOUNG_THRESHOLD` new containers, not 700.
+    Requests and batches make short-lived containers by the hundred; the collections they set off were 5-7% of a
+    front-end's instructions per one-document request with eight in flight (docs/benchmarks.md)."""
+    gc.freeze()
+    _, older, oldest = gc.get_threshold()
+    gc.set_threshold(GC_YOUNG_THRESHOLD, older, oldest)
