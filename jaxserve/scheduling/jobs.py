@@ -101,7 +101,10 @@ class Job:
         """The outputs, with what came from the engine placed on this first read (a job's outputs are read by
         one thread at a time)."""
         if self.gathered:
-            place(self._out, self.gathered)
+            if len(self.gathered) == 1 and len(self._out) == 1:  # one vector (a query's): as it came, no copy
+                self._out = self.gathered[0][1]
+            else:
+                place(self._out, self.gathered)
             self.gathered = []
         return self._out
 

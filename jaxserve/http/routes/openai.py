@@ -67,7 +67,7 @@ def _parse_embeddings(state, body) -> api.EmbedRequest:
 
 
 def _wants_explain(request: web.Request) -> bool:
-    flag = request.query.get("explain") or request.headers.get("X-Jaxserve-Explain") or ""
+    flag = (request.query_string and request.query.get("explain")) or request.headers.get("X-Jaxserve-Explain") or ""
     return flag.lower() in ("1", "true", "yes")
 
 
