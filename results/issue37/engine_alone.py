@@ -34,13 +34,18 @@ def engine_socket(pid: int) -> str:
     return next(c.laddr for c in psutil.Process(pid).net_connections(kind="unix") if c.laddr.endswith("engine.sock"))
 
 
+async def connected(path: str):
+    """(a link to the engine at `path`, the model view it handed over, its pooled table), once it is ready."""
+    link = EngineLink(path)
+    await link.start()
+    await link.settled(60)
+    view = link.card["encoder"]
+    return link, view, view.engine.tables["pooled"]
+
+
 def client(path: str, docs: int, inflight: int, start: float, end: float, seed: int, q) -> None:
     async def main():
-        link = EngineLink(path)
-        await link.start()
-        await link.settled(60)
-        view = link.card["encoder"]
-        table = view.engine.tables["pooled"]
+        link, view, table = await connected(path)
         corpus = harness.documents(4000, seed=0)
         made = []
         for k in range(16):
