@@ -415,9 +415,12 @@ def _pallas(q, k, v, masks: Masks, spec: Spec):
     """
     import warnings
 
-    with warnings.catch_warnings():  # jax >= 0.11 deprecates the module (for tokamax) but keeps it
-        warnings.simplefilter("ignore", DeprecationWarning)
-        from jax.experimental.pallas.ops.gpu import attention as pallas_attention
+    try:
+        with warnings.catch_warnings():  # jax 0.11 and 0.12.0 deprecate the module (for tokamax) but keep it
+            warnings.simplefilter("ignore", DeprecationWarning)
+            from jax.experimental.pallas.ops.gpu import attention as pallas_attention
+    except ImportError:  # jax 0.12.1 removed it: the same kernel, vendored
+        from jaxserve.models import pallas_flash as pallas_attention
 
     n, kv = q.shape[2], k.shape[2]
     if kv != n:
