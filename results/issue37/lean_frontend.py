@@ -52,7 +52,8 @@ def serve(url: str, path: str, sock: socket.socket, pids_file: str) -> None:
         link, view, table = await connected(path)
         tok, width, name = view.tokenizer, view.out_dim, "lean"
         # bare: no tokenizing, no engine; local: no engine; full: each request its own job (joined per turn by the
-        # link); lane: the turn's requests tokenized, packed and run as one job
+        # link); lane: the turn's requests tokenized, packed and run as one job; lanelite: tokenized one by one,
+        # packed and run as one job
         mode = os.environ.get("LEAN", "full")
 
         lane: list = []  # LEAN=lane: (text, future) of this turn of the loop, run as one job at its end
@@ -60,7 +61,13 @@ def serve(url: str, path: str, sock: socket.socket, pids_file: str) -> None:
         async def run_lane():
             batch = lane[:]
             lane.clear()
-            pieces = tok.documents([t for t, _ in batch])  # one tokenizer call, one pack, one job for the turn
+            if mode == "lanelite":  # each text tokenized on its own (as it arrived), the job built once
+                each = [tok.documents([t]) for t, _ in batch]
+                ids = np.concatenate([p.ids for p in each])
+                offsets = np.concatenate([[0], np.cumsum([len(p.ids) for p in each])])
+                pieces = type(each[0])(ids, offsets, np.arange(len(each)), np.ones(len(each)))
+            else:
+                pieces = tok.documents([t for t, _ in batch])  # one tokenizer call, one pack, one job for the turn
             job = Job(pack(pieces.lengths, table), pieces.ids, pieces.offsets, pieces.types, width)
             try:
                 await link.run(job, INTERACTIVE, None, 30.0, join=False)
@@ -77,7 +84,7 @@ def serve(url: str, path: str, sock: socket.socket, pids_file: str) -> None:
         async def embeddings(request):
             body = orjson.loads(await request.read())
             text = body["input"]
-            if mode == "lane":
+            if mode in ("lane", "lanelite"):
                 f = asyncio.get_running_loop().create_future()
                 if not lane:
                     asyncio.get_running_loop().call_soon(asyncio.ensure_future, run_lane())
