@@ -3,7 +3,8 @@
 Everything is a counter, gauge or histogram updated in O(1) per dispatch or
 request; rates (tokens per second, ...) are PromQL's job: `rate(jaxserve_tokens_total[1m])`.
 Each process keeps its own in a `Tally` (plain numbers: prometheus_client's own values, with several processes
-a write to a memory-mapped file each, were 7% of a front-end's instructions per one-document request).
+a write to a memory-mapped file each, were a measurable share of a front-end's work per one-document request:
+docs/benchmarks.md).
 /metrics is one view of them all, added up when scraped: the answering process's, and over the link the
 engine's with every other front-end's (`scheduling.link.LinkServer` asks each for its snapshot then).
 """

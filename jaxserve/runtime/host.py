@@ -91,8 +91,8 @@ def settle_heap() -> None:
     """Once a serving process is ready (its modules, model view and tables loaded): what it built so far moves out
     of the cyclic garbage collector's sight (`gc.freeze`: it is never garbage, and each older-generation collection
     walked all of it), and the youngest generation is collected after `GC_YOUNG_THRESHOLD` new containers, not 700.
-    Requests and batches make short-lived containers by the hundred; the collections they set off were 5-7% of a
-    front-end's instructions per one-document request with eight in flight (docs/benchmarks.md)."""
+    Requests and batches make short-lived containers by the hundred, and the collections they set off showed in a
+    front-end's work per one-document request (docs/benchmarks.md)."""
     gc.freeze()
     _, older, oldest = gc.get_threshold()
     gc.set_threshold(GC_YOUNG_THRESHOLD, older, oldest)
