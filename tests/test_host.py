@@ -132,7 +132,7 @@ print(applied, np.empty(host.MMAP_THRESHOLD // 4, np.uint8).ctypes.data == at)
 def test_a_settled_heap_keeps_what_was_loaded_out_of_the_collectors_walks():
     """In a process of its own (it would freeze this one's heap): after `settle_heap`, what the process held is frozen
     (a collection walks none of it) and the youngest generation waits for `GC_YOUNG_THRESHOLD` new containers;
-    garbage made after still goes."""
+    garbage made before is collected first, not frozen, and garbage made after still goes."""
     import subprocess
     import sys
 
@@ -140,8 +140,12 @@ def test_a_settled_heap_keeps_what_was_loaded_out_of_the_collectors_walks():
 import gc, weakref
 from jaxserve.runtime import host
 loaded = [{"model": i} for i in range(1000)]
-host.settle_heap()
 class Node: pass
+old = Node(); old.self = old
+before = weakref.ref(old)
+del old  # garbage when the heap settles: collected then, not frozen
+host.settle_heap()
+assert before() is None
 a, b = Node(), Node()
 a.other, b.other = b, a  # a cycle made after: collected
 gone = weakref.ref(a)

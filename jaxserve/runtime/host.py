@@ -93,6 +93,7 @@ def settle_heap() -> None:
     walked all of it), and the youngest generation is collected after `GC_YOUNG_THRESHOLD` new containers, not 700.
     Requests and batches make short-lived containers by the hundred, and the collections they set off showed in a
     front-end's work per one-document request (docs/benchmarks.md)."""
+    gc.collect()  # garbage first (a card replaced by a restarted engine's): a frozen cycle would never go
     gc.freeze()
     _, older, oldest = gc.get_threshold()
     gc.set_threshold(GC_YOUNG_THRESHOLD, older, oldest)
