@@ -17,13 +17,21 @@ async def pair():
     return await Wire.open(a), await Wire.open(b)
 
 
+def inbox(wire: Wire) -> asyncio.Queue:
+    """What `wire` receives, message by message, as `deliver_to` hands it over."""
+    received = asyncio.Queue()
+    wire.deliver_to(received.put_nowait)
+    return received
+
+
 @pytest.mark.parametrize("size", [0, 10, JOIN_BYTES // 4 + 1, 3 * JOIN_BYTES])  # joined, and sent piece by piece
 async def test_arrays_cross_whole_and_writable(size):
     left, right = await pair()
     arrays = {"ids": np.arange(size, dtype=np.int32), "out": np.random.default_rng(0).random((size, 3), np.float32),
               "strided": np.arange(2 * size, dtype=np.int64)[::2]}
+    received = inbox(right)
     send = asyncio.create_task(left.send({"op": "run", "id": 7, **arrays}))
-    got = await right.recv()
+    got = await received.get()
     await send
     assert got["op"] == "run" and got["id"] == 7
     for name, want in arrays.items():
@@ -35,13 +43,14 @@ async def test_arrays_cross_whole_and_writable(size):
 
 async def test_posts_of_one_turn_travel_as_one_message_in_order():
     left, right = await pair()
+    received = inbox(right)
     for i in range(3):
         left.post({"op": "done", "id": i, "out": np.full(4, i, np.float32)})
-    got = await right.recv()
+    got = await received.get()
     assert got["op"] == "many" and [m["id"] for m in got["messages"]] == [0, 1, 2]
     assert [float(m["out"][0]) for m in got["messages"]] == [0.0, 1.0, 2.0]
     left.post({"op": "cancel", "id": 9})  # alone in its turn: sent as itself
-    assert await right.recv() == {"op": "cancel", "id": 9}
+    assert await received.get() == {"op": "cancel", "id": 9}
     left.close(), right.close()
 
 
@@ -49,7 +58,7 @@ async def test_a_closed_peer_is_a_connection_error():
     left, right = await pair()
     left.close()
     with pytest.raises(ConnectionError):
-        await right.recv()
+        await right.wait_closed()
     right.close()
 
 
@@ -71,10 +80,11 @@ async def test_a_stream_of_small_and_large_messages_arrives_whole_and_in_order()
             if i % 7 == 0:
                 await asyncio.sleep(0)
 
+    received = inbox(right)
     producer = asyncio.create_task(produce())
     got = []
     while len(got) < len(sizes):
-        m = await right.recv()
+        m = await received.get()
         got += m["messages"] if m["op"] == "many" else [m]
     await producer
     assert [m["id"] for m in got] == list(range(len(sizes)))
@@ -83,18 +93,18 @@ async def test_a_stream_of_small_and_large_messages_arrives_whole_and_in_order()
     left.close(), right.close()
 
 
-async def test_closing_wakes_a_send_held_by_a_full_buffer_and_a_waiting_recv():
+async def test_closing_wakes_a_send_held_by_a_full_buffer_and_a_wait_for_the_close():
     """A peer that stopped reading: a large send waits for room (the transport's flow control), and closing this
-    end wakes it and a pending recv at once, instead of when a flush that never comes would."""
+    end wakes it and a pending `wait_closed` at once, instead of when a flush that never comes would."""
     left, right = await pair()
     right._transport.pause_reading()
     big = {"op": "done", "id": 1, "out": np.zeros(2**20, np.float32)}  # 4 MiB, well over the socket's buffer
     sends = [asyncio.create_task(left.send(big)) for _ in range(2)]
-    recv = asyncio.create_task(left.recv())
+    closed = asyncio.create_task(left.wait_closed())
     await asyncio.sleep(0)
     assert not sends[-1].done() and left._writable is not None  # held: the buffer is over its high-water mark
     left.close()
-    done = await asyncio.wait_for(asyncio.gather(*sends, recv, return_exceptions=True), 10)
+    done = await asyncio.wait_for(asyncio.gather(*sends, closed, return_exceptions=True), 10)
     assert done[:2] == [None, None] and isinstance(done[2], ConnectionError)
     with pytest.raises(ConnectionError):
         await left.send({"op": "cancel", "id": 2})
@@ -156,7 +166,7 @@ def test_the_same_on_uvloop():
         await test_posts_of_one_turn_travel_as_one_message_in_order()
         await test_a_stream_of_small_and_large_messages_arrives_whole_and_in_order()
         await test_a_closed_peer_is_a_connection_error()
-        await test_closing_wakes_a_send_held_by_a_full_buffer_and_a_waiting_recv()
+        await test_closing_wakes_a_send_held_by_a_full_buffer_and_a_wait_for_the_close()
         return type(asyncio.get_running_loop())
 
     assert uvloop.run(each()) is uvloop.Loop

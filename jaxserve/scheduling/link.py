@@ -67,15 +67,16 @@ class Wire(asyncio.BufferedProtocol):
     """One connected socket: whole messages in and out, in order. An asyncio protocol over the loop's transport
     (uvloop's, in C): a write goes to the socket at once, or waits in the transport's buffer, with no task or
     future per message; reads land in a staging buffer, and a message over `DIRECT_BYTES` is read straight into a
-    buffer of its own, which its arrays then use. Open one with `await Wire.open(sock)`; read it with `recv`, or
-    hand each message to a function as it arrives (`deliver_to`: no task wakes per message)."""
+    buffer of its own, which its arrays then use. Open one with `await Wire.open(sock)`; each message received goes
+    to the function given to `deliver_to` as it arrives (no task wakes per message); `wait_closed` waits for the
+    other side to go."""
 
     def __init__(self):
         self._transport: asyncio.Transport | None = None
         self._outbox: list[dict] = []
         self._flush_due = False
         self._received: collections.deque[dict] = collections.deque()
-        self._on_message = None  # (message) -> None, called as each arrives (`deliver_to`); else `recv` reads them
+        self._on_message = None  # (message) -> None, called as each arrives (`deliver_to`); until then, `_received`
         self._waiter: asyncio.Future | None = None
         self._writable: asyncio.Future | None = None  # set while the transport asks writers to pause
         self._closed: Exception | None = None
@@ -138,27 +139,15 @@ class Wire(asyncio.BufferedProtocol):
 
     # ---- in ----
 
-    async def recv(self) -> dict:
-        """The next message; ConnectionError when the other side is gone."""
-        while not self._received:
-            if self._closed is not None:
-                raise ConnectionError(f"the other process closed the link ({self._closed})")
-            self._waiter = asyncio.get_running_loop().create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
-        return self._received.popleft()
-
     def deliver_to(self, on_message) -> None:
-        """From now on, each message (and those already received) goes to `on_message(message)` on arrival, in
-        the protocol's own callback: no `recv`, so no future or task wake-up per message."""
+        """From now on, each message (and those received before) goes to `on_message(message)` on arrival, in the
+        protocol's own callback: no future or task wake-up per message."""
         self._on_message = on_message
         while self._received:
             on_message(self._received.popleft())
 
     async def wait_closed(self) -> None:
-        """Until the other side has gone (a wire whose messages go to `deliver_to`'s function); ConnectionError."""
+        """Until the other side has gone (or this end closed); then ConnectionError."""
         while self._closed is None:
             self._waiter = asyncio.get_running_loop().create_future()
             try:
@@ -217,12 +206,10 @@ class Wire(asyncio.BufferedProtocol):
         return pickle.loads(head, buffers=buffers)
 
     def _deliver(self, message: dict) -> None:
-        if self._on_message is not None:
+        if self._on_message is None:  # before `deliver_to`: kept for it
+            self._received.append(message)
+        else:
             self._on_message(message)
-            return
-        self._received.append(message)
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
 
     # ---- the transport's calls ----
 
@@ -248,7 +235,7 @@ class Wire(asyncio.BufferedProtocol):
         self._writable = None
 
     def close(self) -> None:
-        """Close this end; whoever waits on it (a `recv`, a `send` held by a full buffer) wakes now, not when the
+        """Close this end; whoever waits on it (`wait_closed`, a `send` held by a full buffer) wakes now, not when the
         transport has flushed, which a peer that stopped reading would never let happen."""
         if self._transport is not None:
             self._transport.close()
