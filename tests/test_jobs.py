@@ -186,3 +186,28 @@ def test_a_job_crosses_to_the_engine_whole(lengths, t, output):
     np.testing.assert_array_equal(got.rows.docs, job.rows.docs)
     assert (got.rows.width, got.output, got.remaining, got.kept) == (job.rows.width, output, len(lengths), {})
     assert got.out_shape == job.out_shape and got.out is None and got.gathered == []  # outputs go back gathered
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 600), st.integers(0, 5), st.booleans())
+def test_a_query_job_is_the_one_sequence_layout_and_owns_its_tokens(length, at, typed):
+    """A one-sequence job (Job's short path, its constant parts shared per length up to QUERY_SHARED_TOKENS):
+    every field as the layout says, whatever else was made before; the shared parts read-only, the tokens its
+    own."""
+    rng = np.random.default_rng(length)
+    ids = rng.integers(1, 1000, at + length + 3).astype(np.int32)
+    types = rng.integers(0, 2, len(ids)).astype(np.int32) if typed else None
+    offsets = np.array([at, at + length])
+    table = fixed([(4, 16), (2, 1024)])
+    job = Job(pack([length], table), ids, offsets, types, 4)
+    twin = Job(pack([length], table), ids[::-1].copy(), offsets, None, 4)  # same length, other tokens
+    np.testing.assert_array_equal(job.flat, [ids[at : at + length], np.ones(length), np.arange(length),
+                                             types[at : at + length] if typed else np.zeros(length)])
+    np.testing.assert_array_equal(twin.flat[0], ids[::-1][at : at + length])
+    assert job.lengths.tolist() == [length] and job.row_start.tolist() == [0, length]
+    assert job.seq_start.tolist() == job.row_of.tolist() == job.slot_of.tolist() == [0]
+    for shared in (job.lengths, job.row_start, job.seq_start, job.row_of, job.slot_of):
+        with pytest.raises(ValueError, match="read-only"):
+            shared[0] = 7
+    job.flat[0, 0] = -1  # its own copy: the twin's and later jobs' tokens stay theirs
+    assert twin.flat[0, 0] == ids[::-1][at] and Job(pack([length], table), ids, offsets, None, 4).flat[0, 0] == ids[at]

@@ -93,3 +93,19 @@ def test_packing_a_corpus_leaves_little_padding():
     rows = pack(lengths, TABLES["packed-cpu"])
     padded = int(rows.seqlen.sum())
     assert 1 - rows.real_tokens / padded < 0.08
+
+
+@pytest.mark.parametrize("name", sorted(TABLES))
+def test_one_sequence_rows_are_made_once_per_length_and_read_only(name):
+    """A query's Rows are shared by every query of its length on its table: equal to what packing computes,
+    never written."""
+    table = TABLES[name]
+    for n in (2, 17, 128):
+        rows = pack([n], table)
+        assert pack(np.array([n]), table) is rows
+        assert rows.lengths.tolist() == [n] and rows.members.tolist() == [0] and rows.starts.tolist() == [0, 1]
+        assert rows.seqlen.tolist() == [min(s for s in table.seqlens if s >= n)]
+        assert rows.width == pack([n, n], table).width
+        with pytest.raises(ValueError, match="read-only"):
+            rows.seqlen[0] = 1
+    assert pack([5], TABLES["padded"]) is not pack([5], TABLES["packed"])  # by table

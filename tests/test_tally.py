@@ -21,11 +21,13 @@ def _text(exposed: bytes) -> list[str]:
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["counter", "gauge", "histogram"]), LABELS, VALUES), max_size=40))
-def test_the_tally_shows_what_prometheus_client_shows_for_the_same_updates(updates):
+@given(st.lists(st.tuples(st.sampled_from(["counter", "gauge", "histogram"]), LABELS, VALUES), max_size=40),
+       st.booleans())
+def test_the_tally_shows_what_prometheus_client_shows_for_the_same_updates(updates, one_thread):
+    """Also a tally updated from one thread only (a front-end's), which takes no lock."""
     specs = {"counter": Spec("t_count", "counter", "c", ("k",)), "gauge": Spec("t_gauge", "gauge", "g", ("k",)),
              "histogram": Spec("t_hist", "histogram", "h", ("k",), tuple(float(b) for b in LATENCY_BUCKETS))}
-    tally = Tally(specs.values())
+    tally = Tally(specs.values(), one_thread=one_thread)
     r = CollectorRegistry()
     theirs = {"counter": Counter("t_count", "c", ["k"], registry=r), "gauge": Gauge("t_gauge", "g", ["k"], registry=r),
               "histogram": Histogram("t_hist", "h", ["k"], buckets=LATENCY_BUCKETS, registry=r)}

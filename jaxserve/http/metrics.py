@@ -71,7 +71,7 @@ class ServerMetrics:
     """The HTTP layer's metrics: requests, errors, their latency, the per-request phases, documents embedded."""
 
     def __init__(self):
-        self.tally = Tally(SERVER_SPECS)
+        self.tally = Tally(SERVER_SPECS, one_thread=True)  # updated on the event loop only
 
     def request(self, route: str, status: int, seconds: float, error: str | None = None) -> None:
         """A response sent (`error`: its kind, for an error response)."""

@@ -51,21 +51,28 @@ class Spec:
 
 
 class Tally:
-    """The values of `specs`, by (name, label values). Safe to update from any thread."""
+    """The values of `specs`, by (name, label values). Safe to update from any thread; `one_thread`: updated from
+    one thread only (a front-end's, from its event loop), so that an update takes no lock (the lock was about a
+    third of an update's cost)."""
 
-    def __init__(self, specs: Iterable[Spec]):
+    def __init__(self, specs: Iterable[Spec], one_thread: bool = False):
         self.specs = tuple(specs)
         self._lock = threading.Lock()
         self._values: dict[tuple[str, tuple[str, ...]], float | list[float]] = {}
         for spec in self.specs:
             for labels in spec.zeros if spec.labels else ((),):
                 self._values[(spec.name, labels)] = spec.fresh()
+        if one_thread:
+            self.add, self.observe = self._add, self._observe
 
     def add(self, spec: Spec, amount: float, labels: tuple[str, ...] = ()) -> None:
         """A counter goes up by `amount`."""
-        key = (spec.name, labels)
         with self._lock:
-            self._values[key] = self._values.get(key, 0.0) + amount
+            self._add(spec, amount, labels)
+
+    def _add(self, spec: Spec, amount: float, labels: tuple[str, ...] = ()) -> None:
+        key = (spec.name, labels)
+        self._values[key] = self._values.get(key, 0.0) + amount
 
     def set(self, spec: Spec, value: float, labels: tuple[str, ...] = ()) -> None:
         """A gauge reads `value` (or a counter kept elsewhere, read when it is shown)."""
@@ -75,13 +82,15 @@ class Tally:
     def observe(self, spec: Spec, value: float, labels: tuple[str, ...] = (), count: int = 1) -> None:
         """A histogram counts `value` (`count` times) in the first bucket whose bound is at least `value`
         (Prometheus's `le`)."""
-        key = (spec.name, labels)
-        i = bisect.bisect_left(spec.bounds, value) + 1
         with self._lock:
-            if (v := self._values.get(key)) is None:
-                v = self._values[key] = spec.fresh()
-            v[0] += value * count
-            v[i] += count
+            self._observe(spec, value, labels, count)
+
+    def _observe(self, spec: Spec, value: float, labels: tuple[str, ...] = (), count: int = 1) -> None:
+        key = (spec.name, labels)
+        if (v := self._values.get(key)) is None:
+            v = self._values[key] = spec.fresh()
+        v[0] += value * count
+        v[bisect.bisect_left(spec.bounds, value) + 1] += count
 
     def snapshot(self) -> dict[tuple[str, tuple[str, ...]], float | list[float]]:
         """Every value now, as plain data (a copy: later updates do not change it)."""

@@ -20,6 +20,8 @@ into their jobs' `kept`.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 import pickle
 
@@ -37,6 +39,41 @@ def ragged_arange(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
         return np.zeros(0, np.int64)
     ends = np.cumsum(counts)
     return np.repeat(np.asarray(starts, np.int64) - (ends - counts), counts) + np.arange(total)
+
+
+def _read_only(a: np.ndarray) -> np.ndarray:
+    a.flags.writeable = False
+    return a
+
+
+ZERO = _read_only(np.zeros(1, np.int64))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Query:
+    """What every one-sequence job of one length shares (read-only): its length, its tokens' planes but the ids,
+    its row's extent in `flat`. Made per query, they were a twentieth of a front-end's instructions per
+    one-document request."""
+
+    lengths: np.ndarray  # [1]
+    flat: np.ndarray  # [4, L]: ids 0 (a job's copy puts its own), segment 1, positions 0..L-1, type 0
+    row_start: np.ndarray  # [2]
+
+
+QUERY_SHARED_TOKENS = 512  # longer single sequences make their own (a shared [4, L] per length: at most 4 MB)
+
+
+def _query(length: int) -> _Query:
+    return _shared_query(length) if length <= QUERY_SHARED_TOKENS else _made_query(length)
+
+
+def _made_query(length: int) -> _Query:
+    flat = np.zeros((4, length), np.int32)
+    flat[1], flat[2] = 1, np.arange(length)
+    return _Query(_read_only(np.array([length])), _read_only(flat), _read_only(np.array([0, length])))
+
+
+_shared_query = functools.cache(_made_query)
 
 
 class Job:
@@ -62,18 +99,16 @@ class Job:
                  output: str = "pooled"):
         self.rows = rows
         self.output = output
-        lengths = offsets[1:] - offsets[:-1]
-        if len(lengths) == 1:  # one sequence (a query): one row, slot 1, its tokens one slice of `ids`
+        if len(offsets) == 2:  # one sequence (a query): one row, slot 1, its tokens one slice of `ids`
             a, z = int(offsets[0]), int(offsets[1])
             src = slice(a, z)
-            self.flat = np.empty((4, z - a), np.int32)
+            query = _query(z - a)
+            lengths = query.lengths
+            self.flat = query.flat.copy()  # [4, L]: segment 1, positions 0.., type 0
             self.flat[0] = ids[src]
-            self.flat[1] = 1
-            self.flat[2] = np.arange(z - a)
-            self.row_start = np.array([0, z - a])
-            self.seq_start = np.zeros(1, np.int64)
-            self.row_of = self.slot_of = np.zeros(1, np.int64)
+            self.row_start, self.seq_start, self.row_of, self.slot_of = query.row_start, ZERO, ZERO, ZERO
         else:
+            lengths = offsets[1:] - offsets[:-1]
             order = rows.members  # sequences in row order
             src = ragged_arange(offsets[order], lengths[order])  # each token's place in `ids`, row after row
             self.flat = np.empty((4, len(src)), np.int32)  # [4, T] in row order
@@ -86,7 +121,9 @@ class Job:
             self.seq_start[order] = np.cumsum(lengths[order]) - lengths[order]
             # [P] by place in row order: each sequence's row and slot, so that `scatter` slices instead of searching
             self.row_of, self.slot_of = np.repeat(np.arange(rows.count), rows.docs), slot
-        self.flat[3] = 0 if types is None else types[src]
+            self.flat[3] = 0
+        if types is not None:
+            self.flat[3] = types[src]
         self.lengths = lengths
         size = self.flat.shape[1] if output == "tokens" else len(lengths)
         self._out: np.ndarray | None = np.zeros((size, out_dim), np.float32)  # [P, D] per sequence, or [T, D]
