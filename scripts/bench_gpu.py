@@ -388,7 +388,7 @@ def out_of_time(args, sizes: Sizes, began: float) -> str:
 
 def start_record(srv) -> tuple[dict, dict]:
     """A started server's /info, and the record of its start: seconds to ready, compiles, the table."""
-    info = json.loads(harness.get(srv.url, "/info"))
+    info = harness.ready_info(srv.url)
     return info, {"ready_s": srv.ready_s, "xla_compiles": info.get("xla_compiles_total"),
                   "startup": info.get("startup"), "device": info.get("device"), "dtype": info.get("model_dtype"),
                   "table": [[b["batch"], b["seqlen"], b.get("slots", 1), b.get("run_s")]

@@ -425,7 +425,7 @@ def measure(args) -> None:
             command = lambda port, flags=flags: [*shlex.split(args.serve_command), "--port", str(port), *flags]
             print(f"\n== size {size_name}, --workers {workers}: {' '.join(flags)}", flush=True)
             with harness.server(command=command, log=log, timeout_s=600, poll_s=0.25) as srv:
-                info = json.loads(harness.get(srv.url, "/info"))
+                info = harness.ready_info(srv.url)
                 # pids by role, read again before each level (a front-end that died is restarted with a new one)
                 processes = lambda: (json.loads(harness.get(srv.url, "/info")).get("processes")
                                      or {"engine": srv.proc.pid, "frontends": [srv.proc.pid]})

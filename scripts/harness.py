@@ -134,6 +134,18 @@ def get(url: str, path: str, timeout_s: float = 60.0) -> str:
         return r.read().decode()
 
 
+def ready_info(url: str, timeout_s: float = 60.0, poll_s: float = 0.05) -> dict:
+    """A ready server's /info with its bucket table. With `--workers N` /health answers 200 as soon as one
+    front-end has the engine's card, and another may still be taking its own (unpickling the model view takes
+    a while on a slow host): its /info has no table yet, so this asks again until one answers with it."""
+    deadline = time.monotonic() + timeout_s
+    while "buckets" not in (info := json.loads(get(url, "/info"))):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{url}/info showed no bucket table within {timeout_s:g} s")
+        time.sleep(poll_s)
+    return info
+
+
 # ---- a closed-loop load -----------------------------------------------------------------------
 
 class HttpResponses:

@@ -2,6 +2,7 @@
 aiohttp server on loopback; bounded by request counts, never by time)."""
 
 import asyncio
+import json
 import sys
 import threading
 from pathlib import Path
@@ -96,8 +97,15 @@ def test_responses_are_cut_off_the_stream_however_it_arrives(piece):
 
 @pytest.fixture
 def loopback_server():
-    """An aiohttp server on its own thread: prompt_tokens 7 for a body without "fail", else 500."""
+    """An aiohttp server on its own thread: prompt_tokens 7 for a body without "fail", else 500; its /info shows
+    a bucket table from the third time it is asked (the front-end that has the engine's card), not before."""
     from aiohttp import web
+
+    infos = []
+
+    async def info(request):
+        infos.append(True)
+        return web.json_response({"processes": {}, **({"buckets": {"buckets": []}} if len(infos) >= 3 else {})})
 
     async def embeddings(request):
         body = await request.read()
@@ -108,6 +116,7 @@ def loopback_server():
     loop = asyncio.new_event_loop()
     app = web.Application()
     app.router.add_post("/v1/embeddings", embeddings)
+    app.router.add_get("/info", info)
     runner = web.AppRunner(app)
     loop.run_until_complete(runner.setup())
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -131,3 +140,9 @@ def test_closed_loop_counts_every_answer(loopback_server):
     assert started == [True]
     assert (load.requests, load.errors, load.tokens) == (20, 20, 140)
     assert len(load.latencies) == 20 and load.wall_s > 0
+
+
+def test_a_servers_table_is_read_from_a_front_end_that_has_it(loopback_server):
+    """`--workers N`: /health says 200 once one front-end has the engine's card; another may not have its own yet."""
+    assert "buckets" not in json.loads(harness.get(loopback_server, "/info"))
+    assert harness.ready_info(loopback_server, poll_s=0.01)["buckets"] == {"buckets": []}
