@@ -28,6 +28,10 @@ OPENAI_DEFAULT_ENCODING = "cl100k_base"
 _TIKTOKEN_LOCK = threading.Lock()  # one encoding loaded at a time, tiktoken's network read refused meanwhile
 
 
+FIRST_DOC = np.zeros(1, np.int64)  # the document of a one-text request's one piece (shared: read-only)
+FIRST_DOC.flags.writeable = False
+
+
 @dataclasses.dataclass(frozen=True)
 class Pieces:
     """Model sequences cut from documents, flat: one per document, or several windows of a long one."""
@@ -196,6 +200,8 @@ class TextTokenizer:
                 texts = [prompt + t for t in texts]
             ids, offsets, _ = flat_ids(self._tokenizer(texts, direction).encode_batch_fast(texts))
             n = len(texts)
+            if n == 1:  # one text (a query's): its document and weight without four numpy calls
+                return Pieces(ids, offsets, FIRST_DOC, np.array([float(max(len(ids) - self.num_special, 1))]))
             lengths = offsets[1:] - offsets[:-1]
             return Pieces(ids, offsets, np.arange(n), np.maximum(lengths - self.num_special, 1).astype(float))
         return self.pieces(self.encode_bodies(texts), long, overlap, prompt, direction)
