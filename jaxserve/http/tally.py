@@ -5,7 +5,8 @@ front-end; a front-end's CPU per one-document request is what one-document reque
 prometheus_client child spends microseconds per update (its checks, a lock per value, a Python loop over a
 histogram's buckets, and with several processes a write to a memory-mapped file); the pipeline makes about
 four updates per job and a dozen per batch, a front-end eight per request. Here an update is a dict lookup
-and an add under one lock. The values become Prometheus metric families only when /metrics asks
+and an add, under one lock where several threads update (the engine's), without where one does (a front-end's
+event loop). The values become Prometheus metric families only when /metrics asks
 (`families`), from `snapshot`s of plain data that cross the engine's link as they are, several processes'
 added up (`combined`).
 """
