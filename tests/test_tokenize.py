@@ -70,6 +70,7 @@ def test_no_ascii_tokenizer_where_an_added_token_holds_whitespace(minilm_tokeniz
 @given(st.lists(ascii_text, min_size=1, max_size=4))
 @example(["A\x01b\tC\x0bd\x7fe\r\nF\x1fG\x0cH\x00", "Tab\tand  spaces, UPPER; (punct)!"])
 @example(["x " * 200])
+@example(["".join(map(chr, range(128))), "a!!b...c--d__e~`{|}[\\]^@:;<=>?/"])  # every character; punctuation runs
 def test_ascii_path_gives_the_checkpoints_own_ids(minilm_tokenizers, texts):
     tok, ref = minilm_tokenizers
     assert ids_of(tok.documents(texts)) == [e.ids for e in ref.encode_batch(texts)]
