@@ -30,12 +30,42 @@ def ids_of(pieces) -> list[list[int]]:
     return [s.tolist() for s in pieces.seqs]
 
 
-def test_ascii_texts_take_the_ascii_tokenizer(minilm_tokenizers):
-    tok, _ = minilm_tokenizers
+class Seen:
+    """A tokenizer that records what it is asked to encode, then encodes it."""
+
+    def __init__(self, tok):
+        self.tok, self.items = tok, []
+
+    def encode_batch_fast(self, items, **kw):
+        self.items += items
+        return self.tok.encode_batch_fast(items, **kw)
+
+    def encode_batch(self, items, **kw):
+        self.items += items
+        return self.tok.encode_batch(items, **kw)
+
+
+def watched(tok: TextTokenizer) -> tuple[TextTokenizer, dict, dict]:
+    """`tok` with every tokenizer it may pick recorded: (it, the ASCII ones by direction, the checkpoint's own)."""
+    own = {"whole": Seen(tok.tokenizer), **{d: Seen(t) for d, t in tok._truncating.items()}}
+    fast = {d: Seen(t) for d, t in tok._ascii.items()} if tok._ascii is not None else None
+    out = TextTokenizer(own["whole"], tok.prefix, tok.suffix, tok.max_length)
+    out.__dict__.update(_ascii=fast, _truncating={d: own[d] for d in ("right", "left")})  # the cached properties
+    return out, fast, own
+
+
+def test_ascii_texts_take_the_ascii_tokenizer_and_the_rest_the_checkpoints_own(minilm_tokenizers):
+    """Each text by itself: one accented text does not take a request's others off the ASCII path."""
+    tok, ref = minilm_tokenizers
     assert tok._ascii is not None  # MiniLM's normalizer is BERT's
-    assert tok._tokenizer(["Plain text.", ("a", "b")], "right") is tok._ascii["right"]
-    assert tok._tokenizer(["Plain text.", "café"], "right") is tok._truncating["right"]
-    assert tok._tokenizer([("a", "naïve")], "left") is tok._truncating["left"]
+    texts = ["Plain text.", "café au lait", "more plain", "naïve"]
+    seen, fast, own = watched(tok)
+    assert ids_of(seen.documents(texts)) == [e.ids for e in ref.encode_batch(texts)]
+    assert (fast["right"].items, own["right"].items) == (["Plain text.", "more plain"], ["café au lait", "naïve"])
+    seen.pairs(["Plain text.", ("a", "b"), ("a", "naïve")], direction="left")
+    assert (fast["left"].items, own["left"].items) == (["Plain text.", ("a", "b")], [("a", "naïve")])
+    seen.documents(["x " * 300, "é " * 300], "chunk")  # windows: bodies from the tokenizer that does not truncate
+    assert (fast["whole"].items, own["whole"].items) == (["x " * 300], ["é " * 300])
 
 
 @pytest.mark.parametrize("part", ["normalizer", "pre_tokenizer"])
@@ -48,7 +78,9 @@ def test_no_ascii_tokenizer_for_another_normalizer_or_pre_tokenizer(minilm_token
         other.pre_tokenizer = pre_tokenizers.Metaspace()
     plain = TextTokenizer(other, tok.prefix, tok.suffix, tok.max_length)
     assert plain._ascii is None
-    assert plain._tokenizer(["Plain text."], "right") is plain._truncating["right"]
+    seen, _, own = watched(plain)
+    seen.documents(["Plain text."])
+    assert own["right"].items == ["Plain text."]
 
 
 def test_no_ascii_tokenizer_where_an_added_token_holds_whitespace(minilm_tokenizers):
@@ -86,7 +118,6 @@ def test_ascii_windows_and_ends_as_the_checkpoints_own_path(minilm_tokenizers, t
     tok, _ = minilm_tokenizers
     own = TextTokenizer(tok.tokenizer, tok.prefix, tok.suffix, tok.max_length)
     own.__dict__["_ascii"] = None  # the cached property, read as off
-    assert tok._tokenizer(texts, "whole") is tok._ascii["whole"]
     assert ids_of(tok.documents(texts, long, direction=direction)) == ids_of(own.documents(texts, long,
                                                                                              direction=direction))
 

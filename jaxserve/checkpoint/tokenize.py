@@ -93,6 +93,11 @@ def flat_ids(encodings, with_types: bool = False):
     return ids, offsets, types
 
 
+def _encode(tok: Tokenizer, items: list, fast: bool, special: bool) -> list:
+    """`tok`'s batch encodings of `items` (`fast`: `encode_batch_fast`, which skips the offsets)."""
+    return (tok.encode_batch_fast if fast else tok.encode_batch)(items, add_special_tokens=special)
+
+
 def _is_ascii(item: str | tuple) -> bool:
     """A text, or each text of a pair, is ASCII (`str.isascii` reads a flag of the string: no scan)."""
     return item.isascii() if isinstance(item, str) else all(map(str.isascii, item))
@@ -169,17 +174,27 @@ class TextTokenizer:
             out[which] = fast
         return out
 
-    def _tokenizer(self, texts: list, direction: str) -> Tokenizer:
-        """The truncating tokenizer for these texts (or pairs), by `direction` ("whole": the one that does not
-        truncate): the ASCII one when every text is ASCII."""
-        if self._ascii is not None and all(map(_is_ascii, texts)):
-            return self._ascii[direction]
-        return self.tokenizer if direction == "whole" else self._truncating[direction]
+    def _encoded(self, items: list, direction: str, fast: bool = True, special: bool = True) -> list:
+        """Each text's (or pair's) encoding, in order, by the tokenizer for `direction` ("whole": the one that does
+        not truncate; `fast`: without offsets): the ASCII items through the ASCII one, the rest through the
+        checkpoint's own, one call each, so that one accented text does not take a whole request off the ASCII
+        path."""
+        own = self.tokenizer if direction == "whole" else self._truncating[direction]
+        plain = [] if self._ascii is None else list(map(_is_ascii, items))
+        if not any(plain):
+            return _encode(own, items, fast, special)
+        if all(plain):
+            return _encode(self._ascii[direction], items, fast, special)
+        out = [None] * len(items)
+        for tok, which in ((self._ascii[direction], True), (own, False)):
+            at = [i for i, p in enumerate(plain) if p == which]
+            for i, e in zip(at, _encode(tok, [items[i] for i in at], fast, special)):
+                out[i] = e
+        return out
 
     def encode_bodies(self, texts: list[str]) -> list[np.ndarray]:
         """Token ids of each text, without special tokens and untruncated."""
-        tok = self._tokenizer(texts, "whole")
-        return [np.asarray(e.ids, dtype=np.int32) for e in tok.encode_batch(texts, add_special_tokens=False)]
+        return [np.asarray(e.ids, dtype=np.int32) for e in self._encoded(texts, "whole", fast=False, special=False)]
 
     def wrap(self, body: np.ndarray) -> np.ndarray:
         """Body ids -> one model sequence, truncated to fit."""
@@ -202,7 +217,7 @@ class TextTokenizer:
         if long == "truncate":
             if prompt:
                 texts = [prompt + t for t in texts]
-            ids, offsets, _ = flat_ids(self._tokenizer(texts, direction).encode_batch_fast(texts))
+            ids, offsets, _ = flat_ids(self._encoded(texts, direction))
             n = len(texts)
             if n == 1:  # one text (a query's): its document and weight without four numpy calls
                 return Pieces(ids, offsets, FIRST_DOC, np.array([float(max(len(ids) - self.num_special, 1))]))
@@ -222,7 +237,7 @@ class TextTokenizer:
                 if len(e.ids) > self.max_length:
                     raise TooLongError(f"input {i} has {len(e.ids)} tokens, over the model's limit of "
                                        f"{self.max_length} (allow truncation)")
-        ids, offsets, types = flat_ids(self._tokenizer(items, direction).encode_batch(items), with_types=True)
+        ids, offsets, types = flat_ids(self._encoded(items, direction, fast=False), with_types=True)
         n = len(items)
         return Pieces(ids, offsets, np.arange(n), np.ones(n), types)
 
