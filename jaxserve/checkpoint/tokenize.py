@@ -150,7 +150,7 @@ class TextTokenizer:
         dropped, lower case) without its Unicode work (NFD, accents, a category lookup per character), which is
         a quarter of tokenizing English text; and a pre-tokenizer that splits as BERT's does (on whitespace, each
         punctuation character on its own) with ASCII's punctuation as one character class, not a binary search
-        of Unicode's punctuation table per character (a tenth of the rest). None for any other tokenizer."""
+        of Unicode's punctuation table per character. None for any other tokenizer."""
         bert = self.tokenizer.normalizer
         if (type(bert) is not normalizers.BertNormalizer
                 or type(self.tokenizer.pre_tokenizer) is not pre_tokenizers.BertPreTokenizer):

@@ -53,8 +53,8 @@ class Spec:
 
 class Tally:
     """The values of `specs`, by (name, label values). Safe to update from any thread; `one_thread`: updated from
-    one thread only (a front-end's, from its event loop), so that an update takes no lock (the lock was about a
-    third of an update's cost)."""
+    one thread only (a front-end's, from its event loop), so that an update takes no lock (a large part of an
+    update's cost)."""
 
     def __init__(self, specs: Iterable[Spec], one_thread: bool = False):
         self.specs = tuple(specs)

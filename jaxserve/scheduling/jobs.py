@@ -52,15 +52,15 @@ ZERO = _read_only(np.zeros(1, np.int64))
 @dataclasses.dataclass(frozen=True)
 class _Query:
     """What every one-sequence job of one length shares (read-only): its length, its tokens' planes but the ids,
-    its row's extent in `flat`. Made per query, they were a twentieth of a front-end's instructions per
-    one-document request."""
+    its row's extent in `flat`. Made once, not per query: small arrays made per request are a measurable share of
+    a front-end's CPU per one-document request (docs/benchmarks.md)."""
 
     lengths: np.ndarray  # [1]
     flat: np.ndarray  # [4, L]: ids 0 (a job's copy puts its own), segment 1, positions 0..L-1, type 0
     row_start: np.ndarray  # [2]
 
 
-QUERY_SHARED_TOKENS = 512  # longer single sequences make their own (a shared [4, L] per length: at most 4 MB)
+QUERY_SHARED_TOKENS = 512  # longer single sequences make their own (a shared [4, L] per length: about 2 MB in all)
 
 
 def _query(length: int) -> _Query:

@@ -175,8 +175,7 @@ _queries: dict[int, tuple[BucketTable, dict[tuple[int | None, int], Rows]]] = {}
 
 def query_rows(table: BucketTable, width: int | None, length: int) -> Rows:
     """The Rows of one sequence of `length` tokens: made once per table, width and length, then shared by every
-    query of that length (their arrays read-only). Five small arrays made per query were a twentieth of a
-    front-end's instructions per one-document request."""
+    query of that length (their arrays read-only), not five small arrays made per query."""
     known = _queries.get(id(table))
     if known is None or known[0] is not table:
         if len(_queries) >= 64:  # as `_widths`
