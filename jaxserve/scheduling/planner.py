@@ -71,9 +71,10 @@ def pack(lengths, table: BucketTable, layout: str | None = None) -> Rows:
     """Rows for sequences of these lengths on this table (`layout` defaults to the table's), longest seqlen
     first: the rows a batch takes of one request at several seqlens are then one slice of its tokens."""
     lengths = np.asarray(lengths, np.int64).reshape(-1)
-    width = pack_width(table) if (layout or table.layout) == "packed" else None
+    derived = _derived(table)
+    width = derived.width if (layout or table.layout) == "packed" else None
     if len(lengths) == 1:  # one sequence (a query)
-        return query_rows(table, width, int(lengths[0]))
+        return derived.query_rows(table, width, int(lengths[0]))
     if len(lengths) and lengths.max() > table.max_seqlen:
         raise ValueError(f"no bucket holds {int(lengths.max())} tokens (largest seqlen {table.max_seqlen})")
     if width is None or not len(lengths):  # padded, or no sequences
@@ -144,52 +145,56 @@ def _best_fit_decreasing(lengths: np.ndarray, table: BucketTable, width: int) ->
     return rows
 
 
-_widths: dict[int, tuple[BucketTable, int | None]] = {}  # pack_width by table (identity): every request packs
-
-
 def pack_width(table: BucketTable) -> int | None:
     """The seqlen packed rows are filled to: the cheapest per token among seqlens with several slots.
 
-    Untimed tables use the largest such seqlen up to UNTIMED_PACK_WIDTH. Once per table (a server has one or
-    two): computed per request it cost a front-end 4% of a one-document request's CPU.
+    Untimed tables use the largest such seqlen up to UNTIMED_PACK_WIDTH. Once per table (`_derived`).
     """
-    known = _widths.get(id(table))
-    if known is not None and known[0] is table:
-        return known[1]
+    return _derived(table).width
+
+
+def _width(table: BucketTable) -> int | None:
     multi = [s for s in table.seqlens if table.at(s)[-1].slots > 1]
     if not multi:
-        width = None
-    elif all(b.run_s is not None for b in table.buckets):
-        width = min(multi, key=lambda s: (min(dispatch_s(b, table.host_dispatch_s) / b.tokens for b in table.at(s)), -s))
-    else:
-        fitting = [s for s in multi if s <= UNTIMED_PACK_WIDTH]
-        width = max(fitting) if fitting else min(multi)
-    if len(_widths) >= 64:  # tables made in a loop (tests, benchmarks): forget them all, keep memory bounded
-        _widths.clear()
-    _widths[id(table)] = (table, width)
-    return width
+        return None
+    if all(b.run_s is not None for b in table.buckets):
+        return min(multi, key=lambda s: (min(dispatch_s(b, table.host_dispatch_s) / b.tokens for b in table.at(s)), -s))
+    fitting = [s for s in multi if s <= UNTIMED_PACK_WIDTH]
+    return max(fitting) if fitting else min(multi)
 
 
-_queries: dict[int, tuple[BucketTable, dict[tuple[int | None, int], Rows]]] = {}  # query_rows by table (identity)
+@dataclasses.dataclass
+class _Derived:
+    """What packing reads of a table on every request, worked out once per table: computed per request, the
+    packing width alone cost a front-end a measurable share of a one-document request's CPU."""
+
+    width: int | None  # `pack_width`
+    queries: dict[tuple[int | None, int], Rows] = dataclasses.field(default_factory=dict)  # by (width, length)
+
+    def query_rows(self, table: BucketTable, width: int | None, length: int) -> Rows:
+        """The Rows of one sequence of `length` tokens: made once per width and length, then shared by every
+        query of that length (their arrays read-only), not five small arrays made per query."""
+        rows = self.queries.get((width, length))
+        if rows is None:
+            if length > table.max_seqlen:
+                raise ValueError(f"no bucket holds {length} tokens (largest seqlen {table.max_seqlen})")
+            arrays = (np.array([length]), np.zeros(1, np.int64), np.arange(2), np.array([table.pick(length).seqlen]))
+            for a in arrays:
+                a.flags.writeable = False
+            rows = self.queries[(width, length)] = Rows(*arrays, width)
+        return rows
 
 
-def query_rows(table: BucketTable, width: int | None, length: int) -> Rows:
-    """The Rows of one sequence of `length` tokens: made once per table, width and length, then shared by every
-    query of that length (their arrays read-only), not five small arrays made per query."""
-    known = _queries.get(id(table))
+_derived_of: dict[int, tuple[BucketTable, _Derived]] = {}  # by table (identity): a server has one or two
+
+
+def _derived(table: BucketTable) -> _Derived:
+    known = _derived_of.get(id(table))
     if known is None or known[0] is not table:
-        if len(_queries) >= 64:  # as `_widths`
-            _queries.clear()
-        known = _queries[id(table)] = (table, {})
-    rows = known[1].get((width, length))
-    if rows is None:
-        if length > table.max_seqlen:
-            raise ValueError(f"no bucket holds {length} tokens (largest seqlen {table.max_seqlen})")
-        arrays = (np.array([length]), np.zeros(1, np.int64), np.arange(2), np.array([table.pick(length).seqlen]))
-        for a in arrays:
-            a.flags.writeable = False
-        rows = known[1][(width, length)] = Rows(*arrays, width)
-    return rows
+        if len(_derived_of) >= 64:  # tables made in a loop (tests, benchmarks): forget them all, keep memory bounded
+            _derived_of.clear()
+        known = _derived_of[id(table)] = (table, _Derived(_width(table)))
+    return known[1]
 
 
 # ---- the cost of dispatches (used by the batcher to choose batch sizes) ----
