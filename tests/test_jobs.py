@@ -95,6 +95,39 @@ def test_every_sequence_comes_back_to_its_place(requests, t, cancelled, shuffle,
         assert gone.remaining == len(requests[cancelled])  # never ran
 
 
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(1, 128), min_size=0, max_size=30), st.sampled_from(range(len(TABLES))), st.booleans(),
+       st.booleans())
+def test_each_row_lies_in_flat_padded_to_its_seqlen(lengths, t, typed, shuffle):
+    """The layout `assemble` copies blocks of: row r at `pad_start[r]`, `seqlen[r]` wide, its sequences' tokens
+    side by side (segment k, positions from 0) and then zeros; `row_start` and `seq_start` count real tokens."""
+    rng = np.random.default_rng(len(lengths))
+    seqs = [rng.integers(1, 1000, n).astype(np.int32) for n in lengths]
+    types = [rng.integers(0, 2, n).astype(np.int32) for n in lengths] if typed else None
+    pieces = from_sequences(seqs, np.arange(len(lengths)), np.ones(len(lengths)), types)
+    rows = pack(pieces.lengths, TABLES[t])
+    rows = shuffled(rows, rng) if shuffle else rows
+    job = Job(rows, pieces.ids, pieces.offsets, pieces.types, 4)
+    assert job.pad_start.tolist() == [0, *np.cumsum(rows.seqlen).tolist()] and job.flat.shape[1] == job.pad_start[-1]
+    assert job.row_start.tolist() == [0, *np.cumsum(rows.tokens).tolist()]
+    for r in range(rows.count):
+        members = rows.row_members(r).tolist()
+        block = job.flat[:, job.pad_start[r] : job.pad_start[r + 1]]
+        planes = [np.concatenate([seqs[p] for p in members]),
+                  np.concatenate([np.full(len(seqs[p]), k + 1) for k, p in enumerate(members)]),
+                  np.concatenate([np.arange(len(seqs[p])) for p in members]),
+                  np.concatenate([types[p] if typed else np.zeros(len(seqs[p])) for p in members])]
+        n = int(rows.tokens[r])
+        np.testing.assert_array_equal(block[:, :n], planes)
+        assert not block[:, n:].any()
+        before = job.row_start[r]  # each of its sequences' first token among the job's real tokens
+        for p in members:
+            assert job.seq_start[p] == before
+            before += len(seqs[p])
+    for p, s in enumerate(seqs):
+        np.testing.assert_array_equal(job.inputs_of(p)[0], s)
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.integers(1, 120), min_size=1, max_size=40), st.sampled_from(range(len(TABLES))), st.booleans())
 def test_joined_queries_each_get_their_own_output(lengths, t, typed):
@@ -113,9 +146,8 @@ def test_joined_queries_each_get_their_own_output(lengths, t, typed):
     assert sorted(job.rows.seqlen.tolist(), reverse=True) == job.rows.seqlen.tolist()  # longest seqlen first
     assert sorted(job.rows.seqlen.tolist()) == sorted(q.rows.seqlen[0] for q in queries)
     for i, (s, ty) in enumerate(zip(seqs, types)):  # sequence i: query i's tokens and types
-        a = job.seq_start[i]
-        np.testing.assert_array_equal(job.flat[0, a : a + len(s)], s)
-        np.testing.assert_array_equal(job.flat[3, a : a + len(s)], 0 if ty is None else ty)
+        np.testing.assert_array_equal(job.inputs_of(i)[0], s)
+        np.testing.assert_array_equal(job.inputs_of(i)[3], 0 if ty is None else ty)
     engine = {0: crossed(job)}
     batcher = Batcher(table, max_wait_s=0.0, max_queued=10_000_000)
     batcher.submit(0, job.rows.seqlen, job.rows.docs, 0.0)
@@ -179,7 +211,7 @@ def test_a_job_crosses_to_the_engine_whole(lengths, t, output):
     buffers = []
     head = pickle.dumps({"job": job}, protocol=5, buffer_callback=buffers.append)
     got = pickle.loads(head, buffers=[b.raw() for b in buffers])["job"]
-    for name in ("flat", "row_start", "seq_start", "lengths", "row_of", "slot_of"):
+    for name in ("flat", "row_start", "pad_start", "seq_start", "lengths", "row_of", "slot_of"):
         np.testing.assert_array_equal(getattr(got, name), getattr(job, name))
     for name in ("lengths", "members", "starts", "seqlen"):
         np.testing.assert_array_equal(getattr(got.rows, name), getattr(job.rows, name))
@@ -201,12 +233,15 @@ def test_a_query_job_is_the_one_sequence_layout_and_owns_its_tokens(length, at, 
     table = fixed([(4, 16), (2, 1024)])
     job = Job(pack([length], table), ids, offsets, types, 4)
     twin = Job(pack([length], table), ids[::-1].copy(), offsets, None, 4)  # same length, other tokens
-    np.testing.assert_array_equal(job.flat, [ids[at : at + length], np.ones(length), np.arange(length),
-                                             types[at : at + length] if typed else np.zeros(length)])
-    np.testing.assert_array_equal(twin.flat[0], ids[::-1][at : at + length])
+    seqlen = int(job.rows.seqlen[0])  # its row: its tokens, then padding to the row's seqlen
+    np.testing.assert_array_equal(job.flat[:, :length], [ids[at : at + length], np.ones(length), np.arange(length),
+                                                         types[at : at + length] if typed else np.zeros(length)])
+    assert job.flat.shape == (4, seqlen) and not job.flat[:, length:].any()
+    np.testing.assert_array_equal(twin.flat[0, :length], ids[::-1][at : at + length])
     assert job.lengths.tolist() == [length] and job.row_start.tolist() == [0, length]
+    assert job.pad_start.tolist() == [0, seqlen]
     assert job.seq_start.tolist() == job.row_of.tolist() == job.slot_of.tolist() == [0]
-    for shared in (job.lengths, job.row_start, job.seq_start, job.row_of, job.slot_of):
+    for shared in (job.lengths, job.row_start, job.pad_start, job.seq_start, job.row_of, job.slot_of):
         with pytest.raises(ValueError, match="read-only"):
             shared[0] = 7
     job.flat[0, 0] = -1  # its own copy: the twin's and later jobs' tokens stay theirs

@@ -207,7 +207,7 @@ async def test_a_job_past_its_timeout_fails_with_timeout_and_the_engine_drops_it
         async with asyncio.timeout(BOUND_S):
             while held.cancelled != [5]:
                 await asyncio.sleep(0.01)
-        assert held.job.flat[0].tolist() == [0, 1, 2] and not link._pending
+        assert held.job.inputs_of(0)[0].tolist() == [0, 1, 2] and not link._pending
     finally:
         await link.stop()
         await server.stop()
@@ -289,7 +289,8 @@ class Echo:
     def finish(self, jid):
         job, cls = self.got[jid][:2]
         p = len(job.lengths)
-        job.put(np.arange(p), np.stack([job.flat[0, job.seq_start], job.lengths, np.full(p, cls), np.zeros(p)], 1))
+        firsts = [job.inputs_of(q)[0, 0] for q in range(p)]
+        job.put(np.arange(p), np.stack([firsts, job.lengths, np.full(p, cls), np.zeros(p)], 1))
         self.futures[jid].set_result(None)
 
     def cancel(self, jid):

@@ -10,12 +10,15 @@ Glossary (one meaning each, everywhere):
   flat here so that batches are filled without per-sequence Python;
 - batch (a dispatch): rows of one or more jobs at one bucket shape.
 
-`assemble` copies a dispatch's rows out of their jobs into one [4, B, S]
-int32 array (token ids, segment ids, positions, type ids: one host-to-device
-transfer); `scatter` copies the [B, k, D] output (the slots the batch fills)
-back into each job's per-sequence output, in input order; `keep` puts what
-the engine kept of some sequences' full outputs (SPLADE rows over the cap)
-into their jobs' `kept`.
+A job holds its inputs as its rows already laid out for a batch: each row
+padded to its own seqlen, one after another (`Job.flat`, made by the
+front-end, which scales with the cores). `assemble` (in the engine, the one
+serial process) then copies a dispatch's rows into one [4, B, S] int32 array
+(token ids, segment ids, positions, type ids: one host-to-device transfer) as
+a block per run of rows of one seqlen, with no per-token index; `scatter`
+copies the [B, k, D] output (the slots the batch fills) back into each job's
+per-sequence output, in input order; `keep` puts what the engine kept of some
+sequences' full outputs (SPLADE rows over the cap) into their jobs' `kept`.
 """
 
 from __future__ import annotations
@@ -51,36 +54,42 @@ ZERO = _read_only(np.zeros(1, np.int64))
 
 @dataclasses.dataclass(frozen=True)
 class _Query:
-    """What every one-sequence job of one length shares (read-only): its length, its tokens' planes but the ids,
-    its row's extent in `flat`. Made once, not per query: small arrays made per request are a measurable share of
-    a front-end's CPU per one-document request (docs/benchmarks.md)."""
+    """What every one-sequence job of one length and seqlen shares (read-only): its length, its row's planes but
+    the ids, its row's extent in its tokens and in `flat`. Made once, not per query: small arrays made per request
+    are a measurable share of a front-end's CPU per one-document request (docs/benchmarks.md)."""
 
     lengths: np.ndarray  # [1]
-    flat: np.ndarray  # [4, L]: ids 0 (a job's copy puts its own), segment 1, positions 0..L-1, type 0
-    row_start: np.ndarray  # [2]
+    flat: np.ndarray  # [4, S]: ids 0 (a job's copy puts its own), segment 1, positions 0..L-1, type 0; then padding
+    row_start: np.ndarray  # [2] 0, L
+    pad_start: np.ndarray  # [2] 0, S
 
 
-QUERY_SHARED_TOKENS = 512  # longer single sequences make their own (a shared [4, L] per length: about 2 MB in all)
+QUERY_SHARED_TOKENS = 512  # longer single sequences make their own (a shared [4, S] per length: a few MB in all)
 
 
-def _query(length: int) -> _Query:
-    return _shared_query(length) if length <= QUERY_SHARED_TOKENS else _made_query(length)
+def _query(length: int, seqlen: int) -> _Query:
+    return _shared_query(length, seqlen) if length <= QUERY_SHARED_TOKENS else _made_query(length, seqlen)
 
 
-def _made_query(length: int) -> _Query:
-    flat = np.zeros((4, length), np.int32)
-    flat[1], flat[2] = 1, np.arange(length)
-    return _Query(_read_only(np.array([length])), _read_only(flat), _read_only(np.array([0, length])))
+def _made_query(length: int, seqlen: int) -> _Query:
+    flat = np.zeros((4, seqlen), np.int32)
+    flat[1, :length], flat[2, :length] = 1, np.arange(length)
+    return _Query(_read_only(np.array([length])), _read_only(flat), _read_only(np.array([0, length])),
+                  _read_only(np.array([0, seqlen])))
 
 
 _shared_query = functools.cache(_made_query)
 
 
 class Job:
-    """One request's sequences packed into rows, flat; its output fills in as its rows finish.
+    """One request's sequences packed into rows, laid out as a batch takes them; its output fills in as its rows
+    finish.
 
     `ids` [T] holds every sequence's token ids back to back (`offsets` [P + 1]),
-    `types` the token type ids alike (sentence pairs) or None for zeros.
+    `types` the token type ids alike (sentence pairs) or None for zeros. `flat`
+    [4, sum of the rows' seqlens] holds row r at `pad_start[r]`, padded with
+    zeros to its seqlen; `row_start` and `seq_start` place rows and sequences
+    among the job's real tokens (the index of a `tokens` output).
     `output`: `pooled` fills `out` [P, D], one vector per sequence; `tokens`
     fills `out` [T, D], one per token (TEI's /embed_all), in row order:
     `token_vectors(p)` gives sequence p's. `kept`: by sequence, what the engine
@@ -101,31 +110,38 @@ class Job:
         self.output = output
         if len(offsets) == 2:  # one sequence (a query): one row, slot 1, its tokens one slice of `ids`
             a, z = int(offsets[0]), int(offsets[1])
-            src = slice(a, z)
-            query = _query(z - a)
+            query = _query(z - a, int(rows.seqlen[0]))
             lengths = query.lengths
-            self.flat = query.flat.copy()  # [4, L]: segment 1, positions 0.., type 0
-            self.flat[0] = ids[src]
-            self.row_start, self.seq_start, self.row_of, self.slot_of = query.row_start, ZERO, ZERO, ZERO
+            self.flat = query.flat.copy()  # [4, S]: segment 1, positions 0.., type 0, then padding
+            self.flat[0, : z - a] = ids[a:z]
+            if types is not None:
+                self.flat[3, : z - a] = types[a:z]
+            self.row_start, self.pad_start = query.row_start, query.pad_start
+            self.seq_start, self.row_of, self.slot_of = ZERO, ZERO, ZERO
         else:
             lengths = offsets[1:] - offsets[:-1]
             order = rows.members  # sequences in row order
-            src = ragged_arange(offsets[order], lengths[order])  # each token's place in `ids`, row after row
-            self.flat = np.empty((4, len(src)), np.int32)  # [4, T] in row order
-            self.flat[0] = ids[src]
+            in_order = lengths[order]
+            src = ragged_arange(offsets[order], in_order)  # [T] each token's place in `ids`, row after row
+            first = np.cumsum(in_order) - in_order  # each sequence's first token among the job's, in row order
+            self.row_start = np.concatenate([[0], np.cumsum(rows.tokens)])  # [R + 1] each row's first token
+            self.pad_start = np.concatenate([[0], np.cumsum(rows.seqlen)])  # [R + 1] each row's place in `flat`
+            # [T] each token's column in `flat`: its place among the tokens, moved by the padding of the rows before
+            at = np.arange(len(src)) + np.repeat(self.pad_start[:-1] - self.row_start[:-1], rows.tokens)
             slot = np.arange(len(order)) - np.repeat(rows.starts[:-1], rows.docs)  # each sequence's slot in its row
-            self.flat[1] = np.repeat(slot + 1, lengths[order])
-            self.flat[2] = np.arange(len(src)) - np.repeat(np.cumsum(lengths[order]) - lengths[order], lengths[order])
-            self.row_start = np.concatenate([[0], np.cumsum(rows.tokens)])  # [R + 1] each row's tokens in `flat`
-            self.seq_start = np.empty(len(lengths), np.int64)  # each sequence's first token in `flat`
-            self.seq_start[order] = np.cumsum(lengths[order]) - lengths[order]
+            self.flat = np.zeros((4, int(self.pad_start[-1])), np.int32)
+            ids_plane, segments, positions, type_plane = self.flat
+            ids_plane[at] = ids[src]  # each plane's values as int32 already: a scatter that casts is twice as slow
+            segments[at] = np.repeat((slot + 1).astype(np.int32), in_order)
+            positions[at] = np.arange(len(src), dtype=np.int32) - np.repeat(first.astype(np.int32), in_order)
+            if types is not None:
+                type_plane[at] = types[src]
+            self.seq_start = np.empty(len(lengths), np.int64)  # each sequence's first token among the job's
+            self.seq_start[order] = first
             # [P] by place in row order: each sequence's row and slot, so that `scatter` slices instead of searching
             self.row_of, self.slot_of = np.repeat(np.arange(rows.count), rows.docs), slot
-            self.flat[3] = 0
-        if types is not None:
-            self.flat[3] = types[src]
         self.lengths = lengths
-        size = self.flat.shape[1] if output == "tokens" else len(lengths)
+        size = int(self.row_start[-1]) if output == "tokens" else len(lengths)
         self._out: np.ndarray | None = np.zeros((size, out_dim), np.float32)  # [P, D] per sequence, or [T, D]
         # (where in `out`, vectors) per batch part: the engine's copy of a job gathers its outputs here, and the
         # front-end's holds them until `out` is read
@@ -172,8 +188,8 @@ class Job:
         (pickling ten small arrays each on its own cost a front-end more than the rest of the message); its
         outputs stay behind: the engine's copy has none, and gathers them (`put`) for the reply."""
         r = self.rows
-        index = np.concatenate((r.lengths, r.members, r.starts, r.seqlen, self.row_start, self.seq_start,
-                                self.lengths, self.row_of, self.slot_of), dtype=np.int64)
+        index = np.concatenate((r.lengths, r.members, r.starts, r.seqlen, self.row_start, self.pad_start,
+                                self.seq_start, self.lengths, self.row_of, self.slot_of), dtype=np.int64)
         # raw buffers of known dtypes: a pickled array's dtype is rebuilt from its name on arrival, twice per job
         return (pickle.PickleBuffer(self.flat), pickle.PickleBuffer(index), len(self.lengths), len(r.seqlen),
                 r.width, self.output, self.out_shape, self.remaining, self.kept)
@@ -183,12 +199,20 @@ class Job:
         self.flat = np.frombuffer(flat, np.int32).reshape(4, -1)
         index = np.frombuffer(index, np.int64)
         parts, at = [], 0
-        for n in (p, p, n_rows + 1, n_rows, n_rows + 1, p, p, p, p):  # the arrays in __getstate__'s order
+        for n in (p, p, n_rows + 1, n_rows, n_rows + 1, n_rows + 1, p, p, p, p):  # in __getstate__'s order
             parts.append(index[at : at + n])
             at += n
-        lengths, members, starts, seqlen, self.row_start, self.seq_start, self.lengths, self.row_of, self.slot_of = parts
+        (lengths, members, starts, seqlen, self.row_start, self.pad_start, self.seq_start, self.lengths, self.row_of,
+         self.slot_of) = parts
         self.rows = Rows(lengths, members, starts, seqlen, width)
         self._out, self._shape, self.gathered = None, tuple(out_shape), []  # outputs go back gathered
+
+    def inputs_of(self, p: int) -> np.ndarray:
+        """[4, L] sequence p's planes in `flat` (ids, segments, positions, types): for tests and reading a job."""
+        a = int(self.seq_start[p])
+        r = int(np.searchsorted(self.row_start, a, side="right")) - 1
+        at = int(self.pad_start[r]) + a - int(self.row_start[r])
+        return self.flat[:, at : at + int(self.lengths[p])]
 
     def token_vectors(self, p: int) -> np.ndarray:
         """[L, D] sequence p's token vectors (a `tokens` job)."""
@@ -204,13 +228,14 @@ def joined(jobs: list[Job]) -> Job:
         raise ValueError("only one-sequence jobs of pooled outputs are joined")
     seqlen = np.array([j.rows.seqlen[0] for j in jobs], np.int64)
     order = np.argsort(-seqlen, kind="stable")  # row r holds sequence order[r]
-    flat = np.concatenate([jobs[i].flat for i in order.tolist()], axis=1)  # each: segment 1, positions from 0
-    lengths = np.array([j.flat.shape[1] for j in jobs], np.int64)
+    flat = np.concatenate([jobs[i].flat for i in order.tolist()], axis=1)  # each: its one row, padded
+    lengths = np.array([int(j.lengths[0]) for j in jobs], np.int64)
     job = Job.__new__(Job)
     n = len(jobs)
     job.rows = Rows(lengths, order, np.arange(n + 1), seqlen[order], jobs[0].rows.width)
     job.output, job.flat, job.lengths = "pooled", flat, lengths
     job.row_start = np.concatenate(([0], np.cumsum(lengths[order])))
+    job.pad_start = np.concatenate(([0], np.cumsum([jobs[i].flat.shape[1] for i in order.tolist()])))
     job.seq_start = np.empty(n, np.int64)
     job.seq_start[order] = job.row_start[:-1]
     job.row_of, job.slot_of = np.arange(n), np.zeros(n, np.int64)
@@ -231,29 +256,43 @@ def consecutive(rows: np.ndarray) -> bool:
     return rows[-1] - rows[0] + 1 == len(rows)
 
 
+def spanned(starts: np.ndarray, rows: np.ndarray) -> int:
+    """sum(starts[r + 1] - starts[r] for r in rows): a part's tokens or sequences from their cumulative starts, as
+    one subtraction where the rows are consecutive (numpy's sum of a small array costs more than the rest)."""
+    if consecutive(rows):
+        return int(starts[rows[-1] + 1] - starts[rows[0]])
+    return int((starts[rows + 1] - starts[rows]).sum())
+
+
 def assemble(bucket: Bucket, parts, jobs: dict[int, Job]) -> tuple[np.ndarray, int]:
     """([4, B, S] int32, real tokens): each part's rows (job, row indices) in consecutive batch rows; the rest zeros.
 
-    Rows of jobs no longer in `jobs` (cancelled) stay padding."""
+    A run of rows consecutive in their job and of one seqlen w is one block of its `flat`, [4, n, w] as it lies:
+    one copy, as pack's order makes every part of one seqlen. Rows of jobs no longer in `jobs` (cancelled) stay
+    padding."""
     b, s = bucket.shape
     out = np.zeros((4, b, s), np.int32)
     first = real = 0
     for job_id, rows in parts:
         job = jobs.get(job_id)
-        if job is not None and len(rows) == 1:  # one row (a small request's): two slices, no index arrays
-            a, z = job.row_start[rows[0]], job.row_start[rows[0] + 1]
+        if job is not None and len(rows) == 1:  # one row (a small request's): two slices
+            r = rows[0]
+            a, z = job.pad_start[r], job.pad_start[r + 1]
             out[:, first, : z - a] = job.flat[:, a:z]
-            real += int(z - a)
+            real += int(job.row_start[r + 1] - job.row_start[r])
         elif job is not None:
-            counts = job.row_start[rows + 1] - job.row_start[rows]
-            if consecutive(rows):
-                src = job.flat[:, job.row_start[rows[0]] : job.row_start[rows[-1] + 1]]
-            else:
-                src = job.flat[:, ragged_arange(job.row_start[rows], counts)]
-            real_of = np.arange(s) < counts[:, None]  # [n, S]: each row's tokens first, then padding
-            for plane, tokens in zip(out[:, first : first + len(rows)], src):  # a 2-D mask per plane: numpy's
-                plane[real_of] = tokens  # fast path (4x the [4, T] index arrays' speed at 64 rows)
-            real += int(counts.sum())
+            widths = job.pad_start[rows + 1] - job.pad_start[rows]  # [n] each row's seqlen
+            w = int(widths[0])
+            if consecutive(rows) and (widths == w).all():
+                runs = ((0, len(rows), w),)
+            else:  # cut where the rows stop being consecutive or change seqlen
+                cuts = [0, *(np.flatnonzero((np.diff(rows) != 1) | (widths[1:] != widths[:-1])) + 1).tolist(),
+                        len(rows)]
+                runs = tuple((i, j, int(widths[i])) for i, j in zip(cuts, cuts[1:]))
+            for i, j, w in runs:
+                a = job.pad_start[rows[i]]
+                out[:, first + i : first + j, :w] = job.flat[:, a : a + (j - i) * w].reshape(4, j - i, w)
+            real += spanned(job.row_start, rows)
         first += len(rows)
     return out, real
 
@@ -289,23 +328,27 @@ def scatter(parts, result: np.ndarray, jobs: dict[int, Job]) -> list[int]:
         job = jobs.get(job_id)
         if job is not None:
             r = job.rows
-            counts = r.starts[rows + 1] - r.starts[rows]
             if job.output == "tokens":
                 s = result.shape[1]
                 tokens = job.row_start[rows + 1] - job.row_start[rows]
                 src = ragged_arange((first + np.arange(len(rows))) * s, tokens)
                 job.put(ragged_arange(job.row_start[rows], tokens), result.reshape(-1, result.shape[-1])[src])
+                n = spanned(r.starts, rows)
             elif len(rows) == 1:  # one row: its sequences are its first slots
-                a = r.starts[rows[0]]
-                job.put(r.members[a : a + int(counts[0])], result[first, : int(counts[0])])
+                a, z = int(r.starts[rows[0]]), int(r.starts[rows[0] + 1])
+                job.put(r.members[a:z], result[first, : z - a])
+                n = z - a
             elif consecutive(rows):
-                a, z = r.starts[rows[0]], r.starts[rows[-1] + 1]
+                a, z = int(r.starts[rows[0]]), int(r.starts[rows[-1] + 1])
                 job.put(r.members[a:z], result[job.row_of[a:z] + (first - rows[0]), job.slot_of[a:z]])
+                n = z - a
             else:
+                counts = r.starts[rows + 1] - r.starts[rows]
                 seq = r.members[ragged_arange(r.starts[rows], counts)]
                 slot = ragged_arange(np.zeros(len(rows), np.int64), counts)
                 job.put(seq, result[np.repeat(first + np.arange(len(rows)), counts), slot])
-            job.remaining -= int(counts.sum())
+                n = int(counts.sum())
+            job.remaining -= n
             if job.remaining == 0:
                 done.append(job_id)
         first += len(rows)

@@ -49,7 +49,7 @@ from jaxserve.runtime.buckets import BucketTable
 from jaxserve.scheduling.batcher import BULK, CLASSES, Batcher, Classes, Dispatch, plans, queue_tokens
 from jaxserve.scheduling.explain import LiveTimings, explain
 from jaxserve.scheduling.host_cost import HostCost
-from jaxserve.scheduling.jobs import Job, assemble, keep, most_per_row, scatter
+from jaxserve.scheduling.jobs import Job, assemble, keep, most_per_row, scatter, spanned
 from jaxserve.scheduling.prepared import PreparedQueue, room
 
 if TYPE_CHECKING:  # the engine imports JAX; a front-end process reads this module's names without it
@@ -431,7 +431,7 @@ class Pipeline:
                         for jid, rows in d.parts:
                             if (entry := self._entries.get(jid)) is not None:
                                 jobs[jid] = entry.job
-                                sequences[entry.timing.cls] += int(entry.job.rows.docs[rows].sum())
+                                sequences[entry.timing.cls] += spanned(entry.job.rows.starts, rows)
                                 if entry.timing.first_dispatch is None:
                                     entry.timing.first_dispatch = now
                         self.metrics.sequences("dispatched", sum(sequences))
