@@ -226,16 +226,17 @@ def joined(jobs: list[Job]) -> Job:
     however many there are: the front-end that joins them pays little for it)."""
     if any(len(j.lengths) != 1 or j.output != "pooled" for j in jobs):
         raise ValueError("only one-sequence jobs of pooled outputs are joined")
-    seqlen = np.array([j.rows.seqlen[0] for j in jobs], np.int64)
+    widths = [j.flat.shape[1] for j in jobs]  # each query's one row, padded to its seqlen
+    seqlen = np.array(widths, np.int64)
     order = np.argsort(-seqlen, kind="stable")  # row r holds sequence order[r]
-    flat = np.concatenate([jobs[i].flat for i in order.tolist()], axis=1)  # each: its one row, padded
-    lengths = np.array([int(j.lengths[0]) for j in jobs], np.int64)
+    flat = np.concatenate([jobs[i].flat for i in order.tolist()], axis=1)
+    lengths = np.concatenate([j.lengths for j in jobs])
     job = Job.__new__(Job)
     n = len(jobs)
     job.rows = Rows(lengths, order, np.arange(n + 1), seqlen[order], jobs[0].rows.width)
     job.output, job.flat, job.lengths = "pooled", flat, lengths
     job.row_start = np.concatenate(([0], np.cumsum(lengths[order])))
-    job.pad_start = np.concatenate(([0], np.cumsum([jobs[i].flat.shape[1] for i in order.tolist()])))
+    job.pad_start = np.concatenate(([0], np.cumsum(job.rows.seqlen)))
     job.seq_start = np.empty(n, np.int64)
     job.seq_start[order] = job.row_start[:-1]
     job.row_of, job.slot_of = np.arange(n), np.zeros(n, np.int64)
