@@ -7,7 +7,8 @@ Glossary (one meaning each, everywhere):
 - row: one or more sequences side by side in one row of a batch, each in its
   own slot (segment ids 1..K, positions restarting per sequence);
 - job: one request's sequences packed into rows (`planner.pack`), laid out
-  flat here so that batches are filled without per-sequence Python;
+  here as batches take them (each row padded to its seqlen), so that batches
+  are filled without per-sequence Python;
 - batch (a dispatch): rows of one or more jobs at one bucket shape.
 
 A job holds its inputs as its rows already laid out for a batch: each row
