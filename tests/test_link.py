@@ -157,6 +157,53 @@ async def test_a_front_end_link_settles_once_the_engine_says_where_it_stands(tmp
         await server.stop()
 
 
+async def test_the_engine_says_ready_once_every_front_end_has_loaded_its_card(tmp_path):
+    """Front-ends unpickle the card each at its own pace: the engine says "ready" only once every one connected has
+    loaded it (or has gone), so that no load balancer sees one front-end's /health say 200 while a request to
+    another still gets 503 "warming". Here one front-end is a bare wire that says "loaded" when the test does."""
+    from jaxserve.scheduling.link import EngineLink, LinkServer
+
+    path = str(tmp_path / "engine.sock")
+    server = LinkServer(path, lambda: {"ready": True})
+    await server.start()
+    quick = EngineLink(path, retry_s=0.01)
+    await quick.start()
+    slow, gone = [], []
+    try:
+        for wires in (slow, gone):
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.setblocking(False)
+            await asyncio.get_running_loop().sock_connect(sock, path)
+            wires.append(await Wire.open(sock))
+        received = inbox(slow[0])
+        await until(lambda: len(server._wires) == 3)
+        ready = asyncio.create_task(server.ready(object(), {"model": "m"}))
+        await until(lambda: len(server._loaded) == 1)  # the quick one has loaded it
+        assert quick.card == {"model": "m"} and not quick.status["ready"] and quick.healthy is not None
+        assert not ready.done()
+        gone[0].close()  # a front-end that dies before loading the card is not waited for ...
+        await until(lambda: len(server._wires) == 2)
+        assert not ready.done() and not quick.status["ready"]
+        slow[0].post({"op": "loaded"})  # ... the last one connected: now every front-end hears "ready"
+        await asyncio.wait_for(ready, BOUND_S)
+        await until(lambda: quick.status.get("ready"))
+        assert quick.healthy is None
+        seen = []
+        while not any(m.get("op") == "status" and m.get("ready") for m in seen):
+            m = await asyncio.wait_for(received.get(), BOUND_S)
+            seen += m["messages"] if m["op"] == "many" else [m]
+        ops = [m["op"] for m in seen]
+        assert ops.index("card") < len(ops) - 1 and not any(m.get("ready") for m in seen[:-1])
+        # a front-end that never says it loaded the card holds "ready" up only as long as the engine allows
+        await server.ready(object(), {"model": "m2"}, loaded_timeout_s=0.01)
+        assert server._announced and slow[0] not in server._loaded
+    finally:
+        await quick.stop()
+        for wire in slow:
+            wire.close()
+        await server.stop()
+
+
 def test_the_same_on_uvloop():
     """The tests above run on asyncio's loop; every server process runs uvloop's, whose transports differ."""
 

@@ -167,12 +167,13 @@ class AppState:
         self.budget = ByteBudget(config.max_inflight_bytes)  # bytes their bodies hold, inflated
 
     def take_card(self, card: dict) -> None:
-        """A front-end process: the engine process is ready; its model view, tables and device (scheduling/link.py)."""
+        """A front-end process: the engine process's model view, tables and device (scheduling/link.py); ready once
+        the engine says it is (it waits for every front-end to load its card: `LinkServer.ready`)."""
         self.encoder, self.table, self.device = card["encoder"], card["table"], card["device"]
         self.startup.source, self.startup.phases = card["source"], card["phases"]
         self.failed = None
-        self.ready = True
-        self.startup.doing = "ready"
+        if self.link.status.get("ready"):
+            self.ready, self.startup.doing = True, "ready"
         if self.settle_heap:
             host.settle_heap()
 
@@ -183,6 +184,8 @@ class AppState:
             if "doing" in status:
                 self.startup.doing = status["doing"]
                 self.startup.phases = dict(status.get("phases", {}))
+        elif self.table is not None:  # the card came first
+            self.ready, self.startup.doing = True, "ready"
 
     @property
     def processes(self) -> dict:

@@ -10,6 +10,7 @@ pipeline threads. Each front-end holds one Unix socket to the engine:
                         <-- done {places, vectors, timing} --
                         --- cancel ------------> (client gone, timeout)
                         <-- status, card -------- (pushed: health, queue, the model and its tables)
+                        --- loaded ------------> (the card is unpickled and in use: see `LinkServer.ready`)
                         --- explain, metrics --> (asked: the latency math of rows, the metrics of all)
                         <-- answer ------------
                         <-- report ------------ (another front-end's /metrics asked: this one's metrics)
@@ -36,6 +37,7 @@ import asyncio
 import collections
 import contextlib
 import itertools
+import logging
 import math
 import os
 import pickle
@@ -49,12 +51,16 @@ from jaxserve.scheduling.batcher import BULK
 from jaxserve.scheduling.jobs import Job, joined, place
 from jaxserve.scheduling.pipeline import Draining, Pipeline, fail_after
 
+log = logging.getLogger("jaxserve.scheduling.link")
+
 PREFIX = struct.Struct("<IIQ")  # header bytes, buffers, their bytes; then each buffer's length (<Q), the header, them
 JOIN_BYTES = 64 * 2**10  # a message whose arrays hold less than this goes out as one write (a copy costs less)
 STAGE_BYTES = 256 * 2**10  # reads of small messages land here, several at a time
 DIRECT_BYTES = 64 * 2**10  # a message larger than this is read into a buffer of its own (no second copy)
 STATUS_EVERY_S = 0.25  # the engine's queue and health, pushed to each front-end this often (and on change)
 REPORT_TIMEOUT_S = 2.0  # /metrics: a front-end that has not reported its metrics by then is shown as last reported
+# an engine says it is ready once every front-end connected has loaded its card, or after this long without
+LOADED_TIMEOUT_S = 30.0
 JOIN_MOST = 64  # one-sequence jobs of one turn of the event loop sent to the engine as one job, at most
 # ... and at most this share of the engine's queue (its tokens at their rows' seqlens): the engine admits a job
 # whole or not at all, so a joined job must not be refused (413, 429) where its queries alone would be taken
@@ -258,6 +264,9 @@ class LinkServer:
         self._retired: dict = {}  # the last reports of front-ends gone (their counts stay counted)
         self.pipeline: Pipeline | None = None
         self.card: dict | None = None
+        self._announced = False  # front-ends are told the engine is ready (`ready`)
+        self._loaded: set[Wire] = set()  # front-ends that have loaded the card
+        self._all_loaded: asyncio.Future | None = None
         self._wires: set[Wire] = set()
         self._server: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
@@ -281,10 +290,35 @@ class LinkServer:
         for wire in list(self._wires):
             wire.close()
 
-    async def ready(self, pipeline: Pipeline, card: dict) -> None:
+    async def ready(self, pipeline: Pipeline, card: dict, loaded_timeout_s: float = LOADED_TIMEOUT_S) -> None:
+        """Serve `pipeline`; hand every front-end the card, and say "ready" once each one connected has loaded it
+        (unpickling the model view takes a front-end a fraction of a second): every front-end's /health then
+        turns 200 together, so a load balancer that saw one answer 200 never meets another still saying 503
+        "warming". A front-end that has not loaded it within `loaded_timeout_s` is not waited for."""
         self.pipeline, self.card = pipeline, card
-        await self.push({"op": "status", **self.status()})  # ready, before the card: no front-end sees one alone
+        self._announced, self._loaded = False, set()
+        self._all_loaded = asyncio.get_running_loop().create_future()
+        await self.push({"op": "status", **self._status()})  # not ready yet: the card comes first
         await self.push({"op": "card", **card})
+        self._check_loaded()
+        try:
+            await asyncio.wait_for(asyncio.shield(self._all_loaded), loaded_timeout_s)
+        except TimeoutError:
+            log.warning("%d front-end(s) had not loaded the engine's card after %.0f s; ready without them",
+                        len(self._wires - self._loaded), loaded_timeout_s)
+        self._announced = True
+        await self.push({"op": "status", **self._status()})
+
+    def _status(self) -> dict:
+        """The engine's state as the front-ends are told it: not ready until each has loaded the card (`ready`)."""
+        status = self.status()
+        if status.get("ready") and not self._announced:
+            return {**status, "ready": False, "doing": "front-ends loading the model"}
+        return status
+
+    def _check_loaded(self) -> None:
+        if self._all_loaded is not None and not self._all_loaded.done() and self._wires <= self._loaded:
+            self._all_loaded.set_result(None)
 
     async def push(self, message: dict) -> None:
         for wire in list(self._wires):
@@ -306,7 +340,7 @@ class LinkServer:
     async def _push_status(self) -> None:
         last = None
         while True:
-            status = self.status()
+            status = self._status()
             if status != last:
                 await self.push({"op": "status", **status})
                 last = status
@@ -322,7 +356,7 @@ class LinkServer:
                 self._handle(wire, message, running)
 
         try:
-            await wire.send({"op": "status", **self.status()})
+            await wire.send({"op": "status", **self._status()})
             if self.card is not None:
                 await wire.send({"op": "card", **self.card})
             wire.deliver_to(on_message)
@@ -331,6 +365,8 @@ class LinkServer:
             pass
         finally:
             self._wires.discard(wire)
+            self._loaded.discard(wire)
+            self._check_loaded()  # a front-end gone is not waited for
             for jid in running.values():
                 self.pipeline.cancel(jid)
             running.clear()
@@ -353,6 +389,9 @@ class LinkServer:
         elif op == "report":
             self._reports[wire] = message["snapshot"]
             self._reported(wire)
+        elif op == "loaded":
+            self._loaded.add(wire)
+            self._check_loaded()
 
     def _run(self, wire: Wire, message: dict, running: dict) -> None:
         """Submit a job; its reply is posted when its future resolves (a callback: no task per request)."""
@@ -739,6 +778,8 @@ class EngineLink:
             self.card = message
             if self.on_card is not None:
                 self.on_card(message)
+            if self._wire is not None:
+                self._wire.post({"op": "loaded"})  # the engine says "ready" once every front-end has
             self._settled.set()
         elif op == "report":
             if self._wire is not None:
