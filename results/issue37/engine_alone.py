@@ -9,6 +9,8 @@ the engine's core and the device is nearer 100% is the limit.
     python results/issue37/engine_alone.py http://127.0.0.1:8950 DOCS C S [P]
     PIN=1 ...    # the engine on a core of its own (the last), the clients on the rest: as on a larger host
     JOIN=0 ...   # one-document jobs sent one by one (by default a turn's are joined, as a front-end's are)
+    FLOOR=1 ...  # then bench_host's floor for requests of DOCS documents (base64), measured here, and the engine's
+                 # CPU per job as a share of it (the issue's "engine at most 10% of the floor")
 """
 import asyncio
 import json
@@ -84,6 +86,7 @@ if __name__ == "__main__":
     processes = json.loads(urllib.request.urlopen(url + "/info").read())["processes"]
     engine = psutil.Process(processes["engine"])
     path = engine_socket(engine.pid)
+    ALL_CORES = os.sched_getaffinity(0)
     if os.environ.get("PIN") == "1":  # the engine's threads on the last core; the rest (the clients too) not
         cores = sorted(os.sched_getaffinity(0))
         others = [processes.get("supervisor"), *processes.get("frontends", [])]
@@ -107,3 +110,12 @@ if __name__ == "__main__":
     print(f"docs={docs} inflight={procs}x{inflight} jobs/s={n / seconds:.0f} engine_cpu_ms/job={1e3 * (cpu1 - cpu0) / n:.3f} "
           f"engine_cores={(cpu1 - cpu0) / seconds:.2f} batches/job={(b1 - b0) / n:.2f} "
           f"device_busy={100 * (busy1 - busy0) / seconds:.0f}%")
+    if os.environ.get("FLOOR") == "1":
+        import bench_host
+
+        os.sched_setaffinity(0, ALL_CORES)  # as bench_host measures it: not pinned (PIN=1 pinned this process)
+
+        info = json.loads(urllib.request.urlopen(url + "/info").read())
+        bodies = bench_host.request_bodies(harness.documents(4000, seed=0), docs, "base64")
+        floor = bench_host.floor_ms(bodies, "base64", info["dimensions"], info["max_input_length"], None)["total"]
+        print(f"floor {floor:.3f} ms/request; the engine's CPU per job {100 * 1e3 * (cpu1 - cpu0) / n / floor:.1f}% of it")
