@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 import pickle
 
@@ -290,7 +291,7 @@ def assemble(bucket: Bucket, parts, jobs: dict[int, Job]) -> tuple[np.ndarray, i
             else:  # cut where the rows stop being consecutive or change seqlen
                 cuts = [0, *(np.flatnonzero((np.diff(rows) != 1) | (widths[1:] != widths[:-1])) + 1).tolist(),
                         len(rows)]
-                runs = tuple((i, j, int(widths[i])) for i, j in zip(cuts, cuts[1:]))
+                runs = tuple((i, j, int(widths[i])) for i, j in itertools.pairwise(cuts))
             for i, j, w in runs:
                 a = job.pad_start[rows[i]]
                 out[:, first + i : first + j, :w] = job.flat[:, a : a + (j - i) * w].reshape(4, j - i, w)

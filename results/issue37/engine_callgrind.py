@@ -17,7 +17,6 @@ import re
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 here = Path(__file__).resolve().parent
@@ -39,6 +38,7 @@ engine_main(serve_config(args), sys.argv[1], sys.argv[2], os.getppid())
 
 async def feed(path: str, vg: int) -> None:
     import harness
+
     from jaxserve.scheduling.batcher import BULK, INTERACTIVE
     from jaxserve.scheduling.jobs import Job
     from jaxserve.scheduling.link import EngineLink
@@ -90,13 +90,13 @@ def main() -> None:
     finally:
         vg.terminate()
         vg.wait(60)
-    totals = {f: max(int(m.group(1)) for m in re.finditer(r"^(?:summary|totals): (\d+)", f.read_text(), re.M))
+    totals = {f: max(int(m.group(1)) for m in re.finditer(r"^(?:summary|totals): (\d+)", f.read_text(), re.MULTILINE))
               for f in out.glob("cg.out*")}
     profile = max(totals, key=totals.get)  # the dump after the counted jobs (the one at exit holds the rest)
     ir = totals[profile]
     annotated = subprocess.run(["callgrind_annotate", str(profile)], capture_output=True, text=True).stdout
     mem = sum(int(m.group(1).replace(",", "")) for m in re.finditer(r"^\s*([\d,]+) .*(?:memset|memmove|memcpy)",
-                                                                     annotated, re.M))
+                                                                     annotated, re.MULTILINE))
     print(f"engine {tree.name}: {ir // n} instructions per job of {docs} documents ({n} jobs, {conc} in flight), "
           f"{mem // n} of them memset and memcpy")
     if os.environ.get("KEEP"):
