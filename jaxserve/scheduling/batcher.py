@@ -37,11 +37,10 @@ import math
 import numpy as np
 
 from jaxserve.runtime.buckets import Bucket, BucketTable, dispatch_s
-from jaxserve.scheduling.planner import cheapest_covers, cost_model
+from jaxserve.scheduling.planner import cheapest_covers, cost_model, read_only
 
 INTERACTIVE, BULK = 0, 1  # request classes, in the order they are served
-ONE_ROW = np.zeros(1, np.int64)  # the row indices of a one-row job
-ONE_ROW.flags.writeable = False
+ONE_ROW = read_only(np.zeros(1, np.int64))  # the row indices of a one-row job
 CLASSES = ("interactive", "bulk")
 
 

@@ -33,7 +33,7 @@ import pickle
 import numpy as np
 
 from jaxserve.runtime.buckets import Bucket
-from jaxserve.scheduling.planner import Rows
+from jaxserve.scheduling.planner import Rows, read_only
 
 
 def ragged_arange(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
@@ -46,12 +46,7 @@ def ragged_arange(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
     return np.repeat(np.asarray(starts, np.int64) - (ends - counts), counts) + np.arange(total)
 
 
-def _read_only(a: np.ndarray) -> np.ndarray:
-    a.flags.writeable = False
-    return a
-
-
-ZERO = _read_only(np.zeros(1, np.int64))
+ZERO = read_only(np.zeros(1, np.int64))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,8 +71,8 @@ def _query(length: int, seqlen: int) -> _Query:
 def _made_query(length: int, seqlen: int) -> _Query:
     flat = np.zeros((4, seqlen), np.int32)
     flat[1, :length], flat[2, :length] = 1, np.arange(length)
-    return _Query(_read_only(np.array([length])), _read_only(flat), _read_only(np.array([0, length])),
-                  _read_only(np.array([0, seqlen])))
+    return _Query(read_only(np.array([length])), read_only(flat), read_only(np.array([0, length])),
+                  read_only(np.array([0, seqlen])))
 
 
 _shared_query = functools.cache(_made_query)
@@ -284,7 +279,7 @@ def assemble(bucket: Bucket, parts, jobs: dict[int, Job]) -> tuple[np.ndarray, i
             out[:, first, : z - a] = job.flat[:, a:z]
             real += int(job.row_start[r + 1] - job.row_start[r])
         elif job is not None:
-            widths = job.pad_start[rows + 1] - job.pad_start[rows]  # [n] each row's seqlen
+            widths = job.rows.seqlen[rows]  # [n] each row's width in `flat`
             w = int(widths[0])
             if consecutive(rows) and (widths == w).all():
                 runs = ((0, len(rows), w),)

@@ -31,6 +31,13 @@ DISPATCH_OVERHEAD_TOKENS = 64
 UNTIMED_PACK_WIDTH = 256
 
 
+def read_only(a: np.ndarray) -> np.ndarray:
+    """`a`, marked read-only: an array made once and shared by many requests, so that a write into it raises
+    instead of changing another request's."""
+    a.flags.writeable = False
+    return a
+
+
 @dataclasses.dataclass(frozen=True)
 class Rows:
     """One request's sequences packed into rows."""
@@ -179,9 +186,7 @@ class _Derived:
             if length > table.max_seqlen:
                 raise ValueError(f"no bucket holds {length} tokens (largest seqlen {table.max_seqlen})")
             arrays = (np.array([length]), np.zeros(1, np.int64), np.arange(2), np.array([table.pick(length).seqlen]))
-            for a in arrays:
-                a.flags.writeable = False
-            rows = self.queries[(width, length)] = Rows(*arrays, width)
+            rows = self.queries[(width, length)] = Rows(*map(read_only, arrays), width)
         return rows
 
 
