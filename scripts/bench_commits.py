@@ -6,7 +6,12 @@ slower than before" is measured here in pairs: both trees are loaded at once
 round times the same texts on one tree and then the other, alternating which
 goes first. The
 table gives each tree's best time and the median per-pair speed ratio
-(after/before; > 1: this tree is faster).
+(after/before; > 1: this tree is faster). Each tree plans its batches from the
+timings in its own warm artifact; where the two ran other buckets for the same
+documents over HTTP, a line after the table says so: on a CPU, whose batch
+sizes run at about the same tokens/s, which one a table's timings favour is
+noise. `--only 16x256` then serves one bucket (the table cut to it), which both
+trees plan alike.
 
     git worktree add /tmp/before COMMIT
     python scripts/bench_commits.py --before /tmp/before --out results/xeon/commits.json
@@ -22,6 +27,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import harness
@@ -96,8 +102,42 @@ def over_http(trees: dict, table: str, texts: dict, n: int) -> dict:
                 run(harness.post_all(session, url, docs))
             timers = {name: (lambda url=url, docs=docs: run(harness.post_all(session, url, docs)))
                       for name, url in urls.items()}
+            seen = {name: harness.dispatched(url) for name, url in urls.items()}
             report[f"{workload}, HTTP"] = paired(timers, n)
+            report[f"{workload}, HTTP"]["dispatched"] = {name: _since(harness.dispatched(url), seen[name])
+                                                         for name, url in urls.items()}
         return report
+
+
+def _since(now: dict[str, int], then: dict[str, int]) -> dict[str, int]:
+    return {bucket: n - then.get(bucket, 0) for bucket, n in now.items() if n > then.get(bucket, 0)}
+
+
+def plans_differ(report: dict) -> list[str]:
+    """A line per workload whose trees ran other buckets: each tree plans from the timings in its own warm
+    artifact (its key covers the source), so noise when one was made can pick other batch sizes for the same
+    rows, and the ratio then compares plans, not code."""
+    lines = []
+    for name, r in report.items():
+        got = r.get("dispatched")
+        if got and len({tuple(sorted(d)) for d in got.values()}) > 1:
+            lines.append(f"{name}: the trees ran other buckets ("
+                         + "; ".join(f"{tree} {', '.join(f'{b} x{n}' for b, n in sorted(d.items()))}"
+                                     for tree, d in got.items())
+                         + "): the ratio compares their plans, not only their code")
+    return lines
+
+
+def only(table: str, shape: str) -> str:
+    """A copy of the bucket table `table` holding only the bucket `shape` ("16x256"), in a temporary file."""
+    batch, seqlen = map(int, shape.lower().split("x"))
+    spec = json.loads(Path(table).read_text())
+    spec["buckets"] = [b for b in spec["buckets"] if (b["batch"], b["seqlen"]) == (batch, seqlen)]
+    if not spec["buckets"]:
+        raise SystemExit(f"{table} has no bucket {shape}")
+    with tempfile.NamedTemporaryFile("w", prefix="bench-commits-", suffix=".json", delete=False) as f:
+        json.dump(spec, f)
+    return f.name
 
 
 async def _session():
@@ -112,6 +152,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=384, help="documents per workload")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--buckets", default=str(ROOT / "buckets" / "minilm-cpu-default.json"))
+    ap.add_argument("--only", metavar="BxS", help="serve only this bucket of the table (both trees then plan alike)")
     ap.add_argument("--no-http", action="store_true", help="in-process only")
     ap.add_argument("--out", default=str(ROOT / "results" / "commits.json"))
     args = ap.parse_args()
@@ -119,17 +160,21 @@ def main() -> None:
     texts = {"short": harness.sample("paragraphs", args.n),
              "long": harness.sample("docstrings", args.n, min_chars=1500)}
     trees = {"before": Path(args.before).resolve(), "after": ROOT}
+    table = args.buckets if args.only is None else only(args.buckets, args.only)
     with harness.bench_lock():
-        report = in_process(trees, args.buckets, texts, args.rounds)
+        report = in_process(trees, table, texts, args.rounds)
         if not args.no_http:
-            report.update(over_http(trees, args.buckets, texts, args.rounds))
+            report.update(over_http(trees, table, texts, args.rounds))
     before, after = harness.commit(trees["before"]), harness.commit(ROOT)
-    print(f"{args.rounds} alternating pairs, {args.n} documents per workload, table {Path(args.buckets).name}")
+    print(f"{args.rounds} alternating pairs, {args.n} documents per workload, table {Path(args.buckets).name}"
+          + (f", only {args.only}" if args.only else ""))
     print(f"before: {args.before} ({before}); after: {ROOT} ({after})")
     harness.print_table(["workload", "before best s", "after best s", "after/before speed", "range"],
                         [[name, f"{min(r['seconds']['before']):.2f}", f"{min(r['seconds']['after']):.2f}",
                           f"{r['median']:.2f}x", f"{r['min']:.2f}-{r['max']:.2f}x"] for name, r in report.items()])
-    harness.write_result(args.out, {"before": before, "after": after, "n": args.n, "rounds": args.rounds,
+    for line in plans_differ(report):
+        print(line)
+    harness.write_result(args.out, {"before": before, "after": after, "n": args.n, "rounds": args.rounds, "only": args.only,
                                     "workloads": report})
 
 

@@ -31,7 +31,6 @@ import time
 import aiohttp
 import harness
 import numpy as np
-from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = harness.ROOT
 QUERY = {"input": "how do I reset my password"}
@@ -43,25 +42,19 @@ def doc(i: int) -> str:
     return f"document {i}: " + " ".join(f"word{(i * 7 + k) % 997}" for k in range(40))
 
 
-def samples(metrics: str, name: str) -> list[tuple[dict[str, str], float]]:
-    """Every sample of one metric: (its labels, its value), by prometheus_client's own parser."""
-    return [(s.labels, s.value) for family in text_string_to_metric_families(metrics) for s in family.samples
-            if s.name == name]
-
-
 def bulk_sequences(metrics: str) -> float:
-    return sum(v for labels, v in samples(metrics, "jaxserve_class_sequences_total") if labels["class"] == "bulk")
+    return sum(v for labels, v in harness.samples(metrics, "jaxserve_class_sequences_total") if labels["class"] == "bulk")
 
 
 def device_seconds(metrics: str) -> dict[str, float]:
     """Device seconds so far of batches led by each class."""
-    got = {labels["class"]: v for labels, v in samples(metrics, "jaxserve_dispatch_seconds_sum")}
+    got = {labels["class"]: v for labels, v in harness.samples(metrics, "jaxserve_dispatch_seconds_sum")}
     return {cls: got.get(cls, 0.0) for cls in ("interactive", "bulk")}
 
 
 def dispatch_buckets(metrics: str) -> list[tuple[float, float]]:
     """The bulk dispatch histogram's cumulative (upper bound, count) pairs."""
-    return sorted((float(labels["le"]), v) for labels, v in samples(metrics, "jaxserve_dispatch_seconds_bucket")
+    return sorted((float(labels["le"]), v) for labels, v in harness.samples(metrics, "jaxserve_dispatch_seconds_bucket")
                   if labels["class"] == "bulk")
 
 

@@ -1,7 +1,8 @@
 """What every benchmark script shares: a server, a corpus, paired rounds, the bench lock, result files, FLOPs.
 
 - `server(...)`: `jaxserve serve` (or a given command, another tree) on loopback, ready; always stopped.
-  `get` reads a route of it; `post_all` sends it texts in requests of 100, 2 in flight.
+  `get` reads a route of it; `post_all` sends it texts in requests of 100, 2 in flight; `samples` reads a metric
+  from its /metrics, `dispatched` the batches it ran by bucket.
 - `documents`, `sample`: a real mixed-length corpus (Python's docstrings); `scripts/corpus.py` writes it out.
 - `rounds`, `timed`, `ratios`, `paired_rounds`: configurations timed in interleaved rounds, order rotated.
 - `bench_lock()`: one benchmark at a time on this machine (`fcntl.flock` on /tmp/jaxserve-bench.lock).
@@ -132,6 +133,22 @@ def get(url: str, path: str, timeout_s: float = 60.0) -> str:
     """GET url + path; the body as text."""
     with urllib.request.urlopen(url + path, timeout=timeout_s) as r:
         return r.read().decode()
+
+
+def samples(metrics: str, name: str) -> list[tuple[dict[str, str], float]]:
+    """Every sample of one metric in a /metrics text: (its labels, its value), by prometheus_client's own parser."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return [(s.labels, s.value) for family in text_string_to_metric_families(metrics) for s in family.samples
+            if s.name == name]
+
+
+def dispatched(url: str) -> dict[str, int]:
+    """The batches a server has run so far, by bucket ("16x256"), whatever closed them."""
+    out: dict[str, int] = {}
+    for labels, value in samples(get(url, "/metrics"), "jaxserve_batches_total"):
+        out[labels["bucket"]] = out.get(labels["bucket"], 0) + int(value)
+    return out
 
 
 def ready_info(url: str, timeout_s: float = 60.0, poll_s: float = 0.05) -> dict:
