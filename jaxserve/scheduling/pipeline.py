@@ -5,7 +5,11 @@ Three stages in threads of their own, with bounded hand-offs between them
 
 - prepare: asks the batcher for the next dispatch, assembles its [4, B, S]
   inputs from the jobs' flat rows and copies them to the device (one
-  transfer); at most one prepared batch waits for the device;
+  transfer); at most one prepared batch waits for the device. With one
+  stream and nothing prepared or on the device, the event loop does this
+  itself at the end of the turn its jobs arrived in (`_kick`), as one batch:
+  at light load every job is a batch of its own, and a thread hand-off per
+  batch was the larger part of its host time;
 - device: launches prepared batches, at most `max_inflight` on the device at
   once. JAX dispatch is asynchronous, so batch i+1 is queued on the device
   before anyone waits for batch i. With one stream (an accelerator) this is
@@ -188,10 +192,13 @@ class Pipeline:
         self._pipeline = 0  # batches being prepared, prepared, or on the device (guarded by _lock)
         # prepared batches (bounded by _pipeline): a device slot that frees takes the best one (prepared.PreparedQueue)
         self._ready = PreparedQueue(classes.max_bulk_wait_s)
-        self._launched: queue.Queue = queue.Queue()  # bounded by _on_device
+        # launched batches for the respond thread, bounded by _on_device; SimpleQueue is C: a hand-off between two
+        # threads costs less than half of queue.Queue's (whose Conditions are Python)
+        self._launched: queue.SimpleQueue = queue.SimpleQueue()
         self._on_device = threading.Semaphore(max_inflight)
         self._threads: list[threading.Thread] = []
         self._stopping = False
+        self._kick_pending = False  # a `_kick` is scheduled on the loop
         self._draining = False
         self.failures = 0  # device steps failed in a row
         self.broken: str | None = None  # why a pipeline thread died
@@ -344,10 +351,28 @@ class Pipeline:
             batcher.submit(jid, job.rows.seqlen, job.rows.docs, now, cls,
                            math.inf if deadline_s is None else now + deadline_s)
             self._entries[jid] = _Entry(job, future, timing)
-            self._lock.notify()
+            if self.streams == 1 and not self._pipeline:  # the device idles: dispatch at the end of this turn
+                if not self._kick_pending:
+                    self._kick_pending = True
+                    self._loop.call_soon(self._kick)
+            else:
+                self._lock.notify()
         self.metrics.sequences("submitted", job.remaining)
         self._idle.clear()
         return jid, future, timing
+
+    def _kick(self) -> None:
+        """On the loop, once a turn's jobs are submitted to an idle pipeline (one stream, nothing prepared or on
+        the device): the dispatch they make, prepared and launched here rather than by the prepare thread. At light
+        load every job is a batch of its own, and each thread it crosses wakes on a cold core: one crossing less
+        is a measurable share of the engine's CPU per job (docs/benchmarks.md). Waiting for the turn's end keeps
+        the jobs that arrived together in one batch."""
+        with self._lock:
+            self._kick_pending = False
+            if (taken := self._at_once(time.monotonic())) is None:
+                self._lock.notify()  # the prepare thread decides (a batch went ahead meanwhile, or a window)
+        if taken is not None:
+            self._prepare(*taken)
 
     def cancel(self, jid: int) -> None:
         """Drop a job: its waiting rows never reach the device; rows already prepared or launched still run (as real
@@ -426,19 +451,7 @@ class Pipeline:
                     picked = self._dispatch(now, interactive_only=space == "interactive")
                     if picked is not None:
                         lane, d = picked
-                        self._pipeline += 1
-                        jobs, sequences = {}, [0] * len(CLASSES)
-                        for jid, rows in d.parts:
-                            if (entry := self._entries.get(jid)) is not None:
-                                jobs[jid] = entry.job
-                                sequences[entry.timing.cls] += spanned(entry.job.rows.starts, rows)
-                                if entry.timing.first_dispatch is None:
-                                    entry.timing.first_dispatch = now
-                        self.metrics.sequences("dispatched", sum(sequences))
-                        for cls, n in enumerate(sequences):
-                            if n:
-                                self.metrics.class_sequences(cls, n)
-                        return lane, d, jobs, time.thread_time() - cpu
+                        return lane, d, self._claim(d, now), time.thread_time() - cpu
                     deadlines = [t for b in self.batchers.values() if (t := b.next_wakeup()) is not None]
                     # without room only an arrival (submit) or a finished batch (respond) changes anything
                     timeout = max(0.0, min(deadlines) - now) if deadlines and space == "any" else None
@@ -447,30 +460,62 @@ class Pipeline:
                 self._lock.wait(timeout)
         return None
 
+    def _claim(self, d: Dispatch, now: float) -> dict[int, Job]:
+        """A dispatch taken from its batcher (under the lock): counted in the pipeline -> its jobs, by id."""
+        self._pipeline += 1
+        jobs, sequences = {}, [0] * len(CLASSES)
+        for jid, rows in d.parts:
+            if (entry := self._entries.get(jid)) is not None:
+                jobs[jid] = entry.job
+                sequences[entry.timing.cls] += spanned(entry.job.rows.starts, rows)
+                if entry.timing.first_dispatch is None:
+                    entry.timing.first_dispatch = now
+        self.metrics.sequences("dispatched", sum(sequences))
+        for cls, n in enumerate(sequences):
+            if n:
+                self.metrics.class_sequences(cls, n)
+        return jobs
+
+    def _at_once(self, now: float) -> tuple[str, Dispatch, dict[int, Job], float] | None:
+        """Under the lock: with nothing prepared or on the device, the next dispatch, taken for the caller to prepare
+        and launch itself (`_prepare`); with its forming's CPU time."""
+        if self._pipeline or self._stopping:
+            return None
+        cpu = time.thread_time()
+        picked = self._dispatch(now)
+        if picked is None:
+            return None
+        lane, d = picked
+        return lane, d, self._claim(d, now), time.thread_time() - cpu
+
     def _prepare_loop(self) -> None:
         while (nxt := self._next()) is not None:
-            lane, d, jobs, formed = nxt
-            cpu = time.thread_time()
-            start = time.perf_counter()
-            stage = "assembled"
-            try:
-                inputs, real_tokens = assemble(d.bucket, d.parts, jobs)
-                assembled, stage = time.perf_counter(), "copied"
-                prepared = self.engine.put(d.bucket, inputs, lane, most_per_row(d.parts, jobs))
-            except Exception as exc:
-                self._fail(d, jobs, exc, stage)
-                continue
-            copied = time.perf_counter()
-            self.metrics.phase("assemble", assembled - start)
-            self.metrics.phase("copy", copied - assembled)
-            self.metrics.dispatched(d, real_tokens, time.monotonic() - d.oldest)
-            host = formed + time.thread_time() - cpu  # this thread's part of the batch's host time
-            with self._ready_lock:
-                self._ready.put(d, (lane, jobs, prepared, host))
-                self._ready_lock.notify()
-            if self.streams == 1:
-                self._launch_ready()
+            self._prepare(*nxt)
         self._end_ready()
+
+    def _prepare(self, lane: str, d: Dispatch, jobs: dict[int, Job], formed: float) -> None:
+        """Assemble a taken dispatch, copy it to the device and queue it for a device slot (one stream: launch it
+        when a slot is free)."""
+        cpu = time.thread_time()
+        start = time.perf_counter()
+        stage = "assembled"
+        try:
+            inputs, real_tokens = assemble(d.bucket, d.parts, jobs)
+            assembled, stage = time.perf_counter(), "copied"
+            prepared = self.engine.put(d.bucket, inputs, lane, most_per_row(d.parts, jobs))
+        except Exception as exc:
+            self._fail(d, jobs, exc, stage)
+            return
+        copied = time.perf_counter()
+        self.metrics.phase("assemble", assembled - start)
+        self.metrics.phase("copy", copied - assembled)
+        self.metrics.dispatched(d, real_tokens, time.monotonic() - d.oldest)
+        host = formed + time.thread_time() - cpu  # this thread's part of the batch's host time
+        with self._ready_lock:
+            self._ready.put(d, (lane, jobs, prepared, host))
+            self._ready_lock.notify()
+        if self.streams == 1:
+            self._launch_ready()
 
     def _end_ready(self) -> None:
         """One stop per device thread, after every prepared batch (those still run)."""
