@@ -128,16 +128,16 @@ def plans_differ(report: dict) -> list[str]:
     return lines
 
 
-def only(table: str, shape: str) -> str:
-    """A copy of the bucket table `table` holding only the bucket `shape` ("16x256"), in a temporary file."""
+def only(table: str, shape: str, directory: Path) -> str:
+    """A copy of the bucket table `table` holding only the bucket `shape` ("16x256"), written into `directory`."""
     batch, seqlen = map(int, shape.lower().split("x"))
     spec = json.loads(Path(table).read_text())
     spec["buckets"] = [b for b in spec["buckets"] if (b["batch"], b["seqlen"]) == (batch, seqlen)]
     if not spec["buckets"]:
         raise SystemExit(f"{table} has no bucket {shape}")
-    with tempfile.NamedTemporaryFile("w", prefix="bench-commits-", suffix=".json", delete=False) as f:
-        json.dump(spec, f)
-    return f.name
+    out = Path(directory) / f"only-{shape}.json"
+    out.write_text(json.dumps(spec))
+    return str(out)
 
 
 async def _session():
@@ -160,8 +160,8 @@ def main() -> None:
     texts = {"short": harness.sample("paragraphs", args.n),
              "long": harness.sample("docstrings", args.n, min_chars=1500)}
     trees = {"before": Path(args.before).resolve(), "after": ROOT}
-    table = args.buckets if args.only is None else only(args.buckets, args.only)
-    with harness.bench_lock():
+    with tempfile.TemporaryDirectory(prefix="bench-commits-") as tmp, harness.bench_lock():
+        table = args.buckets if args.only is None else only(args.buckets, args.only, Path(tmp))
         report = in_process(trees, table, texts, args.rounds)
         if not args.no_http:
             report.update(over_http(trees, table, texts, args.rounds))
@@ -174,8 +174,8 @@ def main() -> None:
                           f"{r['median']:.2f}x", f"{r['min']:.2f}-{r['max']:.2f}x"] for name, r in report.items()])
     for line in plans_differ(report):
         print(line)
-    harness.write_result(args.out, {"before": before, "after": after, "n": args.n, "rounds": args.rounds, "only": args.only,
-                                    "workloads": report})
+    harness.write_result(args.out, {"before": before, "after": after, "n": args.n, "rounds": args.rounds,
+                                    "only": args.only, "workloads": report})
 
 
 if __name__ == "__main__":

@@ -32,11 +32,10 @@ def test_batches_are_counted_from_the_scrape_before_the_rounds():
 
 
 def test_only_cuts_the_table_to_one_bucket(tmp_path):
-
     table = tmp_path / "t.json"
     table.write_text(json.dumps({"layout": "packed", "buckets": [{"batch": 4, "seqlen": 256, "slots": 8},
                                                                  {"batch": 16, "seqlen": 256, "slots": 8}]}))
-    cut = json.loads(Path(only(str(table), "16x256")).read_text())
+    cut = json.loads(Path(only(str(table), "16x256", tmp_path)).read_text())
     assert cut == {"layout": "packed", "buckets": [{"batch": 16, "seqlen": 256, "slots": 8}]}
     with pytest.raises(SystemExit, match="no bucket 2x256"):
-        only(str(table), "2x256")
+        only(str(table), "2x256", tmp_path)

@@ -369,7 +369,8 @@ class Pipeline:
         the jobs that arrived together in one batch."""
         with self._lock:
             self._kick_pending = False
-            if (taken := self._at_once(time.monotonic())) is None:
+            taken = None if self._pipeline or self._stopping else self._take(time.monotonic())
+            if taken is None:
                 self._lock.notify()  # the prepare thread decides (a batch went ahead meanwhile, or a window)
         if taken is not None:
             self._prepare(*taken)
@@ -446,12 +447,10 @@ class Pipeline:
         time that forming it took."""
         with self._lock:
             while not self._stopping:
-                now, cpu = time.monotonic(), time.thread_time()
+                now = time.monotonic()
                 if (space := room(self._pipeline, self.max_inflight)) is not None:
-                    picked = self._dispatch(now, interactive_only=space == "interactive")
-                    if picked is not None:
-                        lane, d = picked
-                        return lane, d, self._claim(d, now), time.thread_time() - cpu
+                    if (taken := self._take(now, interactive_only=space == "interactive")) is not None:
+                        return taken
                     deadlines = [t for b in self.batchers.values() if (t := b.next_wakeup()) is not None]
                     # without room only an arrival (submit) or a finished batch (respond) changes anything
                     timeout = max(0.0, min(deadlines) - now) if deadlines and space == "any" else None
@@ -460,8 +459,14 @@ class Pipeline:
                 self._lock.wait(timeout)
         return None
 
-    def _claim(self, d: Dispatch, now: float) -> dict[int, Job]:
-        """A dispatch taken from its batcher (under the lock): counted in the pipeline -> its jobs, by id."""
+    def _take(self, now: float, interactive_only: bool = False) -> tuple[str, Dispatch, dict[int, Job], float] | None:
+        """Under the lock: the next dispatch (`_dispatch`), taken from its batcher and counted in the pipeline ->
+        (its lane, it, its jobs by id, the CPU time forming it took), or None when none is due."""
+        cpu = time.thread_time()
+        picked = self._dispatch(now, interactive_only=interactive_only)
+        if picked is None:
+            return None
+        lane, d = picked
         self._pipeline += 1
         jobs, sequences = {}, [0] * len(CLASSES)
         for jid, rows in d.parts:
@@ -474,19 +479,7 @@ class Pipeline:
         for cls, n in enumerate(sequences):
             if n:
                 self.metrics.class_sequences(cls, n)
-        return jobs
-
-    def _at_once(self, now: float) -> tuple[str, Dispatch, dict[int, Job], float] | None:
-        """Under the lock: with nothing prepared or on the device, the next dispatch, taken for the caller to prepare
-        and launch itself (`_prepare`); with its forming's CPU time."""
-        if self._pipeline or self._stopping:
-            return None
-        cpu = time.thread_time()
-        picked = self._dispatch(now)
-        if picked is None:
-            return None
-        lane, d = picked
-        return lane, d, self._claim(d, now), time.thread_time() - cpu
+        return lane, d, jobs, time.thread_time() - cpu
 
     def _prepare_loop(self) -> None:
         while (nxt := self._next()) is not None:
