@@ -146,3 +146,14 @@ def test_a_servers_table_is_read_from_a_front_end_that_has_it(loopback_server):
     """`--workers N`: /health says 200 once one front-end has the engine's card; another may not have its own yet."""
     assert "buckets" not in json.loads(harness.get(loopback_server, "/info"))
     assert harness.ready_info(loopback_server, poll_s=0.01)["buckets"] == {"buckets": []}
+
+
+def test_the_floor_times_past_its_cold_pass_for_at_least_its_minimum():
+    """The floor's mean covers whole passes after the first (cold) one, at least `repeats` of them and at least
+    `min_s` of CPU in all, whatever the machine's speed: one-document requests take many passes to reach it."""
+    bodies = bench_host.request_bodies(harness.documents(200, seed=0), 1, "base64")
+    used = len(bodies)  # a pass of one-document requests is every body
+    f = bench_host.floor_ms(bodies, "base64", 384, 256, None, repeats=2, min_s=0.2)
+    assert f["requests"] % used == 0 and f["requests"] >= 2 * used
+    assert f["requests"] * f["total"] >= 0.2 * 1e3 * 0.999  # ms: the CPU it timed, at least min_s
+    assert f["total"] == pytest.approx(f["decode"] + f["tokenize"] + f["encode"])

@@ -27,6 +27,7 @@ other output.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import threading
 import time
 from collections.abc import Callable
@@ -158,7 +159,7 @@ class SimEngine:
         if sequences is None:
             sequences = int(np.abs(inputs[1]).max())
         ends = output_chunks.ends(bucket.slots)[: output_chunks.needed(bucket.slots, sequences)]
-        return SimPrepared(bucket, np.array(inputs), tuple(int(w) for w in np.diff((0, *ends))))
+        return SimPrepared(bucket, np.array(inputs), tuple(b - a for a, b in itertools.pairwise((0, *ends))))
 
     def launch(self, prepared: SimPrepared) -> SimLaunched:
         """Queue the step on the device clock; returns at once with the time its output chunks arrive."""
