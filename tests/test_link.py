@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import uvloop
 
-from jaxserve.scheduling.link import DIRECT_BYTES, JOIN_BYTES, STAGE_BYTES, Wire
+from jaxserve.scheduling.wire import DIRECT_BYTES, JOIN_BYTES, STAGE_BYTES, Wire
 
 BOUND_S = 60.0  # the most a state is waited for
 
