@@ -4,6 +4,7 @@ and bench_host's floor for the same bodies measured here just before and just af
 VM's speed moves within a minute, so "x the floor" is given against each).
 
     python results/issue37/split_load.py URL DOCS [PID]   # PID: a server whose /info has no `processes`
+    CONC=8 ...   # connections (default 32)
 """
 import json
 import os
@@ -32,7 +33,7 @@ def main():
 
     floor_before = floor()
     before = {}
-    load = harness.closed_loop(url, "/v1/embeddings", bodies, 32, 6.0, max_requests=100_000,
+    load = harness.closed_loop(url, "/v1/embeddings", bodies, int(os.environ.get("CONC", "32")), 6.0, max_requests=100_000,
                                on_start=lambda: before.update({p: psutil.Process(p).cpu_times() for p in pids}))
     after = {p: psutil.Process(p).cpu_times() for p in pids}
     floor_after = floor()
