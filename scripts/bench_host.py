@@ -29,7 +29,9 @@ respond thread's waits) and as the simulated clock counts it (/info's
 process kind named by /info's `processes` (supervisor, engine, front-ends; one
 process with `--workers 1`, counted once), read with psutil around the level.
 The floor beside it: the CPU time of the work no server avoids (JSON decode +
-tokenizing + encoding the response), measured in this process.
+tokenizing + encoding the response), measured in this process right after the
+level (the server idle), so that both are timed at the machine's speed of
+that minute.
 
 The projection, per size and request size, from the measured CPU and device
 seconds per request of the run with the most workers (its busiest level):
@@ -451,7 +453,11 @@ def measure(args) -> None:
                               f"encode {f['encode']:.3f} = {f['total']:.3f} ms/request", flush=True)
                     for c in args.concurrency:
                         r = run_level(srv.url, processes(), bodies[n], n, c, args.seconds, args.client_procs)
-                        r.update(size=size_name, workers=workers, floor_ms=floors[n]["total"])
+                        # the level's own floor, measured as soon as its load ends: a shared VM's speed drifts
+                        # within a run, and a floor from minutes before divides CPU timed at another speed
+                        floor = floor_ms(bodies[n], args.format, info["dimensions"], info["max_input_length"],
+                                         args.model)["total"]
+                        r.update(size=size_name, workers=workers, floor_ms=floor)
                         rows.append(r)
                         print(level_line(r), flush=True)
                 if args.health_probe:
@@ -479,7 +485,8 @@ def level_line(r: dict) -> str:
     return (f"{r['docs']:>4} docs x {r['concurrency']:>3} conns: {r['requests']} requests, {r['errors']} errors, "
             f"{r['docs_per_s']:,.0f} docs/s, {r['tokens_per_s']:,.0f} tokens/s, p50 {r['p50_ms'] or 0:.1f} ms, "
             f"p99 {r['p99_ms'] or 0:.1f} ms, device busy {busy}; server CPU {cpu['total']:.3f} ms/request "
-            f"({cpu['total'] / r['floor_ms']:.1f}x the floor; {kinds}); client {r['client_cpu_ms_per_request']:.3f}; "
+            f"({cpu['total'] / r['floor_ms']:.1f}x the floor of {r['floor_ms']:.3f}, measured after; {kinds}); "
+            f"client {r['client_cpu_ms_per_request']:.3f}; "
             + "resident " + ", ".join(f"{k} {v:.0f} MB" for k, v in r.get("rss_mb", {}).items())
             + (f"; processes gone: {r['processes_gone']}" if r["processes_gone"] else ""))
 
