@@ -445,19 +445,16 @@ def measure(args) -> None:
                 print(f"ready in {srv.ready_s:.1f} s; processes {processes()}; table: "
                       + ", ".join(tables[size_name]["buckets"]), flush=True)
                 for n in args.docs:
-                    if n not in floors:
-                        floors[n] = floor_ms(bodies[n], args.format, info["dimensions"], info["max_input_length"],
-                                             args.model)
-                        f = floors[n]
-                        print(f"floor, {n} documents: decode {f['decode']:.3f} + tokenize {f['tokenize']:.3f} + "
-                              f"encode {f['encode']:.3f} = {f['total']:.3f} ms/request", flush=True)
                     for c in args.concurrency:
                         r = run_level(srv.url, processes(), bodies[n], n, c, args.seconds, args.client_procs)
                         # the level's own floor, measured as soon as its load ends: a shared VM's speed drifts
                         # within a run, and a floor from minutes before divides CPU timed at another speed
-                        floor = floor_ms(bodies[n], args.format, info["dimensions"], info["max_input_length"],
-                                         args.model)["total"]
-                        r.update(size=size_name, workers=workers, floor_ms=floor)
+                        f = floor_ms(bodies[n], args.format, info["dimensions"], info["max_input_length"], args.model)
+                        if n not in floors:  # the first level's, by part
+                            floors[n] = f
+                            print(f"floor, {n} documents: decode {f['decode']:.3f} + tokenize {f['tokenize']:.3f} + "
+                                  f"encode {f['encode']:.3f} = {f['total']:.3f} ms/request", flush=True)
+                        r.update(size=size_name, workers=workers, floor_ms=f["total"])
                         rows.append(r)
                         print(level_line(r), flush=True)
                 if args.health_probe:
