@@ -3,10 +3,20 @@
 # tree's `jaxserve serve --simulate-device 400 --workers 1` and `--workers 2`, each loaded by bench_host's own
 # client (split_load.py), one-document requests unless DOCS is set. The order rotates each round (a server's
 # place in a round moved its rate by about a tenth on this VM), so each configuration runs first, second and third.
+# LOAD=sliced measures with sliced_load.py instead (SLICES slices of 2 s, each against the floors either side of it;
+# CONC connections, default 32).
 #     mkdir /tmp/before37 && git archive 25e1f16 | tar -x -C /tmp/before37
 #     results/issue37/vs_filing.sh [ROUNDS]
+#     LOAD=sliced CONC=64 results/issue37/vs_filing.sh [ROUNDS]
 HERE=$(cd "$(dirname "$0")" && pwd)
 cd "$HERE/../.."
+load() {  # URL [PID]: one measurement of the server at URL (PID: a server whose /info names no processes)
+  if [ "${LOAD:-split}" = sliced ]; then
+    .venv/bin/python "$HERE/sliced_load.py" "$1" ${DOCS:-1} ${SLICES:-8} 2 ${CONC:-32} $2
+  else
+    .venv/bin/python "$HERE/split_load.py" "$1" ${DOCS:-1} $2
+  fi
+}
 wait_up() { for i in $(seq 1 400); do curl -sf localhost:$1/health >/dev/null && return; sleep 0.25; done; }
 run() {
   if [ "$1" = filing ]; then
@@ -14,13 +24,13 @@ run() {
     (cd /tmp/before37 && PYTHONPATH=/tmp/before37 "$OLDPWD/.venv/bin/python" scripts/bench_host.py --serve 18201 \
         --tflops 400 > /tmp/before37.log 2>&1) &
     P=$!; wait_up 18201; SP=$(pgrep -f 'bench_host.py --serve 18201' | head -1)
-    .venv/bin/python "$HERE/split_load.py" http://127.0.0.1:18201 ${DOCS:-1} $SP; kill $SP; wait $P 2>/dev/null
+    load http://127.0.0.1:18201 $SP; kill $SP; wait $P 2>/dev/null
   else
     local w=$1
     echo "== round $round: this tree, --workers $w"
     .venv/bin/jaxserve serve --simulate-device 400 --workers $w --port 1820$((w+1)) > /tmp/after37-$w.log 2>&1 &
     P=$!; wait_up 1820$((w+1)); sleep 1
-    .venv/bin/python "$HERE/split_load.py" http://127.0.0.1:1820$((w+1)) ${DOCS:-1}; kill -TERM $P; wait $P
+    load http://127.0.0.1:1820$((w+1)); kill -TERM $P; wait $P
   fi
 }
 order=(filing 1 2)
