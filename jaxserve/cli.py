@@ -144,7 +144,7 @@ def serve_config(args):
         bulk_dispatch_ms=args.bulk_dispatch_ms, host_dispatch_us=args.host_dispatch_us,
         tokenizer_threads=args.tokenizer_threads, respond_threads=args.respond_threads,
         workers=host.frontend_workers() if args.workers == "auto" else args.workers,
-        engine_restarts=args.engine_restarts, simulate=simulate, access_log=args.access_log,
+        engine_restarts=args.engine_restarts, simulate=simulate, access_log=args.access_log, malloc=args.malloc,
     )
     if simulate is not None:  # token outputs are not simulated: /embed_all is off
         config = dataclasses.replace(config, embed_all=False, use_cache=False)
@@ -282,6 +282,8 @@ FIELD_HELP = "the text field of JSONL (default: `text`, else `input`) or the tex
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from jaxserve.runtime.host import MALLOC_CHOICES
+
     parser = argparse.ArgumentParser(prog="jaxserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="embed a few sentences with a model and print their similarities")
@@ -412,6 +414,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="front-end processes (HTTP, tokenizing, encoding) feeding one engine process that owns "
                             "the device; 1: one process does everything; auto: 1 below 4 usable cores, else all "
                             "cores but two (at most 32)")
+    serve.add_argument("--malloc", default="auto", choices=MALLOC_CHOICES,
+                       help="with several workers: the engine's and the front-ends' memory allocator (preloaded); "
+                            "auto: mimalloc, else jemalloc, where installed (libmimalloc.so.2, libjemalloc.so.2), "
+                            "else glibc's; an allocator in your own LD_PRELOAD stands. With one worker, preload it "
+                            "yourself (docs/operations.md)")
     serve.add_argument("--access-log", action="store_true",
                        help="log one line per request (off by default: at thousands of requests per second the "
                             "log line costs more CPU than a small request's own work)")

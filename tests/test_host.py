@@ -161,3 +161,40 @@ def test_serving_processes_get_the_malloc_tunable_unless_the_user_set_their_own(
     assert host.malloc_tunables(None) == host.MALLOC_TUNABLES == "glibc.malloc.tcache_count=1024"
     assert host.malloc_tunables("glibc.malloc.arena_max=2") == "glibc.malloc.arena_max=2:" + host.MALLOC_TUNABLES
     assert host.malloc_tunables("glibc.malloc.tcache_count=7") == "glibc.malloc.tcache_count=7"  # theirs stands
+
+
+def test_serving_processes_get_the_allocator_asked_for_or_the_first_installed():
+    """`--malloc`: the children's environment (LD_PRELOAD before the user's own, the tunables always); auto takes
+    the first of PRELOADS the loader finds, and leaves an allocator the user preloads alone."""
+    installed = {"jemalloc": "libjemalloc.so.2"}
+    find = installed.get
+    tunables = {"GLIBC_TUNABLES": host.MALLOC_TUNABLES}
+    assert host.malloc_env("auto", {}, find) == ("jemalloc", {**tunables, "LD_PRELOAD": "libjemalloc.so.2"})
+    installed["mimalloc"] = "libmimalloc.so.2"  # first in PRELOADS: auto prefers it
+    assert host.malloc_env("auto", {}, find) == ("mimalloc", {**tunables, "LD_PRELOAD": "libmimalloc.so.2"})
+    assert host.malloc_env("jemalloc", {"LD_PRELOAD": "libprofiler.so"}, find) == (
+        "jemalloc", {**tunables, "LD_PRELOAD": "libjemalloc.so.2:libprofiler.so"})
+    assert host.malloc_env("glibc", {}, find) == ("glibc", tunables)
+    theirs = {"LD_PRELOAD": "/opt/lib/libtcmalloc_minimal.so.4", "GLIBC_TUNABLES": "glibc.malloc.tcache_count=7"}
+    assert host.malloc_env("auto", theirs, find) == ("tcmalloc", {"GLIBC_TUNABLES": "glibc.malloc.tcache_count=7"})
+    assert host.malloc_env("auto", {}, lambda name: None) == ("glibc", tunables)
+    with pytest.raises(ValueError, match="apt-get install libjemalloc2"):
+        host.malloc_env("jemalloc", {}, lambda name: None)
+    with pytest.raises(ValueError, match="must be one of"):
+        host.malloc_env("tcmalloc", {}, find)
+
+
+def test_a_process_started_with_an_allocator_preloaded_says_so():
+    """allocator_in_use reads the process's own memory map: glibc's without a preload; where mimalloc or jemalloc
+    is installed, a process started with it preloaded (as the supervisor starts its children) names it."""
+    import os
+    import subprocess
+    import sys
+
+    code = "from jaxserve.runtime import host; print(host.allocator_in_use())"
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    run = lambda extra: subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                                       env={**env, **extra}).stdout.strip()
+    assert run({}) == "glibc"
+    name, preload = host.malloc_env("auto", env)
+    assert run(preload) == name  # the first installed, or glibc's where none is

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import aiohttp
 import numpy as np
@@ -85,10 +86,20 @@ def test_serve_options_reach_the_config():
     assert config.simulate.tflops == 2.5 and config.simulate.sizes == (768, 3072, 12)
     assert not config.embed_all and not config.use_cache  # a simulated device: pooled outputs only, nothing saved
     assert parse().workers == host.frontend_workers() and not parse().access_log and parse().simulate is None
+    assert parse("--malloc", "jemalloc").malloc == "jemalloc" and parse().malloc == "auto"
     assert [host.frontend_workers(c) for c in (1, 2, 3, 4, 8, 16, 64)] == [1, 1, 1, 2, 6, 14, 32]
-    for bad in (["--workers", "0"], ["--simulate-size", "768,3072"]):
+    for bad in (["--workers", "0"], ["--simulate-size", "768,3072"], ["--malloc", "tcmalloc"]):
         with pytest.raises(SystemExit):
             parse(*bad)
+
+
+def test_one_process_asked_for_an_allocator_it_was_not_started_with_says_how():
+    """A process cannot preload an allocator into itself: `--workers 1 --malloc jemalloc` started without it ends at
+    once (before loading a model), saying how to start it."""
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    out = subprocess.run([sys.executable, "-m", "jaxserve.cli", "serve", "--workers", "1", "--malloc", "jemalloc",
+                          "--port", str(free_port())], capture_output=True, text=True, env=env, timeout=BOUND_S)
+    assert out.returncode != 0 and "LD_PRELOAD=libjemalloc.so.2 jaxserve serve" in out.stderr, out.stderr
 
 
 def test_two_front_ends_serve_as_one_process_does(files):
@@ -110,8 +121,13 @@ def test_two_front_ends_serve_as_one_process_does(files):
         assert info["host_dispatch"]["source"] == "measured"  # the engine's, as its status says
         # the engine runs the model with JAX; a front-end never imports it (its memory map holds no jaxlib)
         assert maps_jax(procs["engine"]) and not any(maps_jax(pid) for pid in procs["frontends"])
-        for pid in [procs["engine"], *procs["frontends"]]:  # glibc's larger cache of freed blocks, from their start
+        # `--malloc auto`: the first allocator installed here preloaded into every child (glibc's where none is),
+        # and glibc's larger cache of freed blocks, from their start
+        assert procs["malloc"] == host.malloc_env("auto", os.environ)[0]
+        for pid in [procs["engine"], *procs["frontends"]]:
             assert host.MALLOC_TUNABLES in psutil.Process(pid).environ().get("GLIBC_TUNABLES", "")
+            mapped = {name for name in host.PRELOADS if f"lib{name}" in Path(f"/proc/{pid}/maps").read_text()}
+            assert mapped == ({procs["malloc"]} & set(host.PRELOADS))
 
         texts = [f"document number {i} " * (1 + i % 5) for i in range(12)]
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import os
 import time
 
 from aiohttp import web
@@ -41,7 +42,7 @@ from jaxserve.http.state import (  # noqa: F401
     ServerConfig,
 )
 from jaxserve.runtime import compiles, startup
-from jaxserve.runtime.host import keep_freed_memory, settle_heap
+from jaxserve.runtime.host import PRELOADS, allocator_in_use, keep_freed_memory, malloc_env, settle_heap
 from jaxserve.view import ModelView
 
 log = logging.getLogger("jaxserve.http.server")
@@ -243,6 +244,14 @@ def serve(config: ServerConfig, host: str, port: int) -> None:
     from jaxserve.http.loading import check_prompt, load_encoder  # JAX: only a process that runs the model
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    malloc = allocator_in_use()  # one process cannot preload an allocator into itself: its starter does
+    if config.malloc not in ("auto", "glibc", malloc):
+        raise SystemExit(f"jaxserve serve: --malloc {config.malloc} with one worker: start it as "
+                         f"LD_PRELOAD={PRELOADS[config.malloc]} jaxserve serve ...")
+    log.info("malloc: %s", malloc)
+    if config.malloc == "auto" and malloc == "glibc" and (found := malloc_env("auto", os.environ))[0] != "glibc":
+        log.info("%s is installed: LD_PRELOAD=%s jaxserve serve ... runs this process on it (docs/operations.md)",
+                 found[0], found[1]["LD_PRELOAD"])
     keep_freed_memory()
     started = startup.Startup()
     started.add("import", startup.since_process_start())

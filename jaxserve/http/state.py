@@ -92,6 +92,7 @@ class ServerConfig:
     workers: int = 1  # front-end processes (http/workers.py); 1: one process does everything
     engine_restarts: int = 3  # with workers > 1: times the supervisor restarts an engine process that died
     simulate: object | None = None  # a runtime.simulated.SimSpec: serve on a simulated device (capacity planning)
+    malloc: str = "auto"  # with workers > 1: the serving processes' allocator (runtime/host.malloc_env)
     access_log: bool = False  # one log line per request (aiohttp's access log): off, it costs more than a small request
 
     @functools.cached_property
@@ -191,7 +192,7 @@ class AppState:
     def processes(self) -> dict:
         """Pids by role, for /info: one process does everything, or a supervisor's engine and front-ends."""
         if self.processes_file is None:
-            return {"engine": os.getpid(), "frontends": [os.getpid()]}
+            return {"engine": os.getpid(), "frontends": [os.getpid()], "malloc": host.allocator_in_use()}
         try:
             with open(self.processes_file) as f:
                 return json.load(f)

@@ -191,8 +191,12 @@ def _env(**values: str):
 class Supervisor:
     """Starts the engine and the front-ends, restarts the ones that die, stops them all (front-ends first)."""
 
-    def __init__(self, config, socks: list[socket.socket], workers: int):
+    def __init__(self, config, socks: list[socket.socket], workers: int, malloc: tuple[str, dict] | None = None):
+        from jaxserve.runtime import host
+
         self.config = config
+        # the children's allocator and the variables that give it them (`host.malloc_env`: read at a process's start)
+        self.malloc, self.malloc_env = malloc or host.malloc_env("glibc", os.environ)
         self.socks: list[socket.socket | None] = socks  # front-end i's listening socket (None: it is being replaced)
         self.address = socks[0].family, socks[0].getsockname()[:2]
         self.workers = workers
@@ -207,11 +211,7 @@ class Supervisor:
         self.stopping = False
 
     def _start(self, target, args, name: str, **env) -> multiprocessing.Process:
-        from jaxserve.runtime import host
-
-        # a larger cache of freed small blocks (the tokenizer's, numpy's): GLIBC_TUNABLES is read at process start
-        env.setdefault("GLIBC_TUNABLES", host.malloc_tunables(os.environ.get("GLIBC_TUNABLES")))
-        with _env(**env):
+        with _env(**{**self.malloc_env, **env}):
             proc = self.ctx.Process(target=target, args=(*args, os.getpid()), name=name, daemon=False)
             proc.start()
         self.started_at[proc.pid] = time.monotonic()
@@ -236,7 +236,7 @@ class Supervisor:
 
     def _write_processes(self) -> None:
         pids = {"supervisor": os.getpid(), "engine": self.engine.pid if self.engine else None,
-                "frontends": [p.pid for p in self.frontends if p is not None]}
+                "frontends": [p.pid for p in self.frontends if p is not None], "malloc": self.malloc}
         tmp = os.path.join(self.run_dir, PROCESSES_FILE + ".tmp")
         Path(tmp).write_text(json.dumps(pids))
         os.replace(tmp, os.path.join(self.run_dir, PROCESSES_FILE))
@@ -381,12 +381,17 @@ def serve_workers(config, host: str, port: int) -> None:
     """`jaxserve serve --workers N` (N > 1): bind the port here, so a port in use fails at once; then supervise
     until SIGTERM or SIGINT."""
     from jaxserve.http.server import DRAIN_TIMEOUT_S
+    from jaxserve.runtime.host import malloc_env
 
     _logging("supervisor")
+    try:
+        malloc = malloc_env(config.malloc, os.environ)
+    except ValueError as err:
+        raise SystemExit(f"jaxserve serve: {err}") from None
     holder, socks = listeners(host, port, config.workers)
-    log.info("serving on http://%s:%d with %d front-end processes and one engine process", host,
-             socks[0].getsockname()[1], config.workers)
-    supervisor = Supervisor(config, socks, config.workers)
+    log.info("serving on http://%s:%d with %d front-end processes and one engine process (malloc: %s)", host,
+             socks[0].getsockname()[1], config.workers, malloc[0])
+    supervisor = Supervisor(config, socks, config.workers, malloc)
 
     def on_signal(signum, frame):
         supervisor.stopping = True

@@ -11,6 +11,7 @@ responding (combine, normalise, encode) a quarter, each at least 2, so a
 from __future__ import annotations
 
 import ctypes
+import ctypes.util
 import gc
 import os
 import sys
@@ -20,6 +21,12 @@ MIN_POOL_THREADS = 2  # each pool: one thread busy while another waits on the GI
 # frees and takes back dozens of one size per text; past 7 each goes to malloc's slower bins. 1024 of each size
 # hold at most ~34 MB per thread, in practice what one request's tokens took.
 MALLOC_TUNABLES = "glibc.malloc.tcache_count=1024"
+# Allocators a serving child may start with instead of glibc's malloc (LD_PRELOAD), in the order `--malloc auto`
+# prefers them: the request path takes and frees many small and mid-sized blocks (the tokenizer's, numpy's,
+# aiohttp's, the response bodies), which each does with less CPU than glibc's bins (docs/benchmarks.md)
+PRELOADS = {"mimalloc": "libmimalloc.so.2", "jemalloc": "libjemalloc.so.2"}
+MALLOC_CHOICES = ("auto", "glibc", *PRELOADS)
+_ALLOCATOR_NAMES = ("mimalloc", "jemalloc", "tcmalloc")  # in a user's own LD_PRELOAD: theirs stands
 # the cyclic collector's first generation runs after this many new containers (Python's default: 700, a collection
 # every two or three one-document requests, each walking what the requests in flight hold)
 GC_YOUNG_THRESHOLD = 20_000
@@ -85,6 +92,39 @@ def malloc_tunables(given: str | None) -> str:
     if "glibc.malloc.tcache_count=" in given:
         return given
     return f"{given}:{MALLOC_TUNABLES}" if given else MALLOC_TUNABLES
+
+
+def malloc_env(choice: str, environ, find=ctypes.util.find_library) -> tuple[str, dict[str, str]]:
+    """(the allocator, the variables a serving child starts with) for `--malloc choice`: a named allocator
+    preloaded before the user's own LD_PRELOAD (ValueError where the loader cannot find it: `find`); `auto`, the
+    first of PRELOADS installed, or none where the user's LD_PRELOAD holds an allocator already (theirs stands);
+    glibc's otherwise. Every child gets `malloc_tunables` (only glibc's malloc reads them)."""
+    env = {"GLIBC_TUNABLES": malloc_tunables(environ.get("GLIBC_TUNABLES"))}
+    given = environ.get("LD_PRELOAD", "")
+    theirs = next((name for name in _ALLOCATOR_NAMES if name in given), None)
+    if choice == "glibc" or (choice == "auto" and theirs):
+        return theirs or "glibc", env
+    if choice != "auto" and choice not in PRELOADS:
+        raise ValueError(f"--malloc must be one of {', '.join(MALLOC_CHOICES)}, not {choice!r}")
+    for name in PRELOADS if choice == "auto" else (choice,):
+        if (lib := find(name)) is not None:
+            env["LD_PRELOAD"] = f"{lib}:{given}" if given else lib
+            return name, env
+    if choice != "auto":
+        package = {"mimalloc": "libmimalloc2.0", "jemalloc": "libjemalloc2"}[choice]
+        raise ValueError(f"--malloc {choice}: the dynamic loader finds no lib{choice} (Debian and Ubuntu: "
+                         f"apt-get install {package})")
+    return "glibc", env
+
+
+def allocator_in_use() -> str:
+    """The allocator this process runs on: a preloaded one its memory map shows, else glibc's."""
+    try:
+        with open("/proc/self/maps") as f:
+            maps = f.read()
+    except OSError:
+        return "glibc"
+    return next((name for name in _ALLOCATOR_NAMES if f"lib{name}" in maps), "glibc")
 
 
 def settle_heap() -> None:
