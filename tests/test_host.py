@@ -184,6 +184,13 @@ def test_serving_processes_get_the_allocator_asked_for_or_the_first_installed():
         host.malloc_env("tcmalloc", {}, find)
 
 
+def test_off_linux_no_allocator_is_preloaded(monkeypatch):
+    monkeypatch.setattr(host.sys, "platform", "darwin")
+    assert host.malloc_env("auto", {}, {"mimalloc": "libmimalloc.dylib"}.get)[0] == "system"
+    with pytest.raises(ValueError, match="Linux only"):
+        host.malloc_env("mimalloc", {}, {"mimalloc": "libmimalloc.dylib"}.get)
+
+
 def test_a_process_started_with_an_allocator_preloaded_says_so():
     """allocator_in_use reads the process's own memory map: glibc's without a preload; where mimalloc or jemalloc
     is installed, a process started with it preloaded (as the supervisor starts its children) names it."""

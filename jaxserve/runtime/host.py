@@ -98,8 +98,13 @@ def malloc_env(choice: str, environ, find=ctypes.util.find_library) -> tuple[str
     """(the allocator, the variables a serving child starts with) for `--malloc choice`: a named allocator
     preloaded before the user's own LD_PRELOAD (ValueError where the loader cannot find it: `find`); `auto`, the
     first of PRELOADS installed, or none where the user's LD_PRELOAD holds an allocator already (theirs stands);
-    glibc's otherwise. Every child gets `malloc_tunables` (only glibc's malloc reads them)."""
+    glibc's otherwise. Every child gets `malloc_tunables` (only glibc's malloc reads them). Off Linux nothing is
+    preloaded: the system's allocator (`auto`), or ValueError for a named one."""
     env = {"GLIBC_TUNABLES": malloc_tunables(environ.get("GLIBC_TUNABLES"))}
+    if not sys.platform.startswith("linux"):
+        if choice in ("auto", "glibc"):
+            return "system", env
+        raise ValueError(f"--malloc {choice}: preloading an allocator is done on Linux only")
     given = environ.get("LD_PRELOAD", "")
     theirs = next((name for name in _ALLOCATOR_NAMES if name in given), None)
     if choice == "glibc" or (choice == "auto" and theirs):
@@ -118,12 +123,13 @@ def malloc_env(choice: str, environ, find=ctypes.util.find_library) -> tuple[str
 
 
 def allocator_in_use() -> str:
-    """The allocator this process runs on: a preloaded one its memory map shows, else glibc's."""
+    """The allocator this process runs on: a preloaded one its memory map shows, else glibc's (off Linux: the
+    system's)."""
     try:
         with open("/proc/self/maps") as f:
             maps = f.read()
     except OSError:
-        return "glibc"
+        return "glibc" if sys.platform.startswith("linux") else "system"
     return next((name for name in _ALLOCATOR_NAMES if f"lib{name}" in maps), "glibc")
 
 
