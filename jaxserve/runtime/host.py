@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import gc
 import os
 import sys
@@ -122,9 +123,10 @@ def malloc_env(choice: str, environ, find=ctypes.util.find_library) -> tuple[str
     return "glibc", env
 
 
+@functools.cache
 def allocator_in_use() -> str:
     """The allocator this process runs on: a preloaded one its memory map shows, else glibc's (off Linux: the
-    system's)."""
+    system's). Read once: a preload is loaded when the process starts, so it cannot change afterwards."""
     try:
         with open("/proc/self/maps") as f:
             maps = f.read()
