@@ -8,6 +8,7 @@
 #     results/issue37/allocators.sh ROUNDS "SERVER FLOOR" ...   # e.g. "glibc glibc" "mimalloc glibc" "mimalloc mimalloc"
 HERE=$(cd "$(dirname "$0")" && pwd)
 cd "$HERE/../.."
+source "$HERE/wait_up.sh"
 rounds=$1; shift
 configs=("$@") n=$#
 lib() { case $1 in jemalloc) echo libjemalloc.so.2;; mimalloc) echo libmimalloc.so.2;; esac; }
@@ -18,7 +19,7 @@ for round in $(seq 1 "$rounds"); do
     LD_PRELOAD=$([ "${WORKERS:-2}" = 1 ] && lib "$1") .venv/bin/jaxserve serve --simulate-device 400 \
         --workers "${WORKERS:-2}" --malloc "$1" --port 18230 > /tmp/allocators-server.log 2>&1 &
     P=$!
-    for _ in $(seq 400); do curl -sf 127.0.0.1:18230/health >/dev/null && break; sleep 0.25; done; sleep 1
+    wait_up 18230; sleep 1
     echo "  /info: malloc $(curl -s 127.0.0.1:18230/info | .venv/bin/python -c 'import json, sys; print(json.load(sys.stdin)["processes"]["malloc"])')"
     LD_PRELOAD=$(lib "$2") .venv/bin/python "$HERE/sliced_load.py" http://127.0.0.1:18230 ${DOCS:-1} 8 2 64 | head -1
     .venv/bin/python -c "import json, urllib.request, psutil

@@ -4,7 +4,7 @@
 HERE=$(cd "$(dirname "$0")" && pwd)
 cd "$HERE/../.."
 run_load() { .venv/bin/python "$HERE/load.py" http://127.0.0.1:$1 1 1 5 1 $2; for d in 1 16 100; do .venv/bin/python "$HERE/load.py" http://127.0.0.1:$1 2 16 8 $d $2; done; }
-wait_up() { for i in $(seq 1 400); do curl -sf localhost:$1/health >/dev/null && return; sleep 0.25; done; }
+source "$HERE/wait_up.sh"
 for round in 1 2; do
 echo "== before (25e1f16, one process)"
 (cd /tmp/before37 && PYTHONPATH=/tmp/before37 "$OLDPWD/.venv/bin/python" scripts/bench_host.py --serve 18201 --tflops 400 > /tmp/before37.log 2>&1) &

@@ -10,6 +10,7 @@
 #     results/issue37/interpreters.sh ROUNDS URL PYTHON...
 HERE=$(cd "$(dirname "$0")" && pwd)
 cd "$HERE/../.."
+source "$HERE/wait_up.sh"
 rounds=$1 url=$2; shift 2
 pys=("$@") pids=()
 for i in "${!pys[@]}"; do
@@ -17,7 +18,7 @@ for i in "${!pys[@]}"; do
   pids+=($!)
 done
 for i in "${!pys[@]}"; do
-  for _ in $(seq 240); do curl -sf 127.0.0.1:$((18310 + i))/health >/dev/null && break; sleep 0.5; done
+  wait_up $((18310 + i)) 480
   echo "front-end $i: ${pys[$i]} ($("${pys[$i]}" -c 'import sys, numpy; print(sys.version.split()[0], "numpy", numpy.__version__)'))"
 done
 n=${#pys[@]}

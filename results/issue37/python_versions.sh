@@ -5,6 +5,7 @@
 #     results/issue37/python_versions.sh ROUNDS VENV_A VENV_B
 HERE=$(cd "$(dirname "$0")" && pwd)
 cd "$HERE/../.."
+source "$HERE/wait_up.sh"
 rounds=$1; shift
 configs=()
 for v in "$@"; do for w in 1 2; do configs+=("$v $w"); done; done
@@ -15,7 +16,7 @@ for round in $(seq 1 "$rounds"); do
     echo "== round $round: $1 ($("$1/bin/python" -c 'import sys; print(sys.version.split()[0])')), --workers $2"
     "$1/bin/jaxserve" serve --simulate-device 400 --workers "$2" --port 18220 > /tmp/pyver-server.log 2>&1 &
     P=$!
-    for _ in $(seq 400); do curl -sf 127.0.0.1:18220/health >/dev/null && break; sleep 0.25; done; sleep 1
+    wait_up 18220; sleep 1
     .venv/bin/python "$HERE/sliced_load.py" http://127.0.0.1:18220 1 8 2 64 | head -1
     kill -TERM $P; wait $P
   done

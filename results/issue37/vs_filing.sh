@@ -17,7 +17,7 @@ load() {  # URL [PID]: one measurement of the server at URL (PID: a server whose
     .venv/bin/python "$HERE/split_load.py" "$1" ${DOCS:-1} $2
   fi
 }
-wait_up() { for i in $(seq 1 400); do curl -sf localhost:$1/health >/dev/null && return; sleep 0.25; done; }
+source "$HERE/wait_up.sh"
 run() {
   if [ "$1" = filing ]; then
     echo "== round $round: 25e1f16 (one process)"
