@@ -44,7 +44,8 @@ import numpy as np
 
 from jaxserve.scheduling.batcher import BULK
 from jaxserve.scheduling.jobs import Job, joined, place
-from jaxserve.scheduling.pipeline import Draining, Pipeline, fail_after
+from jaxserve.scheduling.pipeline import Draining, Pipeline
+from jaxserve.scheduling.timeouts import Timeouts
 from jaxserve.scheduling.wire import Wire
 
 log = logging.getLogger("jaxserve.scheduling.link")
@@ -337,6 +338,7 @@ class EngineLink:
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        self._timeouts = Timeouts(self._loop)
         self._idle = asyncio.Event()
         self._idle.set()
         self._settled = asyncio.Event()
@@ -410,7 +412,7 @@ class EngineLink:
         else:
             ticket = _Ticket(job, *self._expect())
             self._post_run(ticket.wire, ticket.rid, job, cls, deadline_s)
-        timer = fail_after(ticket.future, timeout_s)
+        self._timeouts.add(ticket.future, timeout_s)
         self._running += 1
         self._idle.clear()
         try:
@@ -419,8 +421,7 @@ class EngineLink:
             self._withdraw(ticket)
             raise
         finally:
-            if timer is not None:
-                timer.cancel()
+            self._timeouts.discard(ticket.future)
             if ticket.group is None:
                 self._pending.pop(ticket.rid, None)
             self._running -= 1

@@ -55,6 +55,7 @@ from jaxserve.scheduling.explain import LiveTimings, explain
 from jaxserve.scheduling.host_cost import HostCost
 from jaxserve.scheduling.jobs import Job, assemble, keep, most_per_row, scatter, spanned
 from jaxserve.scheduling.prepared import PreparedQueue, room
+from jaxserve.scheduling.timeouts import Timeouts
 
 if TYPE_CHECKING:  # the engine imports JAX; a front-end process reads this module's names without it
     from jaxserve.runtime.engine import Engine
@@ -74,19 +75,6 @@ def server_classes(bulk_dispatch_s: float = BULK_DISPATCH_MS / 1000) -> Classes:
 
 SERVER_CLASSES = server_classes()
 MAX_CONSECUTIVE_FAILURES = 3  # device steps failing in a row before the service calls itself unhealthy
-
-
-def fail_after(future: asyncio.Future, timeout_s: float | None) -> asyncio.TimerHandle | None:
-    """Fail `future` with TimeoutError if it is not done within `timeout_s` (None: never): a request's timeout as
-    one timer, not the task and context manager of `asyncio.wait_for` (twice the cost on a small request)."""
-    if timeout_s is None:
-        return None
-    return future.get_loop().call_later(timeout_s, _time_out, future)
-
-
-def _time_out(future: asyncio.Future) -> None:
-    if not future.done():
-        future.set_exception(TimeoutError())
 
 
 class Draining(Exception):
@@ -213,6 +201,7 @@ class Pipeline:
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        self._timeouts = Timeouts(self._loop)
         self._idle = asyncio.Event()
         self._idle.set()
         devices = [self._device_loop] * self.streams if self.streams > 1 else []  # one stream: `_launch_ready`
@@ -317,12 +306,11 @@ class Pipeline:
 
         If the caller is cancelled (client gone) or it times out, the job's waiting rows are dropped."""
         jid, future, timing = self.submit(job, cls, deadline_s)
-        timer = fail_after(future, timeout_s)
+        self._timeouts.add(future, timeout_s)
         try:
             await future
         finally:
-            if timer is not None:
-                timer.cancel()
+            self._timeouts.discard(future)
             if jid in self._entries:  # not answered: the caller went away, or it timed out
                 self.cancel(jid)
         return timing
