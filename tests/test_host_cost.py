@@ -46,18 +46,26 @@ def test_the_plan_never_goes_below_warm_up_and_a_given_value_never_moves():
 def test_replans_only_when_the_estimate_leaves_the_band_property(floor, seconds):
     h = HostCost(floor=floor)
     last = None  # batches at the last replan
+    every, moved = host_cost.REPLAN_EVERY, 0  # the wait before the next replan; the last one's direction
     for s in seconds:
         before = h.planned
         new = h.observe(s)
         assert h.planned >= floor
         target = max(floor, h.estimate)
-        if h.batches < host_cost.MIN_BATCHES or (last is not None and h.batches - last < host_cost.REPLAN_EVERY):
+        if h.batches < host_cost.MIN_BATCHES or (last is not None and h.batches - last < every):
             assert new is None and h.planned == before
         elif new is None:  # kept: the estimate is within the band around the plan
             assert before / host_cost.REPLAN_RATIO <= target <= before * host_cost.REPLAN_RATIO
         else:
-            assert new == h.planned == target
-            last = h.batches
+            now = 1 if target > before else -1
+            if now == -moved:  # a reversal: between the two, and a longer wait before the next
+                assert new == h.planned == pytest.approx((target * before) ** 0.5)
+                every = min(2 * every, host_cost.REPLAN_EVERY_MOST)
+            else:
+                assert new == h.planned == target
+                every = host_cost.REPLAN_EVERY
+            assert h.every == every
+            last, moved = h.batches, now
 
 
 def test_a_plan_stays_for_replan_every_batches_however_the_estimate_moves():
@@ -67,6 +75,28 @@ def test_a_plan_stays_for_replan_every_batches_however_the_estimate_moves():
     # the cost per batch follows the plan (larger batches): it moves, but the plan waits REPLAN_EVERY batches
     assert all(h.observe(400e-6) is None for _ in range(host_cost.REPLAN_EVERY - 1))
     assert h.observe(400e-6) == pytest.approx(h.estimate) and h.planned > 300e-6
+
+
+def test_a_plan_that_flips_its_own_cost_settles():
+    """Each plan's batches cost what the other plan would want (a plan of 280 us measuring 430 and one of 430
+    measuring 280): the plan settles between the two after one reversal instead of flipping at every chance."""
+    h = HostCost(floor=10e-6)
+    cost = lambda planned: 430e-6 if planned < 355e-6 else 280e-6
+    plans_made = [p for _ in range(40 * host_cost.REPLAN_EVERY) if (p := h.observe(cost(h.planned))) is not None]
+    assert len(plans_made) <= 3, plans_made
+    assert plans_made[-1] == pytest.approx((430e-6 * 280e-6) ** 0.5, rel=0.05)
+    assert 280e-6 * host_cost.REPLAN_RATIO > h.planned > 430e-6 / host_cost.REPLAN_RATIO  # both costs in its band
+
+
+def test_a_replan_the_same_way_waits_the_usual_while():
+    h = HostCost(floor=10e-6)
+    steps = [(100e-6, host_cost.MIN_BATCHES), (400e-6, host_cost.REPLAN_EVERY), (100e-6, host_cost.REPLAN_EVERY)]
+    for seconds, n in steps:  # up, then back down: a reversal
+        for _ in range(n):
+            h.observe(seconds)
+    assert h.every == 2 * host_cost.REPLAN_EVERY and h.moved == -1
+    got = [h.observe(10e-6) for _ in range(2 * host_cost.REPLAN_EVERY)]  # down again: the load changed
+    assert sum(g is not None for g in got) == 1 and h.every == host_cost.REPLAN_EVERY
 
 
 # seqlen 64 on a fast device: 30 us of overhead plus the rows' FLOPs (the simulated H200's shape)

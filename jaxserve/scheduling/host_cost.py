@@ -9,22 +9,27 @@ many small batches (100 rows as 64 + 16 + 16 + 4), each paying it again.
 
 `HostCost` keeps a moving average of the CPU time the prepare and respond threads spend per batch, and says
 when it has moved far enough from the value the batcher plans with that the covers should be derived again
-(at most once every `REPLAN_EVERY` batches).
+(at most once every `REPLAN_EVERY` batches). The cost follows the plan, and a steady load
+of queries could flip the plan between two values at every chance (docs/benchmarks.md), so a replan that reverses
+the one before plans between the two, and the next one waits twice as long: a plan that flips settles within a
+few replans.
 A fixed value (`--host-dispatch-us`) turns the measuring off. Pure bookkeeping: the pipeline times, this decides.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 MIN_BATCHES = 64  # batches seen before the first estimate counts (the first ones run cold)
 SMOOTHING = 0.05  # weight of each new batch in the moving average
 # The estimate must move this far (either way) from the planned value to replan, and this many batches must have
-# run since the last replan. The cost per batch follows the batch sizes it plans (larger batches take longer to
-# assemble and scatter), so a narrow band flaps between two plans (seen: 320 <-> 410 us, a replan every few
-# hundred batches, each deriving the covers again: milliseconds of the respond thread).
+# run since the last replan (`HostCost.every`: twice as many after each reversal, up to REPLAN_EVERY_MOST). The
+# cost per batch follows the batch sizes it plans (larger batches take longer to assemble and scatter), so a narrow
+# band flaps between two plans, each replan deriving the covers again: tens of milliseconds of the respond thread.
 REPLAN_RATIO = 1.5
 REPLAN_EVERY = 2000
+REPLAN_EVERY_MOST = 16 * REPLAN_EVERY
 
 
 @dataclasses.dataclass
@@ -38,6 +43,8 @@ class HostCost:
     batches: int = 0
     planned: float = dataclasses.field(init=False)
     replanned_at: int = 0  # `batches` at the last replan
+    every: int = REPLAN_EVERY  # batches from a replan to the next: doubled by each reversal, reset by a move on
+    moved: int = 0  # the last replan's direction: 1 up, -1 down (0: none yet)
 
     def __post_init__(self):
         self.planned = self.floor if self.fixed is None else self.fixed
@@ -53,10 +60,16 @@ class HostCost:
             return None
         self.batches += 1
         self.estimate = seconds if self.estimate is None else (1 - SMOOTHING) * self.estimate + SMOOTHING * seconds
-        if self.batches < MIN_BATCHES or (self.replanned_at and self.batches - self.replanned_at < REPLAN_EVERY):
+        if self.batches < MIN_BATCHES or (self.replanned_at and self.batches - self.replanned_at < self.every):
             return None
         target = max(self.floor, self.estimate)
-        if target > self.planned * REPLAN_RATIO or target < self.planned / REPLAN_RATIO:
-            self.planned, self.replanned_at = target, self.batches
-            return target
-        return None
+        if self.planned / REPLAN_RATIO <= target <= self.planned * REPLAN_RATIO:
+            return None
+        moved = 1 if target > self.planned else -1
+        if moved == -self.moved:  # back the way the last replan came: the plan moves its own cost
+            target = math.sqrt(target * self.planned)
+            self.every = min(2 * self.every, REPLAN_EVERY_MOST)
+        else:  # the load changed
+            self.every = REPLAN_EVERY
+        self.planned, self.replanned_at, self.moved = target, self.batches, moved
+        return target
