@@ -147,3 +147,6 @@ def test_flat_ids_lengths_and_offsets(minilm_tokenizers):
     pieces = tok.documents(texts)
     assert pieces.lengths.tolist() == [len(e.ids) for e in ref.encode_batch(texts)]
     assert pieces.ids.dtype == np.int32 and pieces.offsets[-1] == len(pieces.ids)
+    assert pieces.tokens == int(pieces.lengths.sum()) == len(pieces.ids)
+    one = tok.documents(texts[1:2])  # a query's piece, made without numpy's calls
+    assert one.tokens == int(one.lengths.sum()) == len(ref.encode(texts[1]).ids)

@@ -52,6 +52,11 @@ class Pieces:
         return len(self.offsets) - 1
 
     @property
+    def tokens(self) -> int:
+        """Tokens of every sequence (`lengths.sum()` without numpy's call)."""
+        return int(self.offsets[-1] - self.offsets[0])
+
+    @property
     def seqs(self) -> list[np.ndarray]:
         """Each sequence's ids (views), for references and tests."""
         return [self.ids[a:b] for a, b in zip(self.offsets[:-1], self.offsets[1:])]

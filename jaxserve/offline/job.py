@@ -127,7 +127,7 @@ def encoder_embed(enc, long: str, prompt: str | None) -> Stages:
         else:
             out = enc.embed_prepared(pieces, rows, n)
         compiled = sum(d.bucket.batch * d.bucket.seqlen for d in enc.last_dispatches)
-        return out, int(pieces.lengths.sum()), compiled
+        return out, pieces.tokens, compiled
 
     return Stages(prepare, run)
 
