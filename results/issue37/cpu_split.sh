@@ -1,6 +1,7 @@
 #!/bin/bash
 # CPU per request of each process of `jaxserve serve --workers 2 --simulate-device 400` (the engine's threads
-# one by one), from /proc, under results/issue37/load.py; TREE=a `git archive` of another commit to compare.
+# one by one) and the kernel's share of it, from /proc, under results/issue37/load.py; TREE=a `git archive` of
+# another commit to compare.
 #   bash results/issue37/cpu_split.sh PORT DOCS CONNECTIONS    # e.g. 8900 1 32; LOAD_CORPUS=1 for corpus documents
 set -euo pipefail
 TREE=${TREE:-$(cd "$(dirname "$0")/../.." && pwd)}
@@ -24,4 +25,6 @@ after=$(snap)
 n=$(grep -o 'requests=[0-9]*' <<< "$out" | cut -d= -f2)
 paste <(echo "$before") <(echo "$after") | awk -v n="$n" -v e="$EPID" '
   $1 == "T" { if ($7 + $8 > $3 + $4) printf "  engine thread %s: %.3f ms/request\n", $2, 10 * ($7 + $8 - $3 - $4) / n; next }
-  { printf "%s %s: %.3f ms/request\n", ($1 == e ? "engine" : "front-end"), $1, 10 * ($5 + $6 - $2 - $3) / n }'
+  { printf "%s %s: %.3f ms/request\n", ($1 == e ? "engine" : "front-end"), $1, 10 * ($5 + $6 - $2 - $3) / n
+    user += $5 - $2; sys += $6 - $3 }
+  END { printf "all processes: %.3f ms/request, %.0f%% of it in the kernel\n", 10 * (user + sys) / n, 100 * sys / (user + sys) }'
