@@ -11,8 +11,10 @@ many small batches (100 rows as 64 + 16 + 16 + 4), each paying it again.
 when it has moved far enough from the value the batcher plans with that the covers should be derived again
 (at most once every `REPLAN_EVERY` batches). The cost follows the plan, and a steady load
 of queries could flip the plan between two values at every chance (docs/benchmarks.md), so a replan that reverses
-the one before plans between the two, and the next one waits twice as long: a plan that flips settles within a
-few replans.
+the one before goes half way (the geometric mean), and the next reversal waits twice as long (up to
+`REPLAN_EVERY_MOST`) unless it is past the band squared: a plan that flips settles where a plan between the two
+holds its own cost, and flips seldom where none does, while a change of load past the band squared is planned
+within two replans.
 A fixed value (`--host-dispatch-us`) turns the measuring off. Pure bookkeeping: the pipeline times, this decides.
 """
 
@@ -24,7 +26,7 @@ import math
 MIN_BATCHES = 64  # batches seen before the first estimate counts (the first ones run cold)
 SMOOTHING = 0.05  # weight of each new batch in the moving average
 # The estimate must move this far (either way) from the planned value to replan, and this many batches must have
-# run since the last replan (`HostCost.every`: twice as many after each reversal, up to REPLAN_EVERY_MOST). The
+# run since the last replan (for a reversal within the band squared, `HostCost.every`: doubled by each). The
 # cost per batch follows the batch sizes it plans (larger batches take longer to assemble and scatter), so a narrow
 # band flaps between two plans, each replan deriving the covers again: tens of milliseconds of the respond thread.
 REPLAN_RATIO = 1.5
@@ -43,7 +45,7 @@ class HostCost:
     batches: int = 0
     planned: float = dataclasses.field(init=False)
     replanned_at: int = 0  # `batches` at the last replan
-    every: int = REPLAN_EVERY  # batches from a replan to the next: doubled by each reversal, reset by a move on
+    every: int = REPLAN_EVERY  # batches before a near reversal may replan: doubled by each reversal, reset by a move on
     moved: int = 0  # the last replan's direction: 1 up, -1 down (0: none yet)
 
     def __post_init__(self):
@@ -60,16 +62,22 @@ class HostCost:
             return None
         self.batches += 1
         self.estimate = seconds if self.estimate is None else (1 - SMOOTHING) * self.estimate + SMOOTHING * seconds
-        if self.batches < MIN_BATCHES or (self.replanned_at and self.batches - self.replanned_at < self.every):
+        since = self.batches - self.replanned_at if self.replanned_at else math.inf
+        if self.batches < MIN_BATCHES or since < REPLAN_EVERY:
             return None
         target = max(self.floor, self.estimate)
         if self.planned / REPLAN_RATIO <= target <= self.planned * REPLAN_RATIO:
             return None
         moved = 1 if target > self.planned else -1
-        if moved == -self.moved:  # back the way the last replan came: the plan moves its own cost
-            target = math.sqrt(target * self.planned)
+        if moved == -self.moved:  # back the way the last replan came: the plan moving its own cost, or the load
+            near = self.planned / REPLAN_RATIO**2 <= target <= self.planned * REPLAN_RATIO**2
+            if near and since < self.every:
+                return None
+            target = math.sqrt(target * self.planned)  # half way; a change of load is planned whole the next time
             self.every = min(2 * self.every, REPLAN_EVERY_MOST)
-        else:  # the load changed
+        else:
             self.every = REPLAN_EVERY
+        if target == self.planned:  # (a floor of 0)
+            return None
         self.planned, self.replanned_at, self.moved = target, self.batches, moved
         return target
