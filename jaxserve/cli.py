@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import sys
 
@@ -93,6 +94,17 @@ def cmd_warmup(args) -> int:
         table.save(args.write)
         print(f"wrote {args.write}")
     return 0
+
+
+def _seconds(text: str) -> float:
+    """A time limit: a finite number of seconds above 0 (a NaN would never expire)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds above 0, not {text}")
+    return value
 
 
 def _route_priority(text: str) -> tuple[str, str]:
@@ -364,7 +376,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="model requests handled at once (429 past it)")
     serve.add_argument("--max-inflight-bytes", type=int, default=server.MAX_INFLIGHT_BODY_BYTES,
                        help="bytes of request bodies handled at once (429 past it)")
-    serve.add_argument("--request-timeout-s", type=float, default=server.REQUEST_TIMEOUT_S,
+    serve.add_argument("--request-timeout-s", type=_seconds, default=server.REQUEST_TIMEOUT_S,
                        help="per request; 503 past it, and its waiting rows are dropped")
     serve.add_argument("--long", default="truncate", choices=["truncate", "chunk", "error"],
                        help="default for inputs over the model's limit")

@@ -112,6 +112,12 @@ def test_keep_artifacts_on_serve_and_warmup(monkeypatch):
             parser.parse_args(["serve", "--keep-artifacts", bad])
     with pytest.raises(ValueError, match="keep_artifacts must be at least 1"):
         ServerConfig(keep_artifacts=0)
+    for bad in ("0", "-1", "nan", "inf", "soon"):  # a request timeout that could never expire, or at once
+        with pytest.raises(SystemExit):
+            parser.parse_args(["serve", "--request-timeout-s", bad])
+    assert parser.parse_args(["serve", "--request-timeout-s", "2.5"]).request_timeout_s == 2.5
+    with pytest.raises(ValueError, match="request_timeout_s must be a finite"):
+        ServerConfig(request_timeout_s=float("nan"))
     configs = []
     monkeypatch.setattr(server, "serve", lambda config, host, port: configs.append(config))
     assert main(["serve", "--keep-artifacts", "5"]) == 0 and configs[0].keep_artifacts == 5

@@ -101,7 +101,7 @@ async def test_a_future_done_before_its_time_is_left_as_it_is():
 @settings(max_examples=100, deadline=None)
 @given(st.lists(st.tuples(st.floats(0, 10), st.sampled_from([0.5, 1.0, 30.0]), st.booleans()), max_size=40),
        st.floats(0, 50))
-def test_each_future_fails_exactly_when_its_time_is_up_property(arrivals, end):
+def test_each_future_fails_when_its_time_is_up_to_the_millisecond_property(arrivals, end):
     """Futures added at increasing times with one of a few timeouts, some answered at once: at any time, a future
     has failed iff it was not answered and its time is up (to the timer's slack); one timer is set at most."""
     loop = asyncio.new_event_loop()

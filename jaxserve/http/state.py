@@ -7,6 +7,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import json
+import math
 import os
 import time
 
@@ -128,6 +129,9 @@ class ServerConfig:
             raise ValueError(f"keep_artifacts must be at least 1, not {self.keep_artifacts}")
         if self.max_queue_tokens is not None and self.max_queue_tokens < 1:
             raise ValueError(f"max_queue_tokens must be positive, not {self.max_queue_tokens}")
+        if not 0 < self.request_timeout_s < math.inf:  # a NaN would never expire
+            raise ValueError(f"request_timeout_s must be a finite number of seconds above 0, "
+                             f"not {self.request_timeout_s}")
 
 
 class AppState:
