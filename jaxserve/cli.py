@@ -429,8 +429,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--malloc", default="auto", choices=MALLOC_CHOICES,
                        help="with several workers: the engine's and the front-ends' memory allocator (preloaded); "
                             "auto: mimalloc, else jemalloc, where installed (libmimalloc.so.2, libjemalloc.so.2), "
-                            "else glibc's; an allocator in your own LD_PRELOAD stands. With one worker, preload it "
-                            "yourself (docs/operations.md)")
+                            "else glibc's; glibc: none added. An allocator in your own LD_PRELOAD stands (ours goes "
+                            "after it). With one worker, preload it yourself (docs/operations.md)")
     serve.add_argument("--access-log", action="store_true",
                        help="log one line per request (off by default: at thousands of requests per second the "
                             "log line costs more CPU than a small request's own work)")

@@ -164,7 +164,7 @@ def test_serving_processes_get_the_malloc_tunable_unless_the_user_set_their_own(
 
 
 def test_serving_processes_get_the_allocator_asked_for_or_the_first_installed():
-    """`--malloc`: the children's environment (LD_PRELOAD before the user's own, the tunables always); auto takes
+    """`--malloc`: the children's environment (LD_PRELOAD after the user's own, the tunables always); auto takes
     the first of PRELOADS the loader finds, and leaves an allocator the user preloads alone."""
     installed = {"jemalloc": "libjemalloc.so.2"}
     find = installed.get
@@ -172,8 +172,8 @@ def test_serving_processes_get_the_allocator_asked_for_or_the_first_installed():
     assert host.malloc_env("auto", {}, find) == ("jemalloc", {**tunables, "LD_PRELOAD": "libjemalloc.so.2"})
     installed["mimalloc"] = "libmimalloc.so.2"  # first in PRELOADS: auto prefers it
     assert host.malloc_env("auto", {}, find) == ("mimalloc", {**tunables, "LD_PRELOAD": "libmimalloc.so.2"})
-    assert host.malloc_env("jemalloc", {"LD_PRELOAD": "libprofiler.so"}, find) == (
-        "jemalloc", {**tunables, "LD_PRELOAD": "libjemalloc.so.2:libprofiler.so"})
+    assert host.malloc_env("jemalloc", {"LD_PRELOAD": "libprofiler.so"}, find) == (  # after the user's own
+        "jemalloc", {**tunables, "LD_PRELOAD": "libprofiler.so:libjemalloc.so.2"})
     assert host.malloc_env("glibc", {}, find) == ("glibc", tunables)
     theirs = {"LD_PRELOAD": "/opt/lib/libtcmalloc_minimal.so.4", "GLIBC_TUNABLES": "glibc.malloc.tcache_count=7"}
     assert host.malloc_env("auto", theirs, find) == ("tcmalloc", {"GLIBC_TUNABLES": "glibc.malloc.tcache_count=7"})
@@ -192,8 +192,9 @@ def test_off_linux_no_allocator_is_preloaded(monkeypatch):
 
 
 def test_a_process_started_with_an_allocator_preloaded_says_so():
-    """allocator_in_use reads the process's own memory map: glibc's without a preload; where mimalloc or jemalloc
-    is installed, a process started with it preloaded (as the supervisor starts its children) names it."""
+    """allocator_in_use asks the dynamic loader which library serves malloc: glibc's without a preload; where
+    mimalloc or jemalloc is installed, a process started with it preloaded (as the supervisor starts its children)
+    names it, and a library of the user's own LD_PRELOAD that defines malloc (here libc itself) stands before it."""
     import os
     import subprocess
     import sys
@@ -205,3 +206,6 @@ def test_a_process_started_with_an_allocator_preloaded_says_so():
     assert run({}) == "glibc"
     name, preload = host.malloc_env("auto", env)
     assert run(preload) == name  # the first installed, or glibc's where none is
+    if name != "glibc":
+        theirs = host.malloc_env(name, {**env, "LD_PRELOAD": "libc.so.6"})[1]
+        assert theirs["LD_PRELOAD"] == f"libc.so.6:{preload['LD_PRELOAD']}" and run(theirs) == "glibc"

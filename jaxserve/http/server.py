@@ -42,7 +42,14 @@ from jaxserve.http.state import (  # noqa: F401
     ServerConfig,
 )
 from jaxserve.runtime import compiles, startup
-from jaxserve.runtime.host import PRELOADS, allocator_in_use, keep_freed_memory, malloc_env, settle_heap
+from jaxserve.runtime.host import (
+    PRELOADS,
+    allocator_in_use,
+    keep_freed_memory,
+    malloc_env,
+    not_on_linux,
+    settle_heap,
+)
 from jaxserve.view import ModelView
 
 log = logging.getLogger("jaxserve.http.server")
@@ -246,6 +253,8 @@ def serve(config: ServerConfig, host: str, port: int) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     malloc = allocator_in_use()  # one process cannot preload an allocator into itself: its starter does
     if config.malloc not in ("auto", "glibc", malloc):
+        if malloc == "system":
+            raise SystemExit(f"jaxserve serve: {not_on_linux(config.malloc)}")
         raise SystemExit(f"jaxserve serve: --malloc {config.malloc} with one worker: start it as "
                          f"LD_PRELOAD={PRELOADS[config.malloc]} jaxserve serve ...")
     log.info("malloc: %s", malloc)

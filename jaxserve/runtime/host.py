@@ -97,15 +97,16 @@ def malloc_tunables(given: str | None) -> str:
 
 def malloc_env(choice: str, environ, find=ctypes.util.find_library) -> tuple[str, dict[str, str]]:
     """(the allocator, the variables a serving child starts with) for `--malloc choice`: a named allocator
-    preloaded before the user's own LD_PRELOAD (ValueError where the loader cannot find it: `find`); `auto`, the
-    first of PRELOADS installed, or none where the user's LD_PRELOAD holds an allocator already (theirs stands);
-    glibc's otherwise. Every child gets `malloc_tunables` (only glibc's malloc reads them). Off Linux nothing is
-    preloaded: the system's allocator (`auto`), or ValueError for a named one."""
+    preloaded after the user's own LD_PRELOAD (the first library that defines malloc serves it: a replacement of
+    the user's own stands, a wrapper of theirs calls through to ours; ValueError where the loader cannot find it:
+    `find`); `auto`, the first of PRELOADS installed, or none where the user's LD_PRELOAD names a known allocator;
+    `glibc`, nothing added. Every child gets `malloc_tunables` (only glibc's malloc reads them). Off Linux nothing
+    is preloaded: the system's allocator (`auto`), or ValueError for a named one (`not_on_linux`)."""
     env = {"GLIBC_TUNABLES": malloc_tunables(environ.get("GLIBC_TUNABLES"))}
     if not sys.platform.startswith("linux"):
         if choice in ("auto", "glibc"):
             return "system", env
-        raise ValueError(f"--malloc {choice}: preloading an allocator is done on Linux only")
+        raise ValueError(not_on_linux(choice))
     given = environ.get("LD_PRELOAD", "")
     theirs = next((name for name in _ALLOCATOR_NAMES if name in given), None)
     if choice == "glibc" or (choice == "auto" and theirs):
@@ -114,7 +115,7 @@ def malloc_env(choice: str, environ, find=ctypes.util.find_library) -> tuple[str
         raise ValueError(f"--malloc must be one of {', '.join(MALLOC_CHOICES)}, not {choice!r}")
     for name in PRELOADS if choice == "auto" else (choice,):
         if (lib := find(name)) is not None:
-            env["LD_PRELOAD"] = f"{lib}:{given}" if given else lib
+            env["LD_PRELOAD"] = f"{given}:{lib}" if given else lib
             return name, env
     if choice != "auto":
         package = {"mimalloc": "libmimalloc2.0", "jemalloc": "libjemalloc2"}[choice]
@@ -123,16 +124,33 @@ def malloc_env(choice: str, environ, find=ctypes.util.find_library) -> tuple[str
     return "glibc", env
 
 
+def not_on_linux(choice: str) -> str:
+    return f"--malloc {choice}: preloading an allocator is done on Linux only"
+
+
+class _DlInfo(ctypes.Structure):
+    _fields_ = [("dli_fname", ctypes.c_char_p), ("dli_fbase", ctypes.c_void_p), ("dli_sname", ctypes.c_char_p),
+                ("dli_saddr", ctypes.c_void_p)]
+
+
 @functools.cache
 def allocator_in_use() -> str:
-    """The allocator this process runs on: a preloaded one its memory map shows, else glibc's (off Linux: the
-    system's). Read once: a preload is loaded when the process starts, so it cannot change afterwards."""
+    """The allocator this process runs on: the library whose `malloc` the dynamic loader resolves (`dladdr`), by
+    name (mimalloc, jemalloc, tcmalloc; glibc for libc; else the library's file name); off Linux, the system's.
+    Read once: a preload is loaded when the process starts, so it cannot change afterwards."""
+    if not sys.platform.startswith("linux"):
+        return "system"
     try:
-        with open("/proc/self/maps") as f:
-            maps = f.read()
-    except OSError:
-        return "glibc" if sys.platform.startswith("linux") else "system"
-    return next((name for name in _ALLOCATOR_NAMES if f"lib{name}" in maps), "glibc")
+        process = ctypes.CDLL(None)
+        info = _DlInfo()
+        if not process.dladdr(ctypes.cast(process.malloc, ctypes.c_void_p), ctypes.byref(info)):
+            return "glibc"
+        library = os.path.basename(info.dli_fname.decode())
+    except (OSError, AttributeError, UnicodeDecodeError):
+        return "glibc"
+    if library.startswith("libc.") or library.startswith("libc-"):
+        return "glibc"
+    return next((name for name in _ALLOCATOR_NAMES if f"lib{name}" in library), library)
 
 
 def settle_heap() -> None:
