@@ -184,6 +184,21 @@ def test_serving_processes_get_the_allocator_asked_for_or_the_first_installed():
         host.malloc_env("tcmalloc", {}, find)
 
 
+def test_info_names_the_allocator_the_process_resolves_not_the_one_chosen(tmp_path):
+    """A front-end's /info `processes`: the supervisor's pids, with the allocator this process's malloc resolves
+    to (the children start alike), not the supervisor's choice, which a replacement in the user's own LD_PRELOAD
+    overrides."""
+    import json
+
+    from jaxserve.http.state import AppState, ServerConfig
+
+    state = AppState(ServerConfig(), None)
+    state.processes_file = str(tmp_path / "processes.json")
+    (tmp_path / "processes.json").write_text(json.dumps({"supervisor": 1, "engine": 2, "frontends": [3],
+                                                          "malloc": "a choice the loader overrode"}))
+    assert state.processes == {"supervisor": 1, "engine": 2, "frontends": [3], "malloc": host.allocator_in_use()}
+
+
 def test_off_linux_no_allocator_is_preloaded(monkeypatch):
     monkeypatch.setattr(host.sys, "platform", "darwin")
     assert host.malloc_env("auto", {}, {"mimalloc": "libmimalloc.dylib"}.get)[0] == "system"

@@ -194,12 +194,14 @@ class AppState:
 
     @property
     def processes(self) -> dict:
-        """Pids by role, for /info: one process does everything, or a supervisor's engine and front-ends."""
+        """Pids by role, for /info: one process does everything, or a supervisor's engine and front-ends; and the
+        allocator that serves their malloc, as this process resolves it (every child starts with the same
+        environment, so what the supervisor chose, or an allocator of the user's own LD_PRELOAD before it)."""
         if self.processes_file is None:
             return {"engine": os.getpid(), "frontends": [os.getpid()], "malloc": host.allocator_in_use()}
         try:
             with open(self.processes_file) as f:
-                return json.load(f)
+                return {**json.load(f), "malloc": host.allocator_in_use()}
         except (OSError, ValueError):
             return {}
 
