@@ -215,7 +215,7 @@ async def run_request(state: AppState, make_pieces, want_explain: bool = False, 
     pieces, job, explained, phases = await on_tokenizer(state, prepare, interactive=small,
                                                         inline=tiny and not want_explain)
     timeout = state.config.request_timeout_s
-    cls, source = decide(ask, job.rows.sequences, pieces.tokens, policy)
+    cls, source = decide(ask, pieces.count, pieces.tokens, policy)
     try:
         deadline_s = None if ask.deadline_ms is None else ask.deadline_ms / 1000
         # a request that asked for its latency math is not joined with others: its batches are then its own

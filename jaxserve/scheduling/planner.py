@@ -52,11 +52,6 @@ class Rows:
     def count(self) -> int:
         return len(self.seqlen)
 
-    @property
-    def sequences(self) -> int:
-        """Sequences in all rows (`docs.sum()` without numpy's call)."""
-        return len(self.lengths)
-
     @functools.cached_property
     def docs(self) -> np.ndarray:
         """[R] sequences per row."""
