@@ -108,7 +108,7 @@ def malloc_env(choice: str, environ, find=ctypes.util.find_library) -> tuple[str
             return "system", env
         raise ValueError(not_on_linux(choice))
     given = environ.get("LD_PRELOAD", "")
-    theirs = next((name for name in _ALLOCATOR_NAMES if name in given), None)
+    theirs = _allocator_named(given)
     if choice == "glibc" or (choice == "auto" and theirs):
         return theirs or "glibc", env
     if choice != "auto" and choice not in PRELOADS:
@@ -122,6 +122,11 @@ def malloc_env(choice: str, environ, find=ctypes.util.find_library) -> tuple[str
         raise ValueError(f"--malloc {choice}: the dynamic loader finds no lib{choice} (Debian and Ubuntu: "
                          f"apt-get install {package})")
     return "glibc", env
+
+
+def _allocator_named(text: str) -> str | None:
+    """The known allocator a library path or LD_PRELOAD names, if any."""
+    return next((name for name in _ALLOCATOR_NAMES if name in text), None)
 
 
 def not_on_linux(choice: str) -> str:
@@ -148,9 +153,9 @@ def allocator_in_use() -> str:
         library = os.path.basename(info.dli_fname.decode())
     except (OSError, AttributeError, UnicodeDecodeError):
         return "glibc"
-    if library.startswith("libc.") or library.startswith("libc-"):
+    if library.startswith(("libc.", "libc-")):
         return "glibc"
-    return next((name for name in _ALLOCATOR_NAMES if f"lib{name}" in library), library)
+    return _allocator_named(library) or library
 
 
 def settle_heap() -> None:
