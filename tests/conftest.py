@@ -189,14 +189,15 @@ def make_server(aiohttp_client):
     return make
 
 
-async def until(predicate, what: str, timeout_s: float = 60.0) -> None:
+async def until(predicate, what: str, timeout_s: float = 60.0, show=None) -> None:
     """Wait on the event loop until `predicate()` holds. The bound only keeps a broken server from hanging the
-    suite (it fails naming `what`); no test result depends on how long anything takes."""
+    suite (it fails naming `what`, and `show()`: the state a rare failure needs to be understood); no test
+    result depends on how long anything takes."""
     loop = asyncio.get_running_loop()
     give_up = loop.time() + timeout_s
     while not predicate():
         if loop.time() > give_up:
-            raise AssertionError(f"never happened within {timeout_s} s: {what}")
+            raise AssertionError(f"never happened within {timeout_s} s: {what}" + (f"; {show()}" if show else ""))
         await asyncio.sleep(0.005)
 
 

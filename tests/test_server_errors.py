@@ -119,9 +119,14 @@ async def test_overload_gives_429_with_retry_after_then_recovers(make_server, ti
     accepted = []
     states = [lambda: engine.held == 1, lambda: service.batches_in_flight == 2,
               lambda: service.batches_in_flight == 2 and service.batcher.queued == 64]
+    # seen failing once in a loaded suite run (state 3 never reached), not reproduced since: say where it stood
+    show = lambda: (f"held {engine.held}, batches in flight {service.batches_in_flight}, queued "
+                    f"{service.batcher.waiting()}, device saw {[ids.shape for ids in engine.seen]}, requests done "
+                    f"{[(t.exception() or t.result().status) if t.done() else None for t in accepted]}, host "
+                    f"{service.host_dispatch}")
     for where, state in zip(("on the device", "prepared next (prefetch depth 1)", "waiting in the queue"), states):
         accepted.append(asyncio.create_task(client.post("/v1/embeddings", json=batch)))
-        await until(state, f"request {len(accepted)} {where}")  # the third: 8 short documents, 64 tokens
+        await until(state, f"request {len(accepted)} {where}", show=show)  # the third: 8 short documents, 64 tokens
     rejected = await client.post("/v1/embeddings", json=GOOD)
     assert rejected.status == 429 and rejected.headers["Retry-After"] == "1"
     assert (await rejected.json())["error"]["type"] == "rate_limit_error"
