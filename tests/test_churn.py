@@ -15,7 +15,7 @@ import aiohttp
 import numpy as np
 import pytest
 import tiny
-from conftest import TINY_TABLE, SlowEngine, until, warm_encoder
+from conftest import ONE_COVER, TINY_TABLE, SlowEngine, until, warm_encoder
 
 from jaxserve.http.server import STATE
 
@@ -30,13 +30,6 @@ def tiny_enc(tmp_path_factory):
 
 def slow(enc, **kw):
     return dataclasses.replace(enc, engine=SlowEngine(enc.engine, **kw))
-
-
-# The tests below count batches and queued rows: with the host's time per dispatch fixed far above any bucket's
-# run time, every batch size costs the same, and the batcher covers a request's rows with the fewest batches
-# whatever this run's warm-up timed (measured, a 1-row bucket timed much faster than a 4-row one would split a
-# request over two batches: under a loaded machine the tests saw 48 tokens queued for 32, and 4 batches for 2).
-ONE_COVER = {"host_dispatch_us": 1e6}
 
 
 def no_padding_only_batches(engine: SlowEngine) -> bool:
