@@ -95,6 +95,30 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: (rank.get(item.path.name, len(rank)), -tests[item.path], str(item.path)))
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _file_cpu(request):
+    """With `SUITE_CPU=FILE`, each test file's CPU seconds (its worker's, and the processes it started and
+    waited for) and wall seconds appended to FILE as the file ends: where a parallel suite's CPU goes, which
+    `--durations` (wall time, under contention) does not say. A session fixture counts to the first file to
+    use it (the MiniLM warm-up). Off by default."""
+    out = os.environ.get("SUITE_CPU")
+    if not out:
+        yield
+        return
+    import resource
+    import time
+
+    def now():
+        own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return own.ru_utime + own.ru_stime, children.ru_utime + children.ru_stime, time.monotonic()
+
+    before = now()
+    yield
+    own, children, wall = (a - b for a, b in zip(now(), before))
+    with open(out, "a") as f:
+        f.write(f"{request.path.name} {own:.1f} {children:.1f} {wall:.1f}\n")
+
+
 @contextlib.contextmanager
 def run_lock(name: str):
     """A lock shared by this run's xdist workers (a file in the run's cache directory): one worker builds what
