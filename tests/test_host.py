@@ -224,3 +224,50 @@ def test_a_process_started_with_an_allocator_preloaded_says_so():
     if name != "glibc":
         theirs = host.malloc_env(name, {**env, "LD_PRELOAD": "libc.so.6"})[1]
         assert theirs["LD_PRELOAD"] == f"libc.so.6:{preload['LD_PRELOAD']}" and run(theirs) == "glibc"
+
+
+def test_front_ends_tokenize_on_their_share_of_the_cores_and_on_one_without_hand_offs():
+    """`--workers N`: each front-end's tokenizer gets cores // N threads; with one, no parallel batches at all
+    (`TOKENIZERS_PARALLELISM=false`), unless the user set either variable."""
+    assert host.tokenizer_env(16, 4, {}) == {"RAYON_NUM_THREADS": "4"}
+    assert host.tokenizer_env(16, 14, {}) == {"RAYON_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    assert host.tokenizer_env(2, 2, {}) == {"RAYON_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    assert host.tokenizer_env(2, 2, {"TOKENIZERS_PARALLELISM": "true"}) == {
+        "RAYON_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "true"}
+    assert host.tokenizer_env(2, 2, {"RAYON_NUM_THREADS": "2"}) == {"RAYON_NUM_THREADS": "2"}
+    assert host.tokenizer_env(16, 16, {"RAYON_NUM_THREADS": "1"})["TOKENIZERS_PARALLELISM"] == "false"
+
+
+def test_a_one_thread_tokenizer_hands_each_batch_to_its_pool_unless_parallelism_is_off(tmp_path):
+    """Why `tokenizer_env` turns parallelism off at one thread: the tokenizer's batch call of two or more texts
+    then waits on its pool's one thread, a few context switches per call (counted by the kernel); off, it runs
+    on the calling thread with none."""
+    import os
+    import subprocess
+    import sys
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1, "b": 2}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    code = f"""
+import resource
+from tokenizers import Tokenizer
+tok = Tokenizer.from_file({str(tmp_path / "tokenizer.json")!r})
+texts = ["a b a", "b a c"]
+tok.encode_batch_fast(texts)
+before = resource.getrusage(resource.RUSAGE_THREAD).ru_nvcsw
+for _ in range(200):
+    tok.encode_batch_fast(texts)
+print((resource.getrusage(resource.RUSAGE_THREAD).ru_nvcsw - before) / 200)
+"""
+
+    def switches(parallelism: str) -> float:
+        env = {**os.environ, "RAYON_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": parallelism}
+        return float(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                                    check=True).stdout)
+
+    on, off = switches("true"), switches("false")
+    assert on > 0.5
+    assert off < 0.05

@@ -223,15 +223,13 @@ class Supervisor:
 
     def start_frontend(self, i: int) -> None:
         # JAX_PLATFORMS=cpu: a front-end imports no JAX (it holds the engine's ModelView); were anything to, it
-        # would still not touch the accelerator;
-        # RAYON_NUM_THREADS: the tokenizer's own threads, a share of the cores (not every core in every front-end)
+        # would still not touch the accelerator; the tokenizer's threads: its share of the cores
         from jaxserve.runtime import host
 
-        share = str(max(1, host.usable_cores() // self.workers))
         self.frontends[i] = self._start(frontend_main, (frontend_config(self.config, self.workers), self.listening(i),
                                                         self.path, self.run_dir, i),
                                         f"jaxserve-frontend-{i}", JAX_PLATFORMS="cpu",
-                                        RAYON_NUM_THREADS=os.environ.get("RAYON_NUM_THREADS", share))
+                                        **host.tokenizer_env(host.usable_cores(), self.workers, os.environ))
         self._write_processes()
 
     def _write_processes(self) -> None:

@@ -71,6 +71,18 @@ def frontend_workers(cores: int | None = None) -> int:
     return 1 if cores < 4 else min(cores - 2, 32)
 
 
+def tokenizer_env(cores: int, workers: int, environ) -> dict[str, str]:
+    """The tokenizer's own threads in a front-end of `--workers`: its share of the cores (`RAYON_NUM_THREADS`,
+    not every core in every front-end); with one, no parallel batches at all (`TOKENIZERS_PARALLELISM=false`):
+    a one-thread pool gives a batch no second core, only four hand-offs per call between the calling thread and
+    the pool's. A variable the user set stands."""
+    threads = environ.get("RAYON_NUM_THREADS") or str(max(1, cores // workers))
+    env = {"RAYON_NUM_THREADS": threads}
+    if threads == "1":
+        env["TOKENIZERS_PARALLELISM"] = environ.get("TOKENIZERS_PARALLELISM", "false")
+    return env
+
+
 def keep_freed_memory() -> bool:
     """Have glibc's malloc keep the blocks of a batch's size once freed (`MMAP_THRESHOLD`, `TRIM_THRESHOLD`), for
     the process that runs the model: its batches' inputs, outputs and joins, a few MB each, come and go every
