@@ -18,6 +18,8 @@ from jaxserve.runtime.buckets import fixed
 from jaxserve.runtime.derivation import TableOptions
 
 OPTIONS = TableOptions(seqlens=(16, 64), max_batch=16)
+# derived tables of one and two buckets: for tests of what an artifact's key holds, not of what a derivation makes
+SMALL, SMALL2 = (TableOptions(seqlens=(64,), max_batch=batch) for batch in (1, 2))
 TEXTS = ["the model is jax", "a query", "the " * 40]
 # one-bucket tables (the tiny model's length is 64): a start at each compiles one executable
 ONE, TWO, THREE, FOUR = (fixed([(batch, 64)]) for batch in (1, 2, 3, 4))
@@ -61,37 +63,37 @@ def test_a_second_start_loads_the_artifact_compiles_nothing_and_serves_the_same_
 
 def test_a_corrupt_or_truncated_artifact_is_skipped_with_its_reason_and_replaced(tiny_checkpoint, tmp_path, caplog):
     path, cache = tiny_checkpoint(), tmp_path / "cache"
-    warm(path, cache, tokens=False)
+    warm(path, cache, ONE, tokens=False)
     (good,) = files(cache)
     raw = bytearray(good.read_bytes())
     raw[len(raw) // 2] ^= 0xFF
     good.write_bytes(bytes(raw))
     with caplog.at_level(logging.INFO, logger="jaxserve.runtime.startup"):
-        _, _, started, built = warm(path, cache, tokens=False)
+        _, _, started, built = warm(path, cache, ONE, tokens=False)
     assert built > 0 and "corrupt" in started.source["artifact_skipped"] and "corrupt" in caplog.text
-    assert warm(path, cache, tokens=False)[3] == 0  # the rebuilt artifact replaced it
+    assert warm(path, cache, ONE, tokens=False)[3] == 0  # the rebuilt artifact replaced it
     good.write_bytes(good.read_bytes()[:1000])
-    _, _, started, built = warm(path, cache, tokens=False)
+    _, _, started, built = warm(path, cache, ONE, tokens=False)
     assert built > 0 and "corrupt" in started.source["artifact_skipped"]
     good.write_bytes(b"not an artifact\n")
-    assert "not a jaxserve warm artifact" in warm(path, cache, tokens=False)[2].source["artifact_skipped"]
+    assert "not a jaxserve warm artifact" in warm(path, cache, ONE, tokens=False)[2].source["artifact_skipped"]
 
 
 def test_a_stale_artifact_is_never_used_and_the_log_says_what_changed(tiny_checkpoint, tmp_path, monkeypatch):
     import jax
 
     path, cache = tiny_checkpoint(), tmp_path / "cache"
-    warm(path, cache, tokens=False)
-    _, _, started, built = warm(path, cache, TableOptions(seqlens=(16, 64), max_batch=4), tokens=False)
+    warm(path, cache, SMALL, tokens=False)
+    _, _, started, built = warm(path, cache, SMALL2, tokens=False)
     assert built > 0 and "differs in table" in started.source["artifact_skipped"]
     monkeypatch.setattr(jax, "__version__", "0.0.1")
-    _, _, started, built = warm(path, cache, tokens=False)
+    _, _, started, built = warm(path, cache, SMALL, tokens=False)
     assert built > 0 and "jax (" in started.source["artifact_skipped"]
     monkeypatch.undo()
     config = json.loads((path / "config.json").read_text())
     config["layer_norm_eps"] = 1e-6  # changes what the model computes
     (path / "config.json").write_text(json.dumps(config))
-    _, _, started, built = warm(path, cache, tokens=False)
+    _, _, started, built = warm(path, cache, SMALL, tokens=False)
     assert built > 0 and "model (" in started.source["artifact_skipped"]
 
 
@@ -114,20 +116,20 @@ def test_model_digest_follows_configs_and_weight_shapes_not_weight_values(tiny_c
 
 def test_two_writers_at_once_leave_one_whole_artifact(tiny_checkpoint, tmp_path):
     path, cache = tiny_checkpoint(), tmp_path / "cache"
-    enc, _, _, _ = warm(path, cache, tokens=False)
-    fields = artifact.key_fields(enc, OPTIONS, ("pooled",))
+    enc, _, _, _ = warm(path, cache, ONE, tokens=False)
+    fields = artifact.key_fields(enc, ONE, ("pooled",))
     threads = [threading.Thread(target=artifact.save, args=(cache / "warm", enc, fields)) for _ in range(4)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     assert [p.name for p in (cache / "warm").iterdir()] == [p.name for p in files(cache)]  # no temporaries left
-    assert warm(path, cache, tokens=False)[3] == 0
+    assert warm(path, cache, ONE, tokens=False)[3] == 0
 
 
 def test_no_cache_reads_and_writes_nothing(tiny_checkpoint, tmp_path, monkeypatch):
     monkeypatch.setenv("JAXSERVE_CACHE_DIR", str(tmp_path / "default"))
-    _, _, started, built = warm(tiny_checkpoint(), None, tokens=False)
+    _, _, started, built = warm(tiny_checkpoint(), None, SMALL, tokens=False)
     assert built > 0 and started.source == {"source": "derived"} and not (tmp_path / "default").exists()
 
 
@@ -149,10 +151,10 @@ def test_an_artifact_of_a_table_file_is_keyed_by_the_tables_content(tiny_checkpo
 def test_encoder_start_uses_the_artifact_the_server_would(tiny_checkpoint, tmp_path):
     path, cache = tiny_checkpoint(), tmp_path / "cache"
     first = Encoder.from_pretrained(str(path))
-    table = first.start(OPTIONS, cache=cache)
+    table = first.start(SMALL, cache=cache)
     second = Encoder.from_pretrained(str(path))
     before = compiles.xla_compiles_total()
-    assert second.start(OPTIONS, cache=cache) == table and compiles.xla_compiles_total() == before
+    assert second.start(SMALL, cache=cache) == table and compiles.xla_compiles_total() == before
 
 
 def test_no_artifact_is_made_from_executables_of_jaxs_persistent_cache(tiny_checkpoint, tmp_path):
@@ -164,8 +166,8 @@ def test_no_artifact_is_made_from_executables_of_jaxs_persistent_cache(tiny_chec
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)  # every compile stored, however quick
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
     try:
-        warm(path, None, tokens=False)  # fills JAX's cache
-        enc, _, started, _ = warm(path, tmp_path / "cache", tokens=False)  # its compiles are cache hits
+        warm(path, None, ONE, tokens=False)  # fills JAX's cache
+        enc, _, started, _ = warm(path, tmp_path / "cache", ONE, tokens=False)  # its compiles are cache hits
     finally:
         from jax._src import compilation_cache
 
