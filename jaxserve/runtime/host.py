@@ -74,8 +74,8 @@ def frontend_workers(cores: int | None = None) -> int:
 def tokenizer_env(cores: int, workers: int, environ) -> dict[str, str]:
     """The tokenizer's own threads in a front-end of `--workers`: its share of the cores (`RAYON_NUM_THREADS`,
     not every core in every front-end); with one, no parallel batches at all (`TOKENIZERS_PARALLELISM=false`):
-    a one-thread pool gives a batch no second core, only four hand-offs per call between the calling thread and
-    the pool's. A variable the user set stands."""
+    a one-thread pool gives a batch no second core, only hand-offs between the calling thread and the pool's
+    (docs/benchmarks.md). A variable the user set stands."""
     threads = environ.get("RAYON_NUM_THREADS") or str(max(1, cores // workers))
     env = {"RAYON_NUM_THREADS": threads}
     if threads == "1":
