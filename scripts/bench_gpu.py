@@ -675,12 +675,8 @@ def run_stages(args, sizes: Sizes, stages: list[str], pre: dict) -> int:
     """Each stage after the preflight, its record written as it ends; how many failed."""
     sampler = Sampler()
     failed = 0
+    dirs = None  # every model's checkpoint, written when the first model stage is due (none once the budget is out)
     try:
-        try:
-            dirs = model_dirs(args, sizes, args.models)
-        except Exception as exc:
-            dirs = {}
-            log(f"## models failed: {type(exc).__name__}: {exc}")
         for stage in stages:
             if stage == "preflight":
                 continue
@@ -688,6 +684,12 @@ def run_stages(args, sizes: Sizes, stages: list[str], pre: dict) -> int:
             if time.monotonic() > args.deadline - 2 * sizes.reserve_s:
                 log(f"## {stage} skipped: the run's --budget-s {args.budget_s:g} ran out")
                 continue
+            if stage in MODELS and dirs is None:
+                try:
+                    dirs = model_dirs(args, sizes, args.models)
+                except Exception as exc:
+                    dirs = {}
+                    log(f"## models failed: {type(exc).__name__}: {exc}")
             try:
                 if stage == "attention":
                     rec = stage_attention(args, sizes, pre, sampler)

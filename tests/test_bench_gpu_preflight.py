@@ -21,10 +21,11 @@ def test_preflight_stops_without_a_gpu(tmp_path):
 
 def test_no_stage_starts_past_the_budget(tmp_path):
     """--budget-s bounds the whole command (a device command is killed at 600 s): a stage due after it is
-    skipped, named in the log, and the run still ends well."""
+    skipped, named in the log, and the run still ends well, without writing the checkpoints of skipped stages."""
     proc = subprocess.run(["bash", "scripts/bench_gpu.sh", "--dry-run", "--budget-s", "0.5", "--out", str(tmp_path / "o"),
                            "--work", str(tmp_path / "w"), "--stages", "preflight,minilm"], cwd=ROOT,
                           env=_env(tmp_path), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "## minilm skipped: the run's --budget-s 0.5 ran out" in proc.stdout
     assert not (tmp_path / "o" / "minilm.json").exists()
+    assert not (tmp_path / "w" / "models").exists()  # no checkpoint written for a stage that will not run
