@@ -128,9 +128,9 @@ def test_two_front_ends_serve_as_one_process_does(files):
             assert host.MALLOC_TUNABLES in psutil.Process(pid).environ().get("GLIBC_TUNABLES", "")
             mapped = {name for name in host.PRELOADS if f"lib{name}" in Path(f"/proc/{pid}/maps").read_text()}
             assert mapped == ({procs["malloc"]} & set(host.PRELOADS))
-        for pid in procs["frontends"]:  # the tokenizer's threads: each front-end's share of the cores
+        want = host.tokenizer_env(host.usable_cores(), 2, os.environ)  # the tokenizer's threads: a share of the cores
+        for pid in procs["frontends"]:
             env = psutil.Process(pid).environ()
-            want = host.tokenizer_env(host.usable_cores(), 2, os.environ)
             assert {k: env.get(k) for k in want} == want
 
         texts = [f"document number {i} " * (1 + i % 5) for i in range(12)]
