@@ -3,21 +3,24 @@ checked to give the same runs), on real corpus jobs packed on the simulated H200
 
     PYTHONPATH=. python results/issue37/by_seqlen_loop.py
 """
-import sys, timeit, numpy as np
-sys.path.insert(0, "scripts"); sys.path.insert(0, "results/issue37")
-import harness
-from engine_parts import SIZES, VOCAB, MAX_LENGTH, DTYPE_BYTES
-from jaxserve.runtime.simulated import SimSpec, sim_dims, simulated_table, sized_weights_bytes
-from jaxserve.scheduling.batcher import _by_seqlen, ONE_ROW
-from jaxserve.scheduling.planner import pack
-from jaxserve.checkpoint import loader
-from tokenizers import Tokenizer
-sizes = SIZES["minilm"]
-table = simulated_table(sim_dims(*sizes, dtype_bytes=DTYPE_BYTES), sized_weights_bytes(*sizes, VOCAB, DTYPE_BYTES), MAX_LENGTH, SimSpec(400.0, sizes=sizes))
-tok = Tokenizer.from_file(str(loader.resolve(None) / "tokenizer.json")); tok.no_padding(); tok.enable_truncation(256)
+import sys
+import timeit
+
+import numpy as np
+
+sys.path[:0] = ["scripts", "results/issue37"]
+
+import harness  # noqa: E402
+from engine_parts import corpus_tokenizer, table_of  # noqa: E402
+
+from jaxserve.scheduling.batcher import ONE_ROW, _by_seqlen  # noqa: E402
+from jaxserve.scheduling.planner import pack  # noqa: E402
+
+table, tok = table_of("minilm"), corpus_tokenizer()
 corpus = harness.documents(4000, seed=0)
 
-def new(seqlens, docs):
+
+def by_loop(seqlens, docs):
     if len(seqlens) <= 1:
         return [(int(s), ONE_ROW, docs) for s in seqlens.tolist()]
     values = seqlens.tolist()
@@ -27,14 +30,18 @@ def new(seqlens, docs):
         return [(s, np.arange(a, z), docs[a:z]) for s, a, z in zip(firsts, cuts, cuts[1:])]
     return [(s, rows, docs[rows]) for s in np.unique(seqlens).tolist() for rows in [np.flatnonzero(seqlens == s)]]
 
+
+def plain(runs):
+    return [(s, rows.tolist(), docs.tolist()) for s, rows, docs in runs]
+
+
 for n in (100, 16, 2):
-    enc = tok.encode_batch_fast(corpus[:n]); lengths = np.array([len(e.ids) for e in enc])
-    rows = pack(lengths, table); s, d = rows.seqlen, rows.docs
-    a, b = _by_seqlen(s, d), new(s, d)
-    assert [(x, r.tolist(), dd.tolist()) for x, r, dd in a] == [(x, r.tolist(), dd.tolist()) for x, r, dd in b]
-    t_old = min(timeit.repeat(lambda: _by_seqlen(s, d), number=2000, repeat=5)) / 2000 * 1e6
-    t_new = min(timeit.repeat(lambda: new(s, d), number=2000, repeat=5)) / 2000 * 1e6
-    print(f"{n} docs, {len(s)} rows, {len(a)} runs: old {t_old:.2f} us, new {t_new:.2f} us")
-# unsorted fallback
-s = np.array([64, 32, 64, 32]); d = np.array([1, 2, 1, 1])
-assert [(x, r.tolist(), dd.tolist()) for x, r, dd in _by_seqlen(s, d)] == [(x, r.tolist(), dd.tolist()) for x, r, dd in new(s, d)]
+    lengths = np.array([len(e.ids) for e in tok.encode_batch_fast(corpus[:n])])
+    rows = pack(lengths, table)
+    s, d = rows.seqlen, rows.docs
+    assert plain(_by_seqlen(s, d)) == plain(by_loop(s, d))
+    old = min(timeit.repeat(lambda: _by_seqlen(s, d), number=2000, repeat=5)) / 2000 * 1e6
+    new = min(timeit.repeat(lambda: by_loop(s, d), number=2000, repeat=5)) / 2000 * 1e6
+    print(f"{n} docs, {len(s)} rows, {len(_by_seqlen(s, d))} runs: numpy {old:.2f} us, loop {new:.2f} us")
+s, d = np.array([64, 32, 64, 32]), np.array([1, 2, 1, 1])  # not grouped: the fallback
+assert plain(_by_seqlen(s, d)) == plain(by_loop(s, d))

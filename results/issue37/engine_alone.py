@@ -45,15 +45,21 @@ async def connected(path: str):
     return link, view, view.engine.tables["pooled"]
 
 
+def corpus_jobs(view, table, docs: int, seed: int = 0) -> list:
+    """16 jobs' (rows, pieces) of `docs` corpus documents each (the `seed`-th 16 of them), tokenized by the model
+    view the engine handed over and packed on its table, once: a client then sends them over and over."""
+    corpus = harness.documents(4000, seed=0)
+    made = []
+    for k in range(16):
+        pieces = view.tokenizer.documents([corpus[((seed * 16 + k) * docs + j) % len(corpus)] for j in range(docs)])
+        made.append((pack(pieces.lengths, table), pieces))
+    return made
+
+
 def client(path: str, docs: int, inflight: int, start: float, end: float, seed: int, q) -> None:
     async def main():
         link, view, table = await connected(path)
-        corpus = harness.documents(4000, seed=0)
-        made = []
-        for k in range(16):
-            texts = [corpus[((seed * 16 + k) * docs + j) % len(corpus)] for j in range(docs)]
-            pieces = view.tokenizer.documents(texts)
-            made.append((pack(pieces.lengths, table), pieces))
+        made = corpus_jobs(view, table, docs, seed)
         cls = INTERACTIVE if docs == 1 else BULK
         join = os.environ.get("JOIN", "1") != "0"
         counted = 0

@@ -37,24 +37,18 @@ engine_main(serve_config(args), sys.argv[1], sys.argv[2], os.getppid())
 
 
 async def feed(path: str, vg: int) -> None:
-    import harness
+    from engine_alone import corpus_jobs
 
     from jaxserve.scheduling.batcher import BULK, INTERACTIVE
     from jaxserve.scheduling.jobs import Job
     from jaxserve.scheduling.link import EngineLink
-    from jaxserve.scheduling.planner import pack
 
     link = EngineLink(path)
     await link.start()
     while link.card is None:  # warming, or not listening yet
         await asyncio.sleep(0.5)
     view = link.card["encoder"]
-    table = view.engine.tables["pooled"]
-    corpus = harness.documents(4000, seed=0)
-    made = []
-    for k in range(16):
-        pieces = view.tokenizer.documents([corpus[(k * docs + j) % len(corpus)] for j in range(docs)])
-        made.append((pack(pieces.lengths, table), pieces))
+    made = corpus_jobs(view, view.engine.tables["pooled"], docs)
     cls = INTERACTIVE if docs == 1 else BULK
 
     async def run(count):

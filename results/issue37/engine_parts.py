@@ -69,13 +69,30 @@ def one_round(table, made: list[Job], at_once: int, reps: int, dim: int) -> dict
             "batches/job": batches / n}
 
 
+def table_of(size: str):
+    """The simulated H200 table `--simulate-device 400 --simulate-size` serves for `size` (bge or minilm)."""
+    sizes = SIZES[size]
+    return simulated_table(sim_dims(*sizes, dtype_bytes=DTYPE_BYTES), sized_weights_bytes(*sizes, VOCAB, DTYPE_BYTES),
+                           MAX_LENGTH, SimSpec(400.0, sizes=sizes))
+
+
+def corpus_tokenizer():
+    """The bundled MiniLM's tokenizer as bench_host's floor runs it: no padding, truncation at its max length."""
+    from tokenizers import Tokenizer
+
+    from jaxserve.checkpoint import loader
+
+    tok = Tokenizer.from_file(str(loader.resolve(None) / "tokenizer.json"))
+    tok.no_padding()
+    tok.enable_truncation(MAX_LENGTH)
+    return tok
+
+
 def main() -> None:
     size, docs, at_once, reps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     rounds = int(sys.argv[5]) if len(sys.argv) > 5 else 5
-    sizes = SIZES[size]
-    table = simulated_table(sim_dims(*sizes, dtype_bytes=DTYPE_BYTES), sized_weights_bytes(*sizes, VOCAB, DTYPE_BYTES),
-                            MAX_LENGTH, SimSpec(400.0, sizes=sizes))
-    hidden = sizes[0]
+    table = table_of(size)
+    hidden = SIZES[size][0]
     made = jobs_of(table, docs, hidden, np.random.default_rng(0))
     for _ in range(rounds):
         r = one_round(table, made, at_once, reps, hidden)

@@ -25,7 +25,7 @@ here = Path(__file__).resolve().parent
 docs, conc, seconds = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
 tree = Path(sys.argv[4]).resolve() if len(sys.argv) > 4 else here.parent.parent
 py = os.environ.get("PYTHON", str(here.parent.parent / ".venv" / "bin" / "python"))
-sys.path[:0] = [str(tree), str(tree / "scripts")]
+sys.path[:0] = [str(tree), str(tree / "scripts"), str(here)]
 
 # The engine's steps, wrapped before it starts: (module, owner or None for a module function, name)
 STEPS = [
@@ -90,12 +90,11 @@ engine_main(serve_config(args), sys.argv[1], sys.argv[2], os.getppid())
 def client(path: str, run_s: float, q) -> None:
     """engine_alone.py's client: jobs packed once from the card, sent over the link, `conc` in flight; it says when
     the engine is ready and its load starts (on `q`), and sends for `run_s` from then."""
-    import harness
+    from engine_alone import corpus_jobs
 
     from jaxserve.scheduling.batcher import BULK, INTERACTIVE
     from jaxserve.scheduling.jobs import Job
     from jaxserve.scheduling.link import EngineLink
-    from jaxserve.scheduling.planner import pack
 
     async def main():
         link = EngineLink(path)
@@ -103,12 +102,7 @@ def client(path: str, run_s: float, q) -> None:
         while link.card is None or not link.status.get("ready"):
             await asyncio.sleep(0.2)
         view = link.card["encoder"]
-        table = view.engine.tables["pooled"]
-        corpus = harness.documents(4000, seed=0)
-        made = []
-        for k in range(16):
-            pieces = view.tokenizer.documents([corpus[(k * docs + j) % len(corpus)] for j in range(docs)])
-            made.append((pack(pieces.lengths, table), pieces))
+        made = corpus_jobs(view, view.engine.tables["pooled"], docs)
         cls = INTERACTIVE if docs == 1 else BULK
         end = time.time() + run_s
         q.put(time.time())
