@@ -117,11 +117,13 @@ def merged_rows(seqlen: int, rows: int, smaller: list[tuple[int, int]], most: in
 def _by_seqlen(seqlens: np.ndarray, docs: np.ndarray) -> list[tuple[int, np.ndarray, np.ndarray]]:
     """A job's rows by seqlen: (seqlen, row indices, their sequences per row). `planner.pack` puts each seqlen's
     rows in one range (longest first), so a range's rows are an arange and its docs a slice; any other order is
-    grouped by value."""
+    grouped by value. The ranges' bounds come from a loop over a list: for a few dozen rows, run cold once per job,
+    it costs the engine less than numpy's calls on small arrays do (docs/benchmarks.md)."""
     if len(seqlens) <= 1:  # a query's one row, or none (an empty request)
         return [(int(s), ONE_ROW, docs) for s in seqlens.tolist()]
-    bounds = [0, *(np.flatnonzero(seqlens[1:] != seqlens[:-1]) + 1).tolist(), len(seqlens)]
-    values = seqlens[bounds[:-1]].tolist()
+    every = seqlens.tolist()
+    bounds = [0, *(i for i in range(1, len(every)) if every[i] != every[i - 1]), len(every)]
+    values = [every[a] for a in bounds[:-1]]
     if len(set(values)) == len(values):
         return [(s, np.arange(a, z), docs[a:z]) for s, a, z in zip(values, bounds, bounds[1:])]
     return [(s, rows, docs[rows]) for s in np.unique(seqlens).tolist() for rows in [np.flatnonzero(seqlens == s)]]
@@ -240,7 +242,8 @@ class Batcher:
     def submit(self, job: int, seqlens: np.ndarray, docs: np.ndarray, now: float, cls: int = BULK,
                deadline: float = math.inf) -> None:
         """Queue one job's rows (their seqlens and sequences per row), all or nothing."""
-        n = int(seqlens.sum())
+        runs = _by_seqlen(seqlens, docs)
+        n = sum(s * len(rows) for s, rows, _ in runs)  # tokens at their rows' seqlens
         if n > self.max_queued:
             raise TooLarge(f"the request needs {n} tokens (its rows at their seqlens); the queue holds at most "
                            f"{self.max_queued}")
@@ -251,7 +254,7 @@ class Batcher:
                             f"limit of {self.bulk_limit()} (the rest of the queue is kept for interactive requests)")
         if cls == INTERACTIVE:
             self.last_interactive = now
-        for s, rows, run_docs in _by_seqlen(seqlens, docs):
+        for s, rows, run_docs in runs:
             run = Run(job, rows, run_docs, now, cls, deadline)
             bisect.insort(self._queues[cls][s], run, key=lambda r: r.key)
             self._timed[cls][s] += deadline < math.inf
