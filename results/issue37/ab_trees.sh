@@ -5,6 +5,8 @@
 #     results/issue37/ab_trees.sh /tmp/before "$PWD" [ROUNDS]      # DOCS, SLICES, CONC as sliced_load.py's (1 8 64)
 # PRE_A, PRE_B: a command each side's server runs under, e.g. one tree under two scheduler policies:
 #     PRE_B="chrt -b 0" results/issue37/ab_trees.sh "$PWD" "$PWD" 3
+# LOAD=engine: the engine alone instead, fed by engine_alone.py on a core of its own (PIN=1; DOCS, INFLIGHT,
+# SECONDS_EACH: 100 4 8), its CPU per job the figure to compare
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
 source "$HERE/wait_up.sh"
@@ -15,7 +17,12 @@ run() {
       --workers 2 --port "$port" > "/tmp/ab_trees-$port.log" 2>&1) &
   local P=$!
   wait_up "$port"; sleep 1
-  "$ROOT/.venv/bin/python" "$HERE/sliced_load.py" "http://127.0.0.1:$port" "${DOCS:-1}" "${SLICES:-8}" 2 "${CONC:-64}"
+  if [ "${LOAD:-sliced}" = engine ]; then
+    PIN=1 "$ROOT/.venv/bin/python" "$HERE/engine_alone.py" "http://127.0.0.1:$port" "${DOCS:-100}" "${INFLIGHT:-4}" \
+        "${SECONDS_EACH:-8}" 1
+  else
+    "$ROOT/.venv/bin/python" "$HERE/sliced_load.py" "http://127.0.0.1:$port" "${DOCS:-1}" "${SLICES:-8}" 2 "${CONC:-64}"
+  fi
   grep -h "batch sizes planned" "/tmp/ab_trees-$port.log" | sed 's/.*planned/  planned/'
   pkill -TERM -f -- "--port $port"; wait $P
 }
