@@ -60,6 +60,16 @@ def test_int8_uses_each_vectors_own_scale(v, i):
     assert np.abs(q - scaled).max() <= 0.5 + 1e-4
 
 
+@given(vectors, st.sampled_from(["<f4", ">f4", "<f8"]), st.booleans())
+def test_base64_rows_are_each_vectors_little_endian_float32_bytes(v, dtype, transposed):
+    """Whatever the array's byte order, width or layout, each row encodes as the standard library encodes its
+    little-endian float32 bytes."""
+    x = np.ascontiguousarray(v.T).astype(dtype).T if transposed else v.astype(dtype)
+    rows = api.b64_rows(x)
+    assert rows == [base64.b64encode(np.asarray(r, "<f4").tobytes()).decode("ascii") for r in v]
+    assert all(type(r) is str for r in rows)
+
+
 def test_int8_keeps_the_cosine_of_unit_vectors():
     v = normalize_rows(np.random.default_rng(0).standard_normal((64, 384)).astype(np.float32))
     q = api.quantize(v, "int8").astype(np.float64)
