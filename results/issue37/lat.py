@@ -1,6 +1,7 @@
-"""One-document requests one at a time on one keep-alive connection (bench_host's bodies): p50 and p90 latency.
+"""Requests of DOCS documents (default 1) one at a time on one keep-alive connection (bench_host's bodies): p50
+and p90 latency of N of them (default 1,500) after a warm-up.
 
-    python results/issue37/lat.py PORT
+    python results/issue37/lat.py PORT [DOCS] [N]
 """
 import http.client
 import os
@@ -12,7 +13,9 @@ import bench_host
 import harness
 
 port = int(sys.argv[1])
-bodies = bench_host.request_bodies(harness.documents(4000, seed=0), 1, "base64")
+docs = int(sys.argv[2]) if len(sys.argv) > 2 else 1
+n = int(sys.argv[3]) if len(sys.argv) > 3 else 1500
+bodies = bench_host.request_bodies(harness.documents(4000, seed=0), docs, "base64")
 c = http.client.HTTPConnection("127.0.0.1", port)
 
 
@@ -23,10 +26,10 @@ def one(i: int) -> None:
     assert r.status == 200, r.status
 
 
-for i in range(200):
+for i in range(min(200, n)):
     one(i)
 ts = []
-for i in range(1500):
+for i in range(n):
     t = time.perf_counter()
     one(i)
     ts.append(time.perf_counter() - t)
