@@ -1,6 +1,6 @@
 """The OpenAI body at base64 (`api.openai_body`, the OpenAI client's default format) for 1 and 100 MiniLM-wide
 vectors, CPU time per call, each tree in a process of its own (its jaxserve on PYTHONPATH), the order alternating;
-then the Ray Serve handle's read of the 100-vector body (`JaxserveDeployment.embed`): the standard library's json
+then the Ray Serve handle's read of the 100-vector body (`JaxserveReplica.embed`): the standard library's json
 and base64, as before 38b5dab, against orjson and pybase64.
 
     python results/issue37/b64_encode.py ROUNDS TREE...   # e.g. 2 /tmp/before "$PWD"
