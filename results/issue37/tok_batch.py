@@ -3,6 +3,7 @@ text a call against 8 a call (a turn's requests tokenized together), CPU per tex
 
     python results/issue37/tok_batch.py
 """
+import functools
 import os
 import sys
 import time
@@ -18,9 +19,14 @@ tok = TextTokenizer.from_dir(loader.resolve(None), 256)
 docs = harness.documents(4000, seed=0)[:400]
 calls = {"1 text a call": lambda: [tok.documents([d]) for d in docs],
          "8 texts a call": lambda: [tok.documents(docs[i : i + 8]) for i in range(0, len(docs), 8)]}
-for _ in range(3):
-    for name, run in calls.items():
-        t0 = time.process_time()
-        for _ in range(5):
-            run()
-        print(f"{name}: {1e6 * (time.process_time() - t0) / (5 * len(docs)):.1f} us per text", flush=True)
+
+
+def timed(name: str, run) -> None:
+    """Five passes of one way, CPU per text printed."""
+    t0 = time.process_time()
+    for _ in range(5):
+        run()
+    print(f"{name}: {1e6 * (time.process_time() - t0) / (5 * len(docs)):.1f} us per text", flush=True)
+
+
+harness.rounds({name: functools.partial(timed, name, run) for name, run in calls.items()}, 3)
