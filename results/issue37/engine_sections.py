@@ -8,7 +8,10 @@ PIN=1 the engine runs on the last core and the client on the others (as engine_a
 
 Prints, per job: the engine's CPU (all its threads, /proc), then each step's CPU, calls and CPU per call. What
 the steps do not cover is the event loop's own work, the threads' hand-offs and the wrappers' clock reads (two
-per call, a fraction of a microsecond each).
+per call, a fraction of a microsecond each). Then how often the prepare thread looked for a dispatch and found
+none; with `git apply results/issue37/prepare_wakes.patch` in TREE (a throwaway copy), also each look by what
+woke it (the first look after preparing a batch, a job's arrival, a batch leaving the device, a timeout), the
+pipeline's batches then in flight and whether it found one, the CPU those looks took, and the dispatches formed.
 """
 import asyncio
 import json
@@ -58,13 +61,17 @@ import collections, functools, importlib, inspect, json, os, sys, threading, tim
 steps, out = json.loads(sys.argv[3]), sys.argv[4]
 acc = collections.defaultdict(lambda: [0, 0])
 clock = time.thread_time_ns
+NONE = ("Pipeline._take", "Batcher.next_dispatch")
 
 def timed(f, label):
     @functools.wraps(f)
     def step(*a, **k):
         t = clock()
         try:
-            return f(*a, **k)
+            r = f(*a, **k)
+            if r is None and label in NONE:  # a dispatch looked for and not found
+                acc[label + ": none"][1] += 1
+            return r
         finally:
             e = acc[label]
             e[0] += clock() - t
@@ -82,7 +89,9 @@ def dump():
     while True:
         time.sleep(0.5)
         with open(out + ".tmp", "w") as fh:  # the steps and the process's CPU (every thread) in one snapshot
-            json.dump({"cpu_s": time.process_time(), "steps": dict(acc)}, fh)
+            wakes = getattr(sys.modules.get("jaxserve.scheduling.pipeline"), "WAKES", {})  # prepare_wakes.patch's
+            json.dump({"cpu_s": time.process_time(), "steps": dict(acc),
+                       "wakes": {repr(k): v for k, v in wakes.items()}}, fh)
         os.replace(out + ".tmp", out)
 
 threading.Thread(target=dump, daemon=True).start()
@@ -164,7 +173,14 @@ def main() -> None:
     print(f"docs={docs} inflight={conc} malloc={malloc} jobs={jobs}: engine CPU {1e3 * cpu / jobs:.3f} ms/job (every thread); "
           "its steps, inclusive, per job:")
     for k, (ns, n) in sorted(d.items(), key=lambda kv: -kv[1][0]):
+        if k.endswith(": none"):
+            continue
         print(f"  {k:30s} {ns / jobs / 1e3:7.1f} us  {n / jobs:5.2f} calls  {ns / max(n, 1) / 1e3:7.1f} us/call")
+    for k in sorted(k for k in d if k.endswith(": none")):
+        print(f"  {k[:-6]} found no dispatch: {d[k][1] / jobs:.2f} calls per job")
+    w0, w1 = first.get("wakes", {}), last.get("wakes", {})
+    for k in sorted(w1):  # with prepare_wakes.patch applied to TREE: the prepare thread's looks, by what woke it
+        print(f"  wake {k:50s} {(w1[k] - w0.get(k, 0)) / jobs:9.3f} per job")
 
 
 if __name__ == "__main__":
