@@ -49,8 +49,9 @@ sys.path[:0] = [str(ROOT / "scripts"), str(ROOT / "tests"), str(ROOT)]
 import harness
 
 # Modules jaxserve imports at run time (pyproject's dependencies), and those the peers column needs.
+# every run-time dependency in pyproject.toml, by module name (tests/test_bench_gpu.py holds the two lists together)
 REQUIRED = ["jax", "jaxlib", "flax", "numpy", "transformers", "tokenizers", "safetensors", "huggingface_hub",
-            "aiohttp", "orjson", "tiktoken", "psutil", "tqdm", "prometheus_client"]
+            "aiohttp", "orjson", "pybase64", "tiktoken", "psutil", "tqdm", "prometheus_client", "uvloop"]
 PEERS = ["torch", "sentence_transformers"]
 # Dense bf16 peak by device kind (vendors' datasheets, FLOP/s); MFU is reported against it.
 PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L4": 121e12}
@@ -133,7 +134,7 @@ def preflight_child(dry: bool) -> dict:
     report = {"python": sys.version.split()[0], "missing": missing(REQUIRED), "missing_peers": missing(PEERS),
               "cpus": len(os.sched_getaffinity(0)), "versions": {}}
     for dist in ["jax", "jaxlib", "jax-cuda12-plugin", "jax-cuda13-plugin", "flax", "transformers", "tokenizers",
-                 "numpy", "aiohttp", "orjson", "torch", "sentence-transformers"]:
+                 "numpy", "aiohttp", "orjson", "pybase64", "uvloop", "torch", "sentence-transformers"]:
         try:
             report["versions"][dist] = md.version(dist)
         except md.PackageNotFoundError:

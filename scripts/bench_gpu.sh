@@ -2,13 +2,13 @@
 # The GPU benchmark as one prepared run: preflight, then each stage writing its file as it ends.
 #
 # Here, once (needs the registry; .carry is git-ignored):
-#   bash scripts/bench_gpu.sh --pack .carry      # wheels the GPU image lacks (orjson, uvloop) + MiniLM in float16
+#   bash scripts/bench_gpu.sh --pack .carry      # wheels the GPU image lacks (orjson, pybase64) + MiniLM in float16
 # There (device `run`, carry [".carry"]), one command per call, each within --budget-s (540 s):
 #   bash scripts/bench_gpu.sh --carry .carry --out $OUT --stages minilm
+#   bash scripts/bench_gpu.sh --carry .carry --out $OUT --stages workers     # --workers sweep (bench_host.py)
 #   bash scripts/bench_gpu.sh --carry .carry --out $OUT --stages attention
 #   bash scripts/bench_gpu.sh --carry .carry --out $OUT --stages qwen3-0.6b
 #   bash scripts/bench_gpu.sh --carry .carry --out $OUT --stages bge-base,embeddinggemma
-#   bash scripts/bench_gpu.sh --carry .carry --out $OUT --stages workers     # --workers sweep (bench_host.py)
 # Here, with no GPU (CI runs it: tests/test_bench_gpu.py):
 #   bash scripts/bench_gpu.sh --dry-run --out /tmp/gpu-dry
 #
@@ -33,11 +33,17 @@ while [ $# -gt 0 ]; do
 done
 
 if [ -n "${PACK:-}" ]; then
-    # The GPU image's python is 3.12 on x86-64 with no registry: fetch its wheels here.
+    # Here, not on the GPU: packing reads the bundled MiniLM with safetensors and jaxserve, which make's .venv
+    # has (a system python3 may not), so that is the interpreter unless PYTHON names one.
+    [ -z "${PYTHON:-}" ] && [ -x .venv/bin/python ] && PY=.venv/bin/python
+    # The GPU image's python is 3.12 on x86-64 with no registry: fetch its wheels here (PACK_WHEELS= for none).
     mkdir -p "$PACK/wheels"
-    "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-        -d "$PACK/wheels" ${PACK_WHEELS:-orjson uvloop} || exit 1
+    WHEELS=${PACK_WHEELS-orjson pybase64 uvloop}
+    if [ -n "$WHEELS" ]; then
+        "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+            --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+            -d "$PACK/wheels" $WHEELS || exit 1
+    fi
     "$PY" scripts/device_model.py pack "$PACK/minilm" || exit 1
     du -sh "$PACK"
     exit 0

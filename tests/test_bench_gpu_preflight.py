@@ -1,8 +1,10 @@
-"""scripts/bench_gpu.sh's runs that stop early: without a GPU, and past --budget-s. A file of their own, beside
-test_bench_gpu.py's dry run, so that the two run on different workers (each starts the preflight's imports)."""
+"""scripts/bench_gpu.sh's runs that stop early (without a GPU, past --budget-s), what its preflight checks, and its
+packing of what the GPU machine lacks. A file of their own, beside test_bench_gpu.py's dry run, so that the two run
+on different workers (each starts the preflight's imports)."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 
 from test_bench_gpu import ROOT, _env
@@ -29,3 +31,36 @@ def test_no_stage_starts_past_the_budget(tmp_path):
     assert "## minilm skipped: the run's --budget-s 0.5 ran out" in proc.stdout
     assert not (tmp_path / "o" / "minilm.json").exists()
     assert not (tmp_path / "w" / "models").exists()  # no checkpoint written for a stage that will not run
+
+
+def test_pack_runs_on_the_project_environment(tmp_path):
+    """`bash scripts/bench_gpu.sh --pack .carry`, as docs/benchmarks.md says to run it here: packing reads the
+    bundled MiniLM with safetensors and jaxserve, so it runs on make's .venv, not on whatever python3 the PATH
+    finds first (here a stand-in that fails if called). PACK_WHEELS= leaves out the wheels' download (the
+    registry)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text("#!/usr/bin/env bash\necho called >> \"$(dirname \"$0\")/called\"\nexit 1\n")
+    (bin_dir / "python3").chmod(0o755)
+    env = {k: v for k, v in _env(tmp_path).items() if k != "PYTHON"}
+    env |= {"PATH": f"{bin_dir}:{env['PATH']}", "PACK_WHEELS": ""}
+    proc = subprocess.run(["bash", "scripts/bench_gpu.sh", "--pack", str(tmp_path / "carry")], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert not (bin_dir / "called").exists()
+    packed = tmp_path / "carry" / "minilm"
+    assert (packed / "model.f16.safetensors").stat().st_size > 40 * 2**20 and (packed / "config.json").exists()
+    assert not list((tmp_path / "carry" / "wheels").iterdir())
+
+
+def test_the_preflight_checks_every_run_time_dependency():
+    """The preflight's imports (`bench_gpu.REQUIRED`) cover pyproject.toml's dependencies: one added to the
+    package and missing from the GPU image (pybase64 was) stops the run in seconds at the preflight, naming
+    it, not at a server's start minutes into the device's time."""
+    import tomllib
+
+    from test_bench_gpu import bench_gpu
+
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    modules = {re.split(r"[<>=!~;\[ ]", d, maxsplit=1)[0].strip().lower().replace("-", "_") for d in deps}
+    assert modules and modules <= set(bench_gpu.REQUIRED), modules - set(bench_gpu.REQUIRED)
