@@ -5,6 +5,7 @@
 Stages, each one JSON file under --out, written as it ends:
 - `preflight` (preflight.json): every import jaxserve needs works, `jax.devices()` is a GPU
   (a CPU under --dry-run), nvidia-smi answers; else exit 2 in seconds, naming what is missing.
+  Installed versions pyproject.toml's specifiers exclude are named (`outside_pins`), not refused.
 - `attention` (attention.json): Pallas vs cuDNN vs XLA attention (scripts/bench_attention.py).
 - one per model (`minilm`, `bge-base`, `qwen3-0.6b`, `embeddinggemma`; MODEL.json):
   cold and warm start of `jaxserve serve` (seconds to /health 200, XLA compiles, the table);
@@ -127,12 +128,35 @@ def missing(modules: list[str]) -> list[str]:
     return out
 
 
+def outside_pins(pyproject: Path = ROOT / "pyproject.toml") -> list[str]:
+    """The run-time dependencies installed at a version pyproject.toml's specifier excludes: the GPU image's
+    own packages run the code there, not the project's pins. Named by the preflight, not refused (most will
+    work), so that a stage failing afterwards has its likely cause in the log."""
+    import importlib.metadata as md
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    out = []
+    for dep in tomllib.loads(pyproject.read_text())["project"]["dependencies"]:
+        req = Requirement(dep)
+        if req.marker is not None and not req.marker.evaluate():
+            continue
+        try:
+            have = md.version(req.name)
+        except md.PackageNotFoundError:
+            continue  # not installed: the preflight's `missing` names the import
+        if not req.specifier.contains(have, prereleases=True):
+            out.append(f"{req.name} {have} (pyproject: {req.specifier})")
+    return out
+
+
 def preflight_child(dry: bool) -> dict:
     """Run in a process of its own: imports, versions, the device. Never raises."""
     import importlib.metadata as md
 
     report = {"python": sys.version.split()[0], "missing": missing(REQUIRED), "missing_peers": missing(PEERS),
-              "cpus": len(os.sched_getaffinity(0)), "versions": {}}
+              "cpus": len(os.sched_getaffinity(0)), "versions": {}, "outside_pins": outside_pins()}
     for dist in ["jax", "jaxlib", "jax-cuda12-plugin", "jax-cuda13-plugin", "flax", "transformers", "tokenizers",
                  "numpy", "aiohttp", "orjson", "pybase64", "uvloop", "torch", "sentence-transformers"]:
         try:
@@ -662,7 +686,7 @@ def main() -> int:
     args.work.mkdir(parents=True, exist_ok=True)
     pre = stage_preflight(args, sizes)
     harness.write_result(args.out / "preflight.json", pre, quiet=True)
-    log("preflight:", json.dumps({k: pre.get(k) for k in ("versions", "devices", "pool_bytes", "cpus")}))
+    log("preflight:", json.dumps({k: pre.get(k) for k in ("versions", "outside_pins", "devices", "pool_bytes", "cpus")}))
     if pre["problems"]:
         log("PREFLIGHT FAILED:\n  " + "\n  ".join(pre["problems"]))
         return 2

@@ -51,7 +51,7 @@ def test_dry_run_runs_every_stage(dry_run):
     assert sorted(p.stem for p in out.glob("*.json")) == sorted(stages)
     assert "0 stage(s) failed" in (out / "log.txt").read_text()
     pre = json.loads((out / "preflight.json").read_text())
-    assert pre["problems"] == [] and pre["platform"] == "cpu" and pre["nvidia_smi"]
+    assert pre["problems"] == [] and pre["platform"] == "cpu" and pre["nvidia_smi"] and pre["outside_pins"] == []
 
 
 @pytest.mark.parametrize("model", list(bench_gpu.MODELS))

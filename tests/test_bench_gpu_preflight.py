@@ -64,3 +64,16 @@ def test_the_preflight_checks_every_run_time_dependency():
     deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
     modules = {re.split(r"[<>=!~;\[ ]", d, maxsplit=1)[0].strip().lower().replace("-", "_") for d in deps}
     assert modules and modules <= set(bench_gpu.REQUIRED), modules - set(bench_gpu.REQUIRED)
+
+
+def test_the_preflight_names_versions_outside_pyprojects_pins(tmp_path):
+    """The GPU image's own packages run the code there: one outside pyproject.toml's specifiers is named (and the
+    run goes on), one that is not installed is left to the import check, a marker that excludes this machine is
+    skipped. This environment, installed from pyproject.toml, is inside its own pins."""
+    from test_bench_gpu import bench_gpu
+
+    assert bench_gpu.outside_pins() == []
+    fake = tmp_path / "pyproject.toml"
+    fake.write_text('[project]\ndependencies = ["numpy<1", "aiohttp>=3.0", "no-such-package>=1",\n'
+                    '                "orjson<1; sys_platform == \'no-such-platform\'"]\n')
+    assert [p.split()[0] for p in bench_gpu.outside_pins(fake)] == ["numpy"]
