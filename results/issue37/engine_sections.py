@@ -5,6 +5,7 @@ documents over its real link by one client process, C in flight, for S seconds a
 PIN=1 the engine runs on the last core and the client on the others (as engine_alone.py's PIN=1).
 
     results/issue37/engine_sections.py DOCS C S [TREE]
+    EXTRA="--host-dispatch-us 300" ...    # more `jaxserve serve` flags for the engine
 
 Prints, per job: the engine's CPU (all its threads, /proc), then each step's CPU, calls and CPU per call. What
 the steps do not cover is the event loop's own work, the threads' hand-offs and the wrappers' clock reads (two
@@ -71,6 +72,8 @@ def timed(f, label):
             r = f(*a, **k)
             if r is None and label in NONE:  # a dispatch looked for and not found
                 acc[label + ": none"][1] += 1
+            if label == "EngineMetrics.device_busy":  # the simulated device's busy seconds: its work per job
+                acc["device: busy"][0] += int(a[1] * 1e9)
             return r
         finally:
             e = acc[label]
@@ -97,7 +100,7 @@ def dump():
 threading.Thread(target=dump, daemon=True).start()
 from jaxserve.cli import build_parser, serve_config
 from jaxserve.http.workers import engine_main
-args = build_parser().parse_args(["serve", "--simulate-device", "400", "--workers", "2"])
+args = build_parser().parse_args(["serve", "--simulate-device", "400", "--workers", "2", *os.environ.get("EXTRA", "").split()])
 engine_main(serve_config(args), sys.argv[1], sys.argv[2], os.getppid())
 """
 
@@ -170,10 +173,13 @@ def main() -> None:
     d = {k: (v[0] - a.get(k, [0, 0])[0], v[1] - a.get(k, [0, 0])[1]) for k, v in b.items()}
     jobs = d["Pipeline.submit"][1]
     cpu = last["cpu_s"] - first["cpu_s"]
+    planned = [line for line in (out / "log").read_text().splitlines() if "batch sizes planned for" in line]
     print(f"docs={docs} inflight={conc} malloc={malloc} jobs={jobs}: engine CPU {1e3 * cpu / jobs:.3f} ms/job (every thread); "
+          f"batches per job {d['Pipeline._prepare'][1] / jobs:.2f}; the device busy {d['device: busy'][0] / jobs / 1e6:.3f} ms/job; "
+          f"{planned[-1].split(': ', 1)[-1] if planned else 'batch sizes planned for the warm-up host time'}; "
           "its steps, inclusive, per job:")
     for k, (ns, n) in sorted(d.items(), key=lambda kv: -kv[1][0]):
-        if k.endswith(": none"):
+        if k.endswith(": none") or k.startswith("device: "):
             continue
         print(f"  {k:30s} {ns / jobs / 1e3:7.1f} us  {n / jobs:5.2f} calls  {ns / max(n, 1) / 1e3:7.1f} us/call")
     for k in sorted(k for k in d if k.endswith(": none")):
