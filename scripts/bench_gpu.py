@@ -49,8 +49,8 @@ sys.path[:0] = [str(ROOT / "scripts"), str(ROOT / "tests"), str(ROOT)]
 
 import harness
 
-# Modules jaxserve imports at run time (pyproject's dependencies), and those the peers column needs.
-# every run-time dependency in pyproject.toml, by module name (tests/test_bench_gpu.py holds the two lists together)
+# Modules jaxserve imports at run time: every run-time dependency of pyproject.toml, by module name
+# (tests/test_bench_gpu_preflight.py holds the two lists together); and those the peers column needs.
 REQUIRED = ["jax", "jaxlib", "flax", "numpy", "transformers", "tokenizers", "safetensors", "huggingface_hub",
             "aiohttp", "orjson", "pybase64", "tiktoken", "psutil", "tqdm", "prometheus_client", "uvloop"]
 PEERS = ["torch", "sentence_transformers"]
@@ -128,18 +128,23 @@ def missing(modules: list[str]) -> list[str]:
     return out
 
 
+def run_time_requirements(pyproject: Path = ROOT / "pyproject.toml") -> list:
+    """pyproject.toml's run-time dependencies, parsed (`packaging.requirements.Requirement`)."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    return [Requirement(dep) for dep in tomllib.loads(pyproject.read_text())["project"]["dependencies"]]
+
+
 def outside_pins(pyproject: Path = ROOT / "pyproject.toml") -> list[str]:
     """The run-time dependencies installed at a version pyproject.toml's specifier excludes: the GPU image's
     own packages run the code there, not the project's pins. Named by the preflight, not refused (most will
     work), so that a stage failing afterwards has its likely cause in the log."""
     import importlib.metadata as md
-    import tomllib
-
-    from packaging.requirements import Requirement
 
     out = []
-    for dep in tomllib.loads(pyproject.read_text())["project"]["dependencies"]:
-        req = Requirement(dep)
+    for req in run_time_requirements(pyproject):
         if req.marker is not None and not req.marker.evaluate():
             continue
         try:

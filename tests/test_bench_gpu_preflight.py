@@ -4,7 +4,6 @@ on different workers (each starts the preflight's imports)."""
 
 from __future__ import annotations
 
-import re
 import subprocess
 
 from test_bench_gpu import ROOT, _env
@@ -57,12 +56,9 @@ def test_the_preflight_checks_every_run_time_dependency():
     """The preflight's imports (`bench_gpu.REQUIRED`) cover pyproject.toml's dependencies: one added to the
     package and missing from the GPU image (pybase64 was) stops the run in seconds at the preflight, naming
     it, not at a server's start minutes into the device's time."""
-    import tomllib
-
     from test_bench_gpu import bench_gpu
 
-    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
-    modules = {re.split(r"[<>=!~;\[ ]", d, maxsplit=1)[0].strip().lower().replace("-", "_") for d in deps}
+    modules = {req.name.lower().replace("-", "_") for req in bench_gpu.run_time_requirements()}
     assert modules and modules <= set(bench_gpu.REQUIRED), modules - set(bench_gpu.REQUIRED)
 
 
