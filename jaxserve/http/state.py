@@ -214,8 +214,9 @@ class AppState:
 
         return described(getattr(self.encoder, "engine", None))
 
-    @property
+    @functools.cached_property
     def model_name(self) -> str:
+        """The name responses report; once per process (`loader.named` reads the environment), not per request."""
         return self.config.model_name or loader.named(self.config.model) or "sentence-transformers/all-MiniLM-L6-v2"
 
     async def engine_snapshot(self) -> dict | None:
