@@ -99,6 +99,9 @@ async def test_tokenize_health_info_metrics(server):
     (tokens,) = await resp.json()
     assert [t["text"] for t in tokens] == ["[CLS]", "Hello", "world", "[SEP]"]
     assert tokens[0]["special"] and not tokens[1]["special"] and tokens[1]["start"] == 0 and tokens[2]["stop"] == 11
+    # a `prompt` text goes in front of each input, as /embed puts it (it was once accepted and dropped)
+    (prompted,) = await (await server.post("/tokenize", json={"inputs": ["world"], "prompt": "Hello "})).json()
+    assert [t["text"] for t in prompted] == ["[CLS]", "Hello", "world", "[SEP]"]
     assert (await server.get("/health")).status == 200
     info = await (await server.get("/info")).json()
     assert info["model_id"] == "all-MiniLM-L6-v2" and info["dimensions"] == 384 and info["max_input_length"] == 256

@@ -53,7 +53,7 @@ class ApiError(Exception):
         status, kind = self._tei or TEI_ERRORS.get(self.type) or (
             (self.status, "Unauthorized") if self.status == 401 else
             (413, "Validation") if self.type == "body_too_large" else
-            (self.status, "Validation") if self.status in (404, 405) else (422, "Validation"))
+            (self.status, "Validation") if self.status in (404, 405, 415) else (422, "Validation"))
         return status, {"error": self.message, "error_type": kind}
 
 
@@ -271,14 +271,13 @@ def parse_similarity(body, limits: Limits, default_long: str) -> tuple[EmbedRequ
                         direction=_direction(params)), len(texts) - 1
 
 
-def parse_tokenize(body, limits: Limits) -> tuple[list[str], bool, str | None]:
-    """TEI /tokenize -> (texts, add_special_tokens, prompt_name)."""
+def parse_tokenize(body, limits: Limits) -> tuple[list[str], bool, str | None, str | None]:
+    """TEI /tokenize -> (texts, add_special_tokens, prompt_name, prompt): the prompt as /embed takes it."""
     body = _object(body)
     if "inputs" not in body:
         raise ApiError(400, "missing required field `inputs`")
     texts, _ = _inputs(body["inputs"], "inputs", limits, allow_tokens=False)
-    name, _ = _prompt(body, limits)
-    return texts, _bool(body, "add_special_tokens", True), name
+    return texts, _bool(body, "add_special_tokens", True), *_prompt(body, limits)
 
 
 def parse_decode(body, limits: Limits, vocab: int) -> tuple[list[list[int]], bool]:

@@ -183,9 +183,10 @@ async def pair_scores(state: AppState, pairs: list[tuple[str, str]], ask: Ask, t
 
 
 async def _tokenize(state: AppState, body) -> web.Response:
-    texts, add_special, prompt_name = api.parse_tokenize(body, state.limits)
+    texts, add_special, prompt_name, prompt_text = api.parse_tokenize(body, state.limits)
     tok = state.encoder.tokenizer.tokenizer
-    prompt = (request_prompt(state, api.EmbedRequest(texts, None, "truncate", prompt_name=prompt_name))
+    prompt = (request_prompt(state, api.EmbedRequest(texts, None, "truncate", prompt_name=prompt_name,
+                                                     prompt=prompt_text))
               if state.encoder.head.kind in ("embedding", "sparse") else None)
     texts = [prompt + t for t in texts] if prompt else texts
 
