@@ -354,6 +354,15 @@ def test_huggingface_hub_text_classification(hf_online, classifier, client_table
         assert server.last()[1] == {"inputs": text, "parameters": {"top_k": 2}}
         assert got.label == enc.head.labels[best]
         row.parity = score_parity([got.score], [probs[best]])
+    logits = enc.classify([text])[0]
+    with client_table.call("huggingface_hub", "`text_classification(text, function_to_apply=...)` (classifier)",
+                           works="yes: `none` the logits, `sigmoid` each logit's; best label only, as above") as row:
+        got = hf.text_classification(text, function_to_apply="none")
+        assert server.last()[1] == {"inputs": text, "parameters": {"function_to_apply": "none"}}
+        assert got.score == pytest.approx(float(logits[best]), abs=1e-4)
+        sig = hf.text_classification(text, function_to_apply="sigmoid")
+        assert sig.score == pytest.approx(float(1 / (1 + np.exp(-logits[best]))), abs=1e-4)
+        row.parity = score_parity([got.score, sig.score], [logits[best], 1 / (1 + np.exp(-logits[best]))], atol=1e-4)
 
 
 def test_huggingface_hub_against_a_cross_encoder(hf_online, cross_encoder, client_table):

@@ -54,6 +54,12 @@ async def test_tei_embed_gets_reference_vectors(server, minilm_reference):
     assert cosine_rows(np.array(single), want[:1])[0] >= 0.99999
     raw = np.array(await (await server.post("/embed", json={"inputs": texts[:2], "normalize": False})).json())
     assert not np.allclose(np.linalg.norm(raw, axis=1), 1.0) and cosine_rows(raw, want[:2]).min() >= 0.99999
+    # `dimensions` cuts first; `normalize: false` keeps the cut raw (as TEI), true scales it to unit length
+    cut = np.array(await (await server.post("/embed", json={"inputs": texts[:2], "normalize": False,
+                                                             "dimensions": 64})).json())
+    np.testing.assert_allclose(cut, raw[:, :64], rtol=1e-5, atol=1e-6)
+    unit = np.array(await (await server.post("/embed", json={"inputs": texts[:2], "dimensions": 64})).json())
+    np.testing.assert_allclose(unit, raw[:, :64] / np.linalg.norm(raw[:, :64], axis=1, keepdims=True), atol=1e-5)
 
 
 async def test_hundred_mixed_documents_in_order(server, minilm_warm, minilm_reference):

@@ -203,6 +203,9 @@ async def test_embed_sparse_route(make_server, splade):
     want = reference(path, TEXTS)
     assert_same_sparse(await many.json(), want)
     assert_same_sparse(await single.json(), want[1:2])
+    for field in ({"dimensions": 4}, {"normalize": False}):  # nothing to cut or scale: refused, not dropped
+        bad = await client.post("/embed_sparse", json={"inputs": TEXTS[1], **field})
+        assert bad.status == 422 and f"`{next(iter(field))}`" in (await bad.json())["error"]
     root = await client.post("/", json={"inputs": TEXTS[:2]})  # TEI's root: the model kind's route
     assert_same_sparse(await root.json(), want[:2])
     info = await (await client.get("/info")).json()

@@ -105,6 +105,12 @@ async def test_root_predicts_for_a_classifier_and_mixes_texts_and_pairs(make_ser
     # as TEI, a list of exactly two texts is one pair, answered unwrapped
     pair = await (await client.post("/predict", json={"inputs": ["a premise", "a hypothesis"], "raw_scores": True})).json()
     assert max(p["score"] for p in pair) == pytest.approx(want[1].max(), abs=1e-4)
+    # huggingface_hub's `function_to_apply`: applied (test_clients.py), a value it does not name refused
+    bad = await client.post("/predict", json={"inputs": "ab", "parameters": {"function_to_apply": "tanh"}})
+    assert bad.status == 422 and "function_to_apply" in (await bad.json())["error"]
+    # a classifier has no prompts: /tokenize refuses one rather than drop it
+    bad = await client.post("/tokenize", json={"inputs": ["ab"], "prompt": "query: "})
+    assert bad.status == 422 and "prompt" in (await bad.json())["error"]
 
 
 async def test_root_reranks_for_a_cross_encoder(make_server, reranker):
@@ -135,6 +141,8 @@ async def test_info_has_the_fields_tei_clients_read(make_server, embedder):
     ("/embed", {"inputs": ["ok"], "truncate": False, "long": "nope"}, 422, "Validation"),
     ("/embed", {"inputs": ["the " * 100], "truncate": False}, 422, "Validation"),
     ("/embed_all", {"inputs": ["x"], "long": "chunk"}, 422, "Validation"),
+    ("/embed_all", {"inputs": ["x"], "normalize": False}, 422, "Validation"),  # per-token states: refused,
+    ("/embed_all", {"inputs": ["x"], "dimensions": 4}, 422, "Validation"),  # not dropped
     ("/", {"inputs": 5}, 422, "Validation"),
 ])
 async def test_tei_errors_have_teis_shape_and_codes(make_server, embedder, route, body, status, kind):

@@ -18,6 +18,7 @@ import orjson
 import pybase64
 
 from jaxserve.checkpoint.tokenize import LONG_MODES
+from jaxserve.view import normalize_rows
 
 # Our error types -> TEI's (status, error_type): router/src/http/server.rs maps Validation and
 # Tokenizer to 422, Empty to 400, Overloaded to 429, Backend to 424, Unhealthy to 503.
@@ -196,6 +197,8 @@ def parse_multivector_embeddings(body, limits: Limits) -> tuple[list[str], str]:
     -> (texts, query or document)."""
     body = _openai_body(body)
     texts, _ = _inputs(body["input"], "input", limits, allow_tokens=False)
+    _refuse(body, ("dimensions", "prompt_name", "prompt"), "a multi-vector model",
+            "its vectors are per token, and `is_query` picks the query or document marker")
     fmt = body.get("encoding_format")
     if fmt not in (None, "float"):
         raise ApiError(400, f"a multi-vector model's embeddings are float lists: `encoding_format` {fmt!r} is not "
@@ -241,9 +244,23 @@ def parse_tei_embed(body, limits: Limits, dim: int, default_long: str) -> EmbedR
                         _dimensions(body, dim), "float", *_prompt(body, limits), direction=_direction(body))
 
 
+def _refuse(body, keys: tuple[str, ...], route: str, why: str) -> None:
+    """400 naming each of `keys` that `body` sets: fields of a sibling route that would do nothing on `route`."""
+    if isinstance(body, dict) and (sent := [f"`{k}`" for k in keys if body.get(k) is not None]):
+        raise ApiError(400, f"{' and '.join(sent)} do not apply to {route}: {why}")
+
+
+def parse_tei_embed_all(body, limits: Limits, dim: int, default_long: str) -> EmbedRequest:
+    """TEI /embed_all: /embed's body less `normalize` and `dimensions` (every token's state, as the model gives it)."""
+    _refuse(body, ("normalize", "dimensions"), "/embed_all", "it returns every token's hidden state as it is")
+    return parse_tei_embed(body, limits, dim, default_long)
+
+
 def parse_tei_embed_sparse(body, limits: Limits, default_long: str) -> EmbedRequest:
     """TEI /embed_sparse: /embed's `inputs`, `truncate`, `truncation_direction` and prompt; one output per input
     (`long: chunk` has no sparse meaning)."""
+    _refuse(body, ("normalize", "dimensions"), "/embed_sparse", "its weights are per vocabulary entry, as the model "
+                                                                "gives them")
     req = parse_tei_embed(body, limits, 1, default_long)
     if req.long == "chunk":
         raise ApiError(400, "/embed_sparse gives each input's own weights: `long: chunk` does not apply")
@@ -304,12 +321,12 @@ def parse_decode(body, limits: Limits, vocab: int) -> tuple[list[list[int]], boo
     return ids, _bool(body, "skip_special_tokens", True)
 
 
-def shape_vectors(vectors: np.ndarray, dimensions: int | None) -> np.ndarray:
-    """Truncate to `dimensions` and renormalise (Matryoshka-style, as OpenAI's `dimensions` does)."""
-    if dimensions is None or dimensions == vectors.shape[1]:
-        return vectors
-    cut = vectors[:, :dimensions]
-    return cut / np.maximum(np.linalg.norm(cut, axis=1, keepdims=True), 1e-12)
+def shape_vectors(vectors: np.ndarray, dimensions: int | None, normalize: bool) -> np.ndarray:
+    """The first `dimensions` components (Matryoshka), then, with `normalize`, each row at unit length: cut first,
+    as TEI and sentence-transformers' `truncate_dim` do, so `normalize: false` keeps the cut raw."""
+    if dimensions is not None and dimensions != vectors.shape[1]:
+        vectors = np.ascontiguousarray(vectors[:, :dimensions])  # rows back to back, as the encoders read them
+    return normalize_rows(vectors) if normalize else vectors
 
 
 # Vectors as integers: Cohere's embedding types, and the same names on /v1/embeddings' `encoding_format` (Azure AI
@@ -369,6 +386,7 @@ class ClassifyRequest:
     truncate: bool = True
     top_k: int | None = None
     direction: str = "right"
+    function: str | None = None  # huggingface_hub's `function_to_apply` (FUNCTIONS); None: the model's default
 
 
 def _pair_or_text(x, field: str, limits: Limits):
@@ -379,6 +397,9 @@ def _pair_or_text(x, field: str, limits: Limits):
             raise ApiError(413, f"`{field}` has over {limits.max_input_chars} characters", "request_too_large")
         return x[0] if len(x) == 1 else (x[0], x[1])
     raise ApiError(400, f"`{field}` must be a string or a [text, text] pair")
+
+
+FUNCTIONS = ("sigmoid", "softmax", "none")  # a classifier's scores, as huggingface_hub's `text_classification` asks
 
 
 def parse_predict(body, limits: Limits, default_truncate: bool) -> ClassifyRequest:
@@ -405,8 +426,12 @@ def parse_predict(body, limits: Limits, default_truncate: bool) -> ClassifyReque
     top_k = body.get("top_k", params.get("top_k") if isinstance(params, dict) else None)
     if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1):
         raise ApiError(400, f"`top_k` must be a positive integer, not {_show(top_k)}")
+    function = body.get("function_to_apply", params.get("function_to_apply") if isinstance(params, dict) else None)
+    if function is not None and function not in FUNCTIONS:
+        raise ApiError(400, f"`function_to_apply` must be one of {', '.join(FUNCTIONS)}, not {_show(function)}")
     truncate = _bool(body, "truncate", default_truncate)
-    return ClassifyRequest(inputs, single, _bool(body, "raw_scores", False), truncate, top_k, _direction(body))
+    return ClassifyRequest(inputs, single, _bool(body, "raw_scores", False), truncate, top_k, _direction(body),
+                           function)
 
 
 def parse_rerank(body, limits: Limits, default_truncate: bool) -> tuple[str, list[str], bool, bool, bool, str]:
@@ -434,11 +459,12 @@ def parse_classify(body, limits: Limits) -> list[str]:
     return texts
 
 
-def scores(logits: np.ndarray, raw: bool) -> np.ndarray:
-    """Logits -> probabilities: sigmoid for one logit (cross-encoders), softmax otherwise."""
-    if raw:
+def scores(logits: np.ndarray, raw: bool, function: str | None = None) -> np.ndarray:
+    """Logits -> probabilities: sigmoid for one logit (cross-encoders), softmax otherwise, unless `function` (one
+    of FUNCTIONS) names one; `raw`, or `function` "none": the logits."""
+    if raw or function == "none":
         return logits
-    if logits.shape[-1] == 1:
+    if function == "sigmoid" or (function is None and logits.shape[-1] == 1):
         return 1 / (1 + np.exp(-logits))
     e = np.exp(logits - logits.max(-1, keepdims=True))
     return e / e.sum(-1, keepdims=True)

@@ -39,7 +39,6 @@ from jaxserve.scheduling.batcher import CLASSES, QueueFull, TooLarge
 from jaxserve.scheduling.jobs import Job
 from jaxserve.scheduling.pipeline import BatchError, Draining
 from jaxserve.scheduling.planner import pack
-from jaxserve.view import normalize_rows
 
 
 def json_response(body, status: int = 200, headers=None) -> web.Response:
@@ -284,10 +283,7 @@ def embedding_pieces(state: AppState, req: EmbedRequest, openai_ids: bool = Fals
 
 def vectors_of(ran: Ran, req: EmbedRequest) -> np.ndarray:
     """Per-sequence outputs -> per-document vectors, normalised and cut to `dimensions` as asked."""
-    vectors = ran.pieces.combine(ran.out, req.count)
-    if req.normalize:
-        vectors = normalize_rows(vectors)
-    return api.shape_vectors(vectors, req.dimensions)
+    return api.shape_vectors(ran.pieces.combine(ran.out, req.count), req.dimensions, req.normalize)
 
 
 async def respond(state: AppState, encode, floats: int) -> tuple[bytes, float]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from jaxserve.http.api import COHERE_EMBEDDING_TYPES, ENCODING_FORMATS
+from jaxserve.http.api import COHERE_EMBEDDING_TYPES, ENCODING_FORMATS, FUNCTIONS
 
 TEXTS = {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "minItems": 1}]}
 TOKEN_IDS = {"oneOf": [{"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
@@ -21,6 +21,10 @@ INSTRUCTION = {"instruction": {"type": "string", "description": "the task in the
 EMBED_BODY = {"type": "object", "required": ["inputs"], "properties": {
     "inputs": {"oneOf": [TEXTS, TOKEN_IDS]}, "normalize": {"type": "boolean"}, "truncate": {"type": "boolean"},
     "truncation_direction": DIRECTION, "dimensions": {"type": "integer", "minimum": 1}, "long": LONG, **PROMPT}}
+FUNCTION = {"type": "string", "enum": list(FUNCTIONS)}
+# /embed's body less what a per-token or per-vocabulary-entry output has no use for (refused there: api._refuse)
+TOKENS_BODY = {**EMBED_BODY, "properties": {k: v for k, v in EMBED_BODY["properties"].items()
+                                           if k not in ("normalize", "dimensions")}}
 MATRIX = {"type": "array", "items": {"type": "array", "items": {"type": "number"}}}
 M3_FLAGS = {flag: {"type": "boolean", "description": "FlagEmbedding's flag (default true)"}
             for flag in ("return_dense", "return_sparse", "return_colbert_vecs")}
@@ -131,14 +135,13 @@ def spec(version: str) -> dict:
             "/v1/plan": _post("The plan and predicted times of an embeddings body, without running it",
                               EMBEDDINGS_BODY, {"type": "object"}),
             "/embed": _tei("TEI /embed", EMBED_BODY, MATRIX),
-            "/embed_all": _tei("TEI /embed_all: every token's last hidden state", EMBED_BODY,
+            "/embed_all": _tei("TEI /embed_all: every token's last hidden state", TOKENS_BODY,
                                {"type": "array", "items": MATRIX}),
             "/embed_m3": _tei("BGE-M3: dense, sparse (lexical weights) and multi-vector (ColBERT) outputs of one "
                               "forward", {**EMBED_BODY, "properties": {**EMBED_BODY["properties"], **M3_FLAGS}},
                               M3_OK),
             "/embed_sparse": _tei("TEI /embed_sparse (SPLADE models): per input its non-zero weights, index order",
-                                  {**EMBED_BODY, "properties": {k: v for k, v in EMBED_BODY["properties"].items()
-                                                                if k not in ("normalize", "dimensions")}},
+                                  TOKENS_BODY,
                                   {"type": "array", "items": {"type": "array", "items": {
                                       "type": "object", "required": ["index", "value"], "properties": {
                                           "index": {"type": "integer", "minimum": 0}, "value": {"type": "number"}}}}}),
@@ -151,7 +154,7 @@ def spec(version: str) -> dict:
                         "truncate": {"type": "boolean"}, "truncation_direction": DIRECTION, **PROMPT}}}},
                 {"type": "array", "items": {"type": "number"}}),
             "/tokenize": _tei("TEI /tokenize", {"type": "object", "required": ["inputs"], "properties": {
-                "inputs": TEXTS, "add_special_tokens": {"type": "boolean"}, "prompt_name": PROMPT["prompt_name"]}},
+                "inputs": TEXTS, "add_special_tokens": {"type": "boolean"}, **PROMPT}},
                 {"type": "array"}),
             "/decode": _tei("TEI /decode", {"type": "object", "required": ["ids"], "properties": {
                 "ids": TOKEN_IDS, "skip_special_tokens": {"type": "boolean"}}},
@@ -159,7 +162,9 @@ def spec(version: str) -> dict:
             "/predict": _tei("TEI /predict (classifier models)", {"type": "object", "required": ["inputs"], "properties": {
                 "inputs": {"oneOf": [{"type": "string"}, {"type": "array", "items": pair_or_text, "minItems": 1}]},
                 "raw_scores": {"type": "boolean"}, "truncate": {"type": "boolean"}, "truncation_direction": DIRECTION,
-                "top_k": {"type": "integer", "minimum": 1}}}, {"type": "array"}),
+                "top_k": {"type": "integer", "minimum": 1}, "function_to_apply": FUNCTION,
+                "parameters": {"type": "object", "properties": {  # huggingface_hub's text_classification
+                    "top_k": {"type": "integer", "minimum": 1}, "function_to_apply": FUNCTION}}}}, {"type": "array"}),
             "/rerank": _tei("TEI /rerank (cross-encoder models; multi-vector models score by MaxSim)", {"type": "object", "required": ["query", "texts"],
                             "properties": {"query": {"type": "string", "minLength": 1},
                                            "texts": {"type": "array", "items": {"type": "string"}, "minItems": 1},

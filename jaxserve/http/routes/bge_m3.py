@@ -22,7 +22,6 @@ from jaxserve.http.api import ApiError
 from jaxserve.http.classes import NO_ASK, Ask
 from jaxserve.http.handling import Ran, bytes_response, embedding_pieces, parsed, respond, run_request
 from jaxserve.http.state import AppState
-from jaxserve.view import normalize_rows
 
 FLAGS = ("return_dense", "return_sparse", "return_colbert_vecs")  # FlagEmbedding's, in bge_m3.OUTPUTS' order
 
@@ -69,7 +68,7 @@ async def embed_m3(state: AppState, body, ask: Ask = NO_ASK) -> web.Response:
         dump = lambda x: orjson.dumps(x, option=orjson.OPT_SERIALIZE_NUMPY)
         dense = got.get("dense")
         if dense is not None:
-            dense = api.shape_vectors(normalize_rows(dense) if req.normalize else dense, req.dimensions)
+            dense = api.shape_vectors(dense, req.dimensions, req.normalize)
         colbert = got.get("multivector")
         return b"".join((
             b'{"dense_vecs":', b"null" if dense is None else dump(dense),

@@ -37,6 +37,8 @@ async def embeddings(request: web.Request) -> web.Response:
     start = time.perf_counter()
     state.require_ready()
     if state.encoder.head.kind == "multivector":  # PyLate's server: per input its token vectors
+        if _wants_explain(request):
+            raise ApiError(400, "`explain` is for pooled embeddings; a multi-vector model's /v1/embeddings has none")
         body = await json_body(request)
         return await multivector_routes.embeddings(state, body, ask_for(request, body))
     require_kind(state, "embedding", "/v1/embeddings")

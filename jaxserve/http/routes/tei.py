@@ -86,7 +86,8 @@ async def _embed_all(state: AppState, body, ask: Ask = NO_ASK) -> web.Response:
         raise ApiError(400, "a BGE-M3 server's token outputs are its heads' (/embed_m3), not its hidden states")
     if "tokens" not in state.encoder.engine.tables:
         raise ApiError(400, "/embed_all is off on this server (started with --no-embed-all)")
-    req = await parsed(state, ask, lambda: api.parse_tei_embed(body, state.limits, state.encoder.dim, state.config.long))
+    req = await parsed(state, ask,
+                       lambda: api.parse_tei_embed_all(body, state.limits, state.encoder.dim, state.config.long))
     if req.long == "chunk":
         raise ApiError(400, "/embed_all returns each input's own tokens: `long: chunk` does not apply")
     ran = await run_request(state, lambda: embedding_pieces(state, req), output="tokens", ask=ask,
@@ -122,7 +123,7 @@ async def _predict(state: AppState, body, ask: Ask = NO_ASK) -> web.Response:
 
     def predictions() -> bytes:
         results = []
-        for row in api.scores(ran.out, req.raw_scores):
+        for row in api.scores(ran.out, req.raw_scores, req.function):
             ranked = sorted(zip(labels, row.tolist()), key=lambda t: -t[1])[: req.top_k]
             results.append([{"label": label, "score": score} for label, score in ranked])
         return orjson.dumps(results[0] if req.single else results)
@@ -185,9 +186,12 @@ async def pair_scores(state: AppState, pairs: list[tuple[str, str]], ask: Ask, t
 async def _tokenize(state: AppState, body) -> web.Response:
     texts, add_special, prompt_name, prompt_text = api.parse_tokenize(body, state.limits)
     tok = state.encoder.tokenizer.tokenizer
+    kind = state.encoder.head.kind
+    if kind not in ("embedding", "sparse") and (prompt_name is not None or prompt_text is not None):
+        raise ApiError(400, f"`prompt_name` and `prompt` apply to embedding models; this server serves a {kind} model")
     prompt = (request_prompt(state, api.EmbedRequest(texts, None, "truncate", prompt_name=prompt_name,
                                                      prompt=prompt_text))
-              if state.encoder.head.kind in ("embedding", "sparse") else None)
+              if kind in ("embedding", "sparse") else None)
     texts = [prompt + t for t in texts] if prompt else texts
 
     def tokens() -> bytes:  # per token Python objects: on a tokenizer thread
