@@ -81,6 +81,20 @@ def test_error_messages_show_values_short_and_flat():
         parse_predict({"inputs": "a", "top_k": [[[]]] * 100_000}, Limits(8, 100), True)
 
 
+def test_predict_reads_its_options_from_the_body_then_parameters():
+    """huggingface_hub sends `parameters`; a null at the top does not hide them, and a `parameters` that is not
+    an object is refused (as /similarity's), not ignored."""
+    from jaxserve.http.api import ApiError, Limits, parse_predict
+
+    req = parse_predict({"inputs": "a", "top_k": None, "parameters": {"top_k": 2, "function_to_apply": "none"}},
+                        Limits(8, 100), True)
+    assert (req.top_k, req.function) == (2, "none")
+    req = parse_predict({"inputs": "a", "top_k": 1, "parameters": {"top_k": 2}}, Limits(8, 100), True)
+    assert req.top_k == 1
+    with pytest.raises(ApiError, match="`parameters` must be an object"):
+        parse_predict({"inputs": "a", "parameters": [2]}, Limits(8, 100), True)
+
+
 @pytest.mark.parametrize("coding, body, status, fragment", [
     ("gzip", b'{"inputs": ["ok"]}', 422, "not valid gzip"),  # was a 500: aiohttp's RequestPayloadError
     ("deflate", b'{"inputs": ["ok"]}', 422, "not valid deflate"),

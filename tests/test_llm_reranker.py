@@ -171,6 +171,7 @@ async def test_served_rerank_routes(reranker, make_server):
     ("/v1/rerank", {"documents": ["a"]}, "query"),
     ("/v1/rerank", {"query": "q"}, "documents"),
     ("/v1/rerank", {"query": "q", "documents": ["a"], "top_n": -1}, "top_n"),
+    ("/v1/rerank", {"query": "q", "documents": ["a"], "top_n": False}, "top_n"),  # was read as 0: all
     ("/v1/rerank", {"query": "q", "documents": ["a"], "return_documents": "yes"}, "return_documents"),
     ("/score", {"text_1": "q"}, "text_2"),
     ("/score", {"text_1": ["a", "b"], "text_2": ["a", "b", "c"]}, "text_1"),

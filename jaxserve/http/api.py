@@ -423,10 +423,13 @@ def parse_predict(body, limits: Limits, default_truncate: bool) -> ClassifyReque
                        "request_too_large")
     inputs = [_pair_or_text(x, f"inputs[{i}]", limits) for i, x in enumerate(items)]
     params = body.get("parameters") or {}  # huggingface_hub's InferenceClient sends top_k there
-    top_k = body.get("top_k", params.get("top_k") if isinstance(params, dict) else None)
+    if not isinstance(params, dict):
+        raise ApiError(400, "`parameters` must be an object")
+    own = lambda key: body[key] if body.get(key) is not None else params.get(key)  # the body's, else parameters'
+    top_k = own("top_k")
     if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1):
         raise ApiError(400, f"`top_k` must be a positive integer, not {_show(top_k)}")
-    function = body.get("function_to_apply", params.get("function_to_apply") if isinstance(params, dict) else None)
+    function = own("function_to_apply")
     if function is not None and function not in FUNCTIONS:
         raise ApiError(400, f"`function_to_apply` must be one of {', '.join(FUNCTIONS)}, not {_show(function)}")
     truncate = _bool(body, "truncate", default_truncate)

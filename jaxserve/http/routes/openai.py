@@ -154,9 +154,10 @@ def _parse_rerank(body, state) -> tuple[str, list[str], int, bool]:
         raise ApiError(400, "missing required field `documents`")
     documents, _ = api._inputs(body["documents"], "documents", state.limits, allow_tokens=False)
     api._inputs([query], "query", state.limits, allow_tokens=False)  # its length, by the same limits as the documents'
-    top_n = body.get("top_n") or len(documents)  # vLLM: 0 or absent is every document
-    if not isinstance(top_n, int) or isinstance(top_n, bool) or top_n < 0:
+    top_n = body.get("top_n")
+    if top_n is not None and (not isinstance(top_n, int) or isinstance(top_n, bool) or top_n < 0):
         raise ApiError(400, "`top_n` must be a non-negative integer")
+    top_n = top_n or len(documents)  # vLLM: 0 or absent is every document
     with_docs = body.get("return_documents", True)
     if not isinstance(with_docs, bool):
         raise ApiError(400, "`return_documents` must be a boolean")
