@@ -78,7 +78,8 @@ def cmd_warmup(args) -> int:
     started = startup.Startup()
     started.add("import", startup.since_process_start())
     with started.phase("weights"):
-        enc = Encoder.from_pretrained(args.model, dtype=args.dtype, attention=args.attention, task=args.task)
+        enc = Encoder.from_pretrained(args.model, dtype=args.dtype, attention=args.attention, task=args.task,
+                                      devices=args.devices)
     cache = None if args.no_cache else startup.cache_root(args.cache_dir)
     table = startup.start(enc, table_for(enc, args), tokens=args.embed_all, cache=cache, startup=started,
                          progress=True, keep=args.keep_artifacts)
@@ -315,6 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default $JAXSERVE_CACHE_DIR or ~/.cache/jaxserve); `serve` with the same flags starts from it")
     warmup.add_argument("--no-cache", action="store_true", help="neither read nor write the warm artifact")
     _keep_artifacts_arg(warmup)
+    _devices_arg(warmup)
     warmup.add_argument("--embed-all", default=True, action=argparse.BooleanOptionalAction,
                         help="also warm token outputs for TEI's /embed_all (as `serve` does by default)")
     warmup.add_argument("--write", metavar="FILE", help="save the table, with measured times, as JSON")
@@ -415,8 +417,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--route-priority", action="append", default=[], type=_route_priority, metavar="ROUTE=CLASS",
                        help="the most a route's requests may ask for, and their class when they ask for none, e.g. "
                             "/embed=bulk; repeatable")
-    serve.add_argument("--devices", default="1", type=lambda v: v if v == "all" else int(v),
-                       help="local devices sharing each batch (data parallel): a number, or all")
+    _devices_arg(serve)
     serve.add_argument("--served-model-name", help="model name reported in responses")
     serve.add_argument("--cache-dir", help="where warm artifacts are (in warm/) "
                        "(default $JAXSERVE_CACHE_DIR or ~/.cache/jaxserve)")
@@ -463,6 +464,12 @@ def _sizes(text: str) -> list[int]:
     if len(parts) != 3 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
         raise argparse.ArgumentTypeError(f"must be three positive whole numbers H,I,L, not {text!r}")
     return [int(p) for p in parts]
+
+
+def _devices_arg(p: argparse.ArgumentParser) -> None:
+    """`serve`'s and `warmup`'s: the device count is part of the warm artifact's key."""
+    p.add_argument("--devices", default="1", type=lambda v: v if v == "all" else int(v),
+                   help="local devices sharing each batch (data parallel): a number, or all")
 
 
 def _keep_artifacts_arg(p: argparse.ArgumentParser) -> None:

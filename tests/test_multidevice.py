@@ -1,8 +1,12 @@
 """Data parallel over two (forced) CPU devices: same results as one device, one compile per bucket, none after."""
 
+import json
+import os
 import subprocess
 import sys
 import textwrap
+
+import tiny
 
 SCRIPT = textwrap.dedent("""
     import sys
@@ -39,3 +43,21 @@ def test_two_device_mesh_equals_one_device(tmp_path):
                          timeout=600, env=env)
     assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.startswith("ok")
+
+
+def test_warmup_makes_the_artifact_of_a_multi_device_serve(tmp_path):
+    """`jaxserve warmup --devices 2` warms the mesh's table (batches a multiple of 2) and saves its artifact; the
+    next start with `--devices 2` loads it and compiles nothing (the device count is part of the artifact's key,
+    so a warmup without the flag made an artifact no multi-device serve could use)."""
+    model = str(tiny.write_checkpoint(tmp_path / "ckpt"))
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "HF_HUB_OFFLINE": "1"}
+    args = [sys.executable, "-m", "jaxserve.cli", "warmup", "--model", model, "--seqlens", "16,64", "--max-batch", "8",
+            "--no-embed-all", "--cache-dir", str(tmp_path / "cache"), "--devices", "2"]
+    runs = [subprocess.run([*args, "--write", str(tmp_path / f"{i}.json")], capture_output=True, text=True,
+                           timeout=300, env=env) for i in range(2)]
+    assert all(r.returncode == 0 for r in runs), [r.stderr[-2000:] for r in runs]
+    assert "table: derived" in runs[0].stdout and "saved" in runs[0].stdout
+    assert "table: artifact" in runs[1].stdout and "0 executables built" in runs[1].stdout
+    table = json.loads((tmp_path / "1.json").read_text())
+    assert table == json.loads((tmp_path / "0.json").read_text())
+    assert all(b["batch"] % 2 == 0 for b in table["buckets"]), table["buckets"]
