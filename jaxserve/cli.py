@@ -248,8 +248,8 @@ def embed_on_ray(args, corpus, sink, table, total: int) -> int:
     # resolved and recorded (not each device's `auto`), and warm-starts from the artifact in this cache directory.
     local = args.model is not None and os.path.exists(args.model)  # a path, made absolute: workers have their own cwd
     model = {"model": os.path.abspath(args.model) if local else args.model, "table": table,
-             "dtype": sink.state["dtype"], "attention": args.attention, "long": args.long,
-             "prompt": sink.state["prompt"], "cache_dir": os.path.abspath(cache_root(None))}
+             "dtype": sink.state["dtype"], "attention": args.attention, "task": sink.state.get("task"),
+             "long": args.long, "prompt": sink.state["prompt"], "cache_dir": os.path.abspath(cache_root(None))}
     with tqdm(total=total, unit="doc", desc="embed") as bar:
         def resumed(rows: int) -> None:
             if rows:
@@ -343,7 +343,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "order; a sparse (SPLADE) model: .jsonl, per row its [{index, value}] list; a summary "
                             "(documents, tokens, seconds, docs/s, tokens/s, padding, and the arguments a rerun must "
                             "match) lands in FILE.summary.json")
-    embed.add_argument("--chunk", type=int, default=1024,
+    embed.add_argument("--chunk", type=_at_least_one, default=1024,
                        help="documents per step (and per progress checkpoint; with --ray, per range)")
     embed.add_argument("--long", default="truncate", choices=["truncate", "chunk", "error"])
     embed.add_argument("--ray", metavar="ADDRESS", help="run on a Ray cluster (ADDRESS as ray.init takes it, e.g. "
@@ -472,15 +472,16 @@ def _devices_arg(p: argparse.ArgumentParser) -> None:
                    help="local devices sharing each batch (data parallel): a number, or all")
 
 
+def _at_least_one(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number of at least 1, not {text!r}")
+    return int(text)
+
+
 def _keep_artifacts_arg(p: argparse.ArgumentParser) -> None:
     from jaxserve.runtime.artifact import KEEP
 
-    def at_least_one(text: str) -> int:
-        if not text.isdigit() or int(text) < 1:
-            raise argparse.ArgumentTypeError(f"must be a whole number of at least 1, not {text!r}")
-        return int(text)
-
-    p.add_argument("--keep-artifacts", type=at_least_one, default=KEEP, metavar="N",
+    p.add_argument("--keep-artifacts", type=_at_least_one, default=KEEP, metavar="N",
                    help="after saving a warm artifact, keep this model's newest N in the cache and delete the "
                         f"older ones (stale after an upgrade or a flag change; default {KEEP})")
 

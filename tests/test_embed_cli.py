@@ -377,3 +377,13 @@ def test_a_bad_document_names_its_chunk_and_leaves_a_resumable_run(tmp_path):
         embed_corpus(enumerate(texts), Stages(prepare, lambda n: (np.ones((n, 2), np.float32), n, n)), sink,
                      sink.resume(), 3)
     assert open_sink(out, state).resume() == 3
+
+
+def test_a_chunk_of_no_documents_is_refused(tmp_path, capsys):
+    """`--chunk 0` once finished at once, recording an all-zero .npy as complete (later runs: "already complete")."""
+    from jaxserve import cli
+
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["embed", "--input", str(tmp_path / "c.txt"), "--output", str(tmp_path / "v.npy"), "--chunk", "0"])
+    assert exit_.value.code == 2 and "--chunk: must be a whole number of at least 1" in capsys.readouterr().err
+    assert not (tmp_path / "v.npy").exists()

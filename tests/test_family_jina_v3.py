@@ -181,6 +181,24 @@ def test_task_adapters_match_the_hub_lora(checkpoints, task):
     assert cosine_rows(backbone.embed(TEXTS, prompt_name=task), want).max() < 0.999  # the adapter matters
 
 
+def test_the_offline_job_records_the_task_and_ray_actors_load_it(checkpoints, tmp_path):
+    """`jaxserve embed` records the task with its output (a rerun or resume with another is refused, not mixed),
+    and `--ray` hands it to the actors: Ray Data's `Embedder` loads that adapter (it once loaded none, or
+    $JAXSERVE_TASK's, whatever the driver ran)."""
+    from jaxserve.integrations.ray_data import Embedder
+    from jaxserve.offline.corpus import Corpus
+    from jaxserve.offline.job import job_state
+
+    _, hub, backbone = checkpoints
+    enc = warm_encoder(hub, TINY_TABLE, task="retrieval.query")
+    got = Embedder(model=str(hub), column="t", table=TINY_TABLE, task="retrieval.query")({"t": np.array(TEXTS)})
+    assert cosine_rows(got["embedding"], enc.embed(TEXTS)).min() >= 0.99999
+    (tmp_path / "c.txt").write_text("\n".join(TEXTS) + "\n")
+    corpus = Corpus(str(tmp_path / "c.txt"), None, None)
+    assert job_state(enc, corpus, len(TEXTS), "truncate", None, None)["task"] == "retrieval.query"
+    assert "task" not in job_state(backbone, corpus, len(TEXTS), "truncate", None, None)  # as before: no adapter
+
+
 def test_packed_rows_equal_padded_rows_with_a_task(checkpoints, monkeypatch):
     """Also the task named by $JAXSERVE_TASK (the padded encoder is loaded without naming one)."""
     _, hub, _ = checkpoints

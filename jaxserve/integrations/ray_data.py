@@ -38,12 +38,13 @@ from jaxserve.offline.job import Summary, encoder_embed, plan_ranges
 from jaxserve.offline.sinks import ParquetSink
 
 
-def started_encoder(model: str | None, dtype: str, attention: str, table, cache_dir: str | None):
-    """An embedding model's `Encoder`, started from the warm artifact in `cache_dir` (built and saved there when
-    there is none)."""
+def started_encoder(model: str | None, dtype: str, attention: str, table, cache_dir: str | None,
+                    task: str | None = None):
+    """An embedding model's `Encoder` (with its task adapter `task`, where it has them), started from the warm
+    artifact in `cache_dir` (built and saved there when there is none)."""
     from jaxserve import Encoder
 
-    enc = Encoder.from_pretrained(model, dtype=dtype, attention=attention)
+    enc = Encoder.from_pretrained(model, dtype=dtype, attention=attention, task=task)
     if enc.head.kind != "embedding":
         raise JaxserveError(f"the Ray job writes dense embeddings; {enc.path} is a {enc.head.kind} model")
     enc.start(table, cache=cache_dir)
@@ -65,8 +66,8 @@ class Embedder:
 
     def __init__(self, model: str | None = None, column: str = "text", table=None, dtype: str = "auto",
                  attention: str = "auto", long: str = "truncate", prompt_name: str | None = None,
-                 prompt: str | None = None, cache_dir: str | None = None):
-        self.enc = started_encoder(model, dtype, attention, table, cache_dir)
+                 prompt: str | None = None, cache_dir: str | None = None, task: str | None = None):
+        self.enc = started_encoder(model, dtype, attention, table, cache_dir, task)
         self.column = column
         self.stages = encoder_embed(self.enc, long, self.enc.embedding_config.prompt(prompt_name, prompt))
 

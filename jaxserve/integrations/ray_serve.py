@@ -4,10 +4,10 @@ Each replica is a whole jaxserve server (its own buckets, batcher and device
 worker) listening on the replica's loopback; the deployment forwards every
 HTTP request from Ray's proxy to it unchanged, so routes, validation, errors,
 limits and auth are exactly those of `jaxserve serve`. Ray places the replicas
-(`num_gpus=1` each), routes between them by queue length, restarts failed ones
+(one per GPU with `num_gpus=1`; none asked for by default), routes between them by queue length, restarts failed ones
 (`check_health` asks the replica's /health) and autoscales.
 
-    serve run jaxserve.integrations.ray_serve:build_app num_replicas=4 model=/models/minilm
+    serve run jaxserve.integrations.ray_serve:build_app num_replicas=4 num_gpus=1 model=/models/minilm
 
 or from Python: `serve.run(deployment(ServerConfig(...), num_replicas=4))`.
 Ray Python callers can skip HTTP: `handle.embed.remote(texts).result()`, or with

@@ -170,4 +170,5 @@ def job_state(enc, corpus: Corpus, rows: int, long: str, prompt_name: str | None
             "dim": enc.splade.vocab_size if enc.splade is not None else enc.dim,
             "field": corpus.field, "id_field": corpus.id_field, "model": model_id(enc.path), "dtype": enc.dtype,
             "long": long, "prompt_name": None if prompt is not None else (prompt_name or emb.default_prompt_name),
-            "prompt": emb.prompt(prompt_name, prompt)}
+            "prompt": emb.prompt(prompt_name, prompt),
+            **({"task": emb.task} if emb.task else {})}  # a task adapter's weights differ: recorded where there is one
