@@ -92,8 +92,10 @@ class Encoder(ModelView):
         if head.logit_score is None:
             params = loader.load_params(path, family, cfg, shapes, dtype=jdtype)
         else:  # an LLM reranker: the encoder's weights, then the LM head's true/false rows as a one-output head
-            if family.head is None or family.pooling_for_head(cfg) != "lasttoken":
-                raise CheckpointError(f"a LogitScore reranker needs a causal decoder; {family.name} is not one")
+            causal = all(spec.causal for spec in getattr(cfg, "specs", ()))  # not EmbeddingGemma's bidirectional
+            if family.head is None or family.pooling_for_head(cfg) != "lasttoken" or not causal:
+                raise CheckpointError(f"a LogitScore reranker needs a causal decoder; {family.name} "
+                                      f"{'' if causal else 'with bidirectional attention '}is not one")
             params = loader.load_params(path, family, cfg, {k: v for k, v in shapes.items() if k != "head"},
                                         dtype=jdtype)
             kernel = llm_reranker.score_kernel(path, head.logit_score, cfg.hidden_size, cfg.vocab_size)

@@ -9,6 +9,7 @@ query_pre_attn_scalar 32 != head_dim; the long documents run past the window sev
 """
 
 import dataclasses
+import json
 
 import hf_tiny
 import numpy as np
@@ -205,3 +206,23 @@ def test_config_refusals():
     for change, message in refused:
         with pytest.raises(CheckpointError, match=message):
             gemma3.Config.from_dict({**EMBEDDINGGEMMA_300M, **change})
+
+
+@pytest.mark.parametrize("name", list(ARCHS))
+def test_an_llm_reranker_needs_causal_attention(tmp_path, name):
+    """A LogitScore save (sentence-transformers' CrossEncoder of a causal LM) scores the last token of a causal
+    decoder; on a bidirectional Gemma3 (EmbeddingGemma's attention) that token would see nothing it was trained
+    to: refused at load, naming why, where the causal one loads as a one-output reranker."""
+    path = write(tmp_path / "ckpt", name, "Gemma3ForCausalLM")
+    (path / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.base.modules.transformer.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_LogitScore",
+         "type": "sentence_transformers.cross_encoder.modules.logit_score.LogitScore"}]))
+    (path / "1_LogitScore").mkdir()
+    (path / "1_LogitScore" / "config.json").write_text(json.dumps({"true_token_id": 5, "false_token_id": 6}))
+    if ARCHS[name]["use_bidirectional_attention"]:
+        with pytest.raises(CheckpointError, match="bidirectional attention is not one"):
+            Encoder.from_pretrained(str(path))
+    else:
+        enc = Encoder.from_pretrained(str(path))
+        assert enc.head.kind == "classifier" and enc.head.logit_score.token_ids == (5, 6)
