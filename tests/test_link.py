@@ -479,6 +479,43 @@ async def test_a_joined_jobs_error_reaches_each_of_its_requests(tmp_path):
         await server.stop()
 
 
+async def test_a_failed_batch_of_a_joined_job_fails_only_the_queries_whose_rows_fail(tmp_path):
+    """The engine fails a job whole when one of its batches fails, and a joined job's queries can sit in several
+    batches: each query still waiting then goes again on its own, and only the one whose own rows fail gets the
+    error (it once reached all of them). Any other error of the joined job (the engine refusing it) still reaches
+    every query (the test above)."""
+    from jaxserve.scheduling.batcher import BULK
+    from jaxserve.scheduling.pipeline import BatchError
+
+    loop = asyncio.get_running_loop()
+
+    class FailsQuery(Echo):
+        """Fails a job holding the query whose first token is `bad`: the joined job, then that query alone."""
+
+        def submit(self, job, cls, deadline_s, requests=1):
+            jid, future, timing = super().submit(job, cls, deadline_s, requests)
+            if 300 in [job.inputs_of(q)[0, 0] for q in range(len(job.lengths))]:
+                future.set_exception(BatchError("the batch at (4, 16) failed being launched"))
+            else:
+                loop.call_soon(self.finish, jid)
+            return jid, future, timing
+
+    echo = FailsQuery(loop)
+    server, link, table = await linked(tmp_path, echo)
+    try:
+        jobs = [query(table, 100 * (i + 1), 2 + i) for i in range(4)]
+        results = await asyncio.gather(*(link.run(j, BULK) for j in jobs), return_exceptions=True)
+        assert [requests for *_, requests in echo.got] == [4, 1, 1, 1, 1]  # joined, then each on its own
+        assert isinstance(results[2], BatchError) and "failed being launched" in str(results[2])
+        for i in (0, 1, 3):
+            assert not isinstance(results[i], Exception), results[i]
+            np.testing.assert_array_equal(jobs[i].out, [[100 * (i + 1), 2 + i, BULK, 0]])
+        assert not link._pending
+    finally:
+        await link.stop()
+        await server.stop()
+
+
 async def test_metrics_add_up_every_front_end_and_keep_those_of_one_gone(tmp_path):
     """/metrics on one front-end: the engine's metrics with every other front-end's, each asked for its report when
     the question comes; a front-end that stops reports first, and what it counted stays counted."""

@@ -44,7 +44,7 @@ import numpy as np
 
 from jaxserve.scheduling.batcher import BULK
 from jaxserve.scheduling.jobs import Job, joined, place
-from jaxserve.scheduling.pipeline import Draining, Pipeline
+from jaxserve.scheduling.pipeline import BatchError, Draining, Pipeline
 from jaxserve.scheduling.timeouts import Timeouts
 from jaxserve.scheduling.wire import Wire
 
@@ -287,12 +287,13 @@ class _Ticket:
 
 
 class _Joined:
-    """Queries sent as one job (`jobs.joined`): sequence i is `tickets[i]`'s; `left`: those still waiting."""
+    """Queries sent as one job (`jobs.joined`) of class `cls`: sequence i is `tickets[i]`'s; `left`: those still
+    waiting."""
 
-    __slots__ = ("left", "rid", "tickets", "wire")
+    __slots__ = ("cls", "left", "rid", "tickets", "wire")
 
-    def __init__(self, tickets: list[_Ticket], wire: Wire, rid: int):
-        self.tickets, self.wire, self.rid, self.left = tickets, wire, rid, len(tickets)
+    def __init__(self, tickets: list[_Ticket], wire: Wire, rid: int, cls: int):
+        self.tickets, self.wire, self.rid, self.cls, self.left = tickets, wire, rid, cls, len(tickets)
 
 
 class RemoteBatcher:
@@ -462,7 +463,7 @@ class EngineLink:
                     for t in group:
                         t.future.set_exception(exc)
                     continue
-                together = _Joined(group, wire, rid)
+                together = _Joined(group, wire, rid, cls)
                 for t in group:
                     t.group = together
                 future.add_done_callback(lambda f, g=together: self._split(g, f))
@@ -490,6 +491,9 @@ class EngineLink:
         """The joined job's reply (or error) -> each of its requests, its own vector (sequence i is ticket i's)."""
         self._pending.pop(together.rid, None)
         exc = Draining("the server stopped before this request finished") if future.cancelled() else future.exception()
+        if isinstance(exc, BatchError):
+            self._apart(together)
+            return
         if exc is None:
             gathered, kept, timing = future.result()
             out = np.zeros((len(together.tickets), together.tickets[0].job.out_shape[1]), np.float32)
@@ -501,6 +505,23 @@ class EngineLink:
                 t.future.set_exception(exc)
             else:
                 t.future.set_result(([(_FIRST, out[i : i + 1])], {0: kept[i]} if i in kept else {}, timing))
+
+    def _apart(self, together: _Joined) -> None:
+        """A batch with rows of a joined job failed, and the engine fails a job whole: each query still waiting goes
+        again as a job of its own, so that only those whose own rows fail get the error (one failing batch fails
+        only its own requests; the others' device work is done twice, on this path only)."""
+        for t in together.tickets:
+            if t.future.done():
+                continue
+            t.group = None
+            try:
+                t.wire, t.rid, _ = self._expect(t.future)
+            except Draining as exc:
+                t.future.set_exception(exc)
+                continue
+            self._post_run(t.wire, t.rid, t.job, together.cls, None)
+        if self._wire is not None:
+            self._wire.flush()
 
     def _withdraw(self, ticket: _Ticket) -> None:
         """A request went away (cancelled, timed out): its job's rows are dropped, a joined job's once all of its
