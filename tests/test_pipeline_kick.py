@@ -82,3 +82,29 @@ async def test_a_job_behind_a_batch_in_flight_is_the_prepare_threads(tiny_checkp
         await pipeline.stop()
     assert threads[1] == "jaxserve-prepare_loop"
     assert pipeline.device_batches == 2
+
+
+async def test_rows_the_loops_batch_leaves_are_prepared_behind_it(tiny_checkpoint):
+    """A turn's job larger than one batch: the loop launches the first, and the prepare thread prepares the rest
+    while the first is on the device (it once slept until the first came back: the device then idled while the
+    host prepared)."""
+    from jaxserve.runtime.buckets import fixed
+
+    device = HeldDevice()
+    sim, threads = _engine(tiny_checkpoint, device)
+    table = fixed([(1, 16)], layout="packed")  # one row a batch: three documents of 10 tokens, three batches
+    pipeline = Pipeline(sim, table, 0.001, None, streams=1)
+    await pipeline.start()
+    try:
+        job = Job(pack(np.full(3, 10), table), np.arange(30, dtype=np.int32) % 50 + 5, np.arange(0, 31, 10), None,
+                  sim.out_dim)
+        _, future, _ = pipeline.submit(job)
+        # (bounded well inside HeldDevice's own 60 s, after which the held batch would return and free the rest)
+        await until(lambda: len(threads) == 3, "the others prepared while the first was held on the device", 20.0)
+        assert threads == [threading.current_thread().name] + ["jaxserve-prepare_loop"] * 2
+        device.release.set()
+        await future
+    finally:
+        device.release.set()
+        await pipeline.stop()
+    assert pipeline.device_batches == 3

@@ -358,8 +358,9 @@ class Pipeline:
         with self._lock:
             self._kick_pending = False
             taken = None if self._pipeline or self._stopping else self._take(time.monotonic())
-            if taken is None:
-                self._lock.notify()  # the prepare thread decides (a batch went ahead meanwhile, or a window)
+            if taken is None or any(b.queued for b in self.batchers.values()):
+                self._lock.notify()  # the prepare thread decides (a batch went ahead meanwhile, a window, or the
+                # rows this batch left: prepared behind it while it is on the device)
         if taken is not None:
             self._prepare(*taken)
 
