@@ -18,6 +18,9 @@ import tiny
 from conftest import ONE_COVER, TINY_TABLE, SlowEngine, until, warm_encoder
 
 from jaxserve.http.server import STATE
+from jaxserve.scheduling.jobs import Job
+from jaxserve.scheduling.pipeline import Draining
+from jaxserve.scheduling.planner import pack
 
 GOOD = {"input": ["the model", "a query"]}
 
@@ -138,6 +141,13 @@ async def test_health_turns_503_when_a_pipeline_thread_dies(make_server, tiny_en
     assert resp.status == 503  # its request is answered, not left hanging
     health = await client.get("/health")
     assert health.status == 503 and "thread died" in (await health.json())["reason"]
+    # the pipeline itself (what the engine process's link submits to): its rows dropped, a new job refused at once
+    service = client.app[STATE].service
+    assert all(b.queued == 0 for b in service.batchers.values())
+    job = Job(pack(np.array([3]), service.tables["pooled"]), np.arange(3, dtype=np.int32) + 5, np.array([0, 3]), None,
+              tiny_enc.out_dim)
+    with pytest.raises(Draining, match="thread died"):
+        service.submit(job)
 
 
 async def test_stopping_never_blocks_the_event_loop_and_answers_batches_in_flight(make_server, tiny_enc):

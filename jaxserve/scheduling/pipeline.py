@@ -323,8 +323,8 @@ class Pipeline:
         how many requests the job answers (joined queries), as the metrics count them."""
         now = time.monotonic()
         timing = RequestTiming(submitted=now, cls=cls, deadline_s=deadline_s, requests=requests)
-        if self._stopping:
-            raise Draining("the server stopped and takes no new requests")
+        if self._stopping or self.broken:  # broken: a thread died, and nothing would ever take its rows
+            raise Draining(self.broken or "the server stopped and takes no new requests")
         future = self._loop.create_future()
         if job.remaining == 0:
             timing.done = now
@@ -405,6 +405,9 @@ class Pipeline:
             log.exception(self.broken)
             with self._lock:
                 jids = list(self._entries)
+                for jid in jids:  # their rows too: none will be taken, and the queue counts them until dropped
+                    for b in self.batchers.values():
+                        b.cancel(jid)
             for jid in jids:
                 self._loop.call_soon_threadsafe(self._answer, jid, Draining(self.broken))
             self._pass_stop_on(loop_fn)
