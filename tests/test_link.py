@@ -157,6 +157,33 @@ async def test_a_front_end_link_settles_once_the_engine_says_where_it_stands(tmp
         await server.stop()
 
 
+async def test_a_front_end_that_does_not_read_holds_no_other_back(tmp_path, monkeypatch):
+    """A front-end connected but not reading (stopped, hung) fills its socket with the card: the engine hands the
+    others the card and its status anyway, and says ready without it (it once waited on that socket for ever)."""
+    from jaxserve.scheduling import link as link_mod
+    from jaxserve.scheduling.link import EngineLink, LinkServer
+
+    monkeypatch.setattr(link_mod, "PUSH_WAIT_S", 0.2)
+    path = str(tmp_path / "engine.sock")
+    server = LinkServer(path, lambda: {"ready": True})
+    await server.start()
+    quick = EngineLink(path, retry_s=0.01)
+    await quick.start()
+    stuck = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stuck.setblocking(False)
+    try:
+        await asyncio.get_running_loop().sock_connect(stuck, path)  # never read
+        await until(lambda: len(server._wires) == 2)
+        card = {"model": "m", "blob": bytes(8 << 20)}  # past any socket's buffer
+        await asyncio.wait_for(server.ready(object(), card, loaded_timeout_s=0.1), BOUND_S)
+        await until(lambda: quick.status.get("ready"))
+        assert quick.card["model"] == "m" and server._announced
+    finally:
+        stuck.close()
+        await quick.stop()
+        await server.stop()
+
+
 async def test_the_engine_says_ready_once_every_front_end_has_loaded_its_card(tmp_path):
     """Front-ends unpickle the card each at its own pace: the engine says "ready" only once every one connected has
     loaded it (or has gone), so that no load balancer sees one front-end's /health say 200 while a request to

@@ -54,6 +54,7 @@ STATUS_EVERY_S = 0.25  # the engine's queue and health, pushed to each front-end
 REPORT_TIMEOUT_S = 2.0  # /metrics: a front-end that has not reported its metrics by then is shown as last reported
 # an engine says it is ready once every front-end connected has loaded its card, or after this long without
 LOADED_TIMEOUT_S = 30.0
+PUSH_WAIT_S = 5.0  # the longest `LinkServer.push` waits on a front-end that does not read (the card is megabytes)
 JOIN_MOST = 64  # one-sequence jobs of one turn of the event loop sent to the engine as one job, at most
 # ... and at most this share of the engine's queue (its tokens at their rows' seqlens): the engine admits a job
 # whole or not at all, so a joined job must not be refused (413, 429) where its queries alone would be taken
@@ -135,9 +136,18 @@ class LinkServer:
             self._all_loaded.set_result(None)
 
     async def push(self, message: dict) -> None:
-        for wire in list(self._wires):
+        """`message` to every front-end at once. Each has it in its socket's buffer at once; the wait is for them
+        to read it, and one that does not (stopped, hung: connected, not reading) holds the others' status and
+        card back no longer than PUSH_WAIT_S."""
+        async def send(wire: Wire) -> None:
             with contextlib.suppress(ConnectionError, OSError):
                 await wire.send(message)
+
+        sends = [asyncio.ensure_future(send(wire)) for wire in list(self._wires)]
+        if sends:
+            _, stuck = await asyncio.wait(sends, timeout=PUSH_WAIT_S)
+            for task in stuck:  # the message stays buffered for it: only the wait for its reading ends
+                task.cancel()
 
     async def _accept(self) -> None:
         loop = asyncio.get_running_loop()
