@@ -3,7 +3,8 @@ with the request, without timing anything.
 
 The steps: every function of the heads that decode and score outputs (`jaxserve.heads.sparse`,
 `jaxserve.heads.multivector`), combining and normalising (`Pieces.combine`, `normalize_rows`, `api.scores`,
-`api.shape_vectors`, `api.openai_body`), checking token ids (`api._token_ids`), a tokens job's gathers
+`api.shape_vectors`, `api.openai_body`), checking token ids (`api._token_ids`, and /decode's and /tokenize's bodies: `api.parse_decode`,
+`api.parse_tokenize`), a tokens job's gathers
 (`Job.token_vectors`, `jobs.ragged_arange`), placing what the engine process gathered (`jobs.place`) and
 encoding (`orjson.dumps`). `watch` wraps each wherever a module
 holds it (its own module, and every jaxserve module that imported it by name), and records each call made on
@@ -48,7 +49,8 @@ def steps() -> list[tuple[object, str, object]]:
     found += [(Pieces, "combine", Pieces.combine), (jobs.Job, "token_vectors", jobs.Job.token_vectors),
               (jobs, "ragged_arange", jobs.ragged_arange), (jobs, "place", jobs.place), (api, "scores", api.scores),
               (api, "shape_vectors", api.shape_vectors), (api, "openai_body", api.openai_body),
-              (api, "_token_ids", api._token_ids),
+              (api, "_token_ids", api._token_ids), (api, "parse_decode", api.parse_decode),
+              (api, "parse_tokenize", api.parse_tokenize),
               (sys.modules[normalize_rows.__module__], "normalize_rows", normalize_rows),
               (orjson, "dumps", orjson.dumps)]
     imported = [(m, name, f) for m in list(sys.modules.values()) if getattr(m, "__name__", "").startswith("jaxserve")

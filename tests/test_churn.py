@@ -116,6 +116,40 @@ async def test_admission_by_bytes_of_bodies_in_flight(make_server, tiny_enc):
     assert (await client.post("/v1/embeddings", json=body)).status == 200  # admitted again once it left
 
 
+async def _raw_post(client, headers: bytes, body: bytes = b""):
+    """A POST of /v1/embeddings on a connection of its own that sends `body` and then nothing (kept open)."""
+    reader, writer = await asyncio.open_connection(client.server.host, client.server.port)
+    writer.write(b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" + headers +
+                 b"\r\n" + body)
+    await writer.drain()
+    return reader, writer
+
+
+async def test_a_body_declared_over_the_limit_is_refused_before_it_holds_the_budget(make_server, tiny_enc):
+    """A Content-Length past --max-body-bytes is a 413 at once: it was charged to the in-flight budget as
+    declared, and one such request (its body never sent) made every other model request a 429."""
+    client = await make_server(tiny_enc, max_body_bytes=50_000)
+    reader, writer = await _raw_post(client, b"Content-Length: 1099511627776\r\n")
+    try:
+        assert b" 413 " in await asyncio.wait_for(reader.readline(), 60)
+        assert (await client.post("/v1/embeddings", json=GOOD)).status == 200
+    finally:
+        writer.close()
+
+
+async def test_a_body_that_stalls_is_answered_408_and_its_bytes_given_back(make_server, tiny_enc):
+    """A sender that stops part-way holds the bytes it declared only until --request-timeout-s: then 408, and
+    the budget is free for the others (it was held for as long as the connection stayed open)."""
+    client = await make_server(tiny_enc, max_inflight_bytes=3000, request_timeout_s=0.5)
+    reader, writer = await _raw_post(client, b"Content-Length: 2500\r\n", b'{"input": [')
+    try:
+        assert b" 408 " in await asyncio.wait_for(reader.readline(), 60)
+        body = {"input": ["the model " * 20] * 8}  # ~1.7 kB: over what the stalled request left of 3000
+        assert (await client.post("/v1/embeddings", json=body)).status == 200
+    finally:
+        writer.close()
+
+
 async def test_health_turns_503_when_the_device_keeps_failing(make_server, tiny_enc):
     broken = slow(tiny_enc, fail_when=lambda ids: True)
     client = await make_server(broken, max_wait_ms=0)
@@ -217,3 +251,27 @@ async def test_the_default_queue_bound_is_the_tables_seconds_of_work_and_info_sh
     assert info["limits"]["max_queue_tokens"] == queue_tokens(table)
     assert (info["limits"]["tokenizer_threads"], info["limits"]["respond_threads"]) == pool_sizes()
     assert info["tokenization_workers"] == pool_sizes()[0]
+
+
+async def test_one_failing_run_of_a_request_cancels_its_others():
+    """A request of two runs (a query and its documents: /rerank on a multi-vector model, Cohere's /v2/rerank)
+    whose one run fails is answered at once, and its other run is cancelled (its rows dropped), not left to hold
+    the queue and the device after the request's slot and bytes were given back (asyncio.gather leaves it)."""
+    from jaxserve.http.api import ApiError
+    from jaxserve.http.handling import together
+
+    cancelled = asyncio.Event()
+
+    async def documents():
+        try:
+            await asyncio.Event().wait()  # for ever, unless cancelled
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    async def query():
+        raise ApiError(400, "the query is over the model's query length")
+
+    with pytest.raises(ApiError, match="query length"):
+        await together(documents(), query())
+    assert cancelled.is_set()

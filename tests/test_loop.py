@@ -26,6 +26,7 @@ ROUTES = {  # route: (model, body, results in the response)
     "/embed": ("embedding", {"inputs": TEXTS}, len(TEXTS)),
     "/embed_all": ("embedding", {"inputs": TEXTS}, len(TEXTS)),
     "/decode": ("embedding", {"ids": [[7, 8, 9, 10] * 8] * MAX_CLIENT_BATCH}, MAX_CLIENT_BATCH),
+    "/tokenize": ("embedding", {"inputs": ["the model " * 8] * MAX_CLIENT_BATCH}, MAX_CLIENT_BATCH),
     "/predict": ("classifier", {"inputs": TEXTS}, len(TEXTS)),
     "/rerank": ("reranker", {"query": "the model", "texts": TEXTS, "return_text": True}, len(TEXTS)),
     "/classify": ("classifier", {"input": TEXTS}, len(TEXTS)),

@@ -83,9 +83,13 @@ async def json_body(request: web.Request):
     state = request.app[STATE]
     start = time.perf_counter()
     try:
-        raw = await request.read()  # raises 413 past client_max_size
+        async with asyncio.timeout(state.config.request_timeout_s):  # a sender that stalls holds the budget
+            raw = await request.read()  # raises 413 past client_max_size
     except web.RequestPayloadError as exc:  # e.g. broken chunked framing
         raise ApiError(400, f"the request body could not be read: {exc}") from None
+    except TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within --request-timeout-s "
+                            f"{state.config.request_timeout_s:g}", "timeout_error") from None
     coding = request.headers.get("Content-Encoding", "").strip().lower()
     if coding not in ("", "identity", "gzip", "x-gzip", "deflate"):
         raise ApiError(415, f"Content-Encoding {coding[:40]!r} is not supported; send gzip, deflate or none")
@@ -114,6 +118,19 @@ async def parsed(state: AppState, ask: Ask, fn):
     if ask.body_bytes <= OFFLOAD_BODY_BYTES:
         return fn()
     return await asyncio.get_running_loop().run_in_executor(state.tokenizer_pool, fn)
+
+
+async def together(*runs):
+    """The runs of one request at once (as asyncio.gather), one failing cancelling the rest: a request answered
+    with an error must leave nothing of it holding the queue, the device or a thread (gather lets them run on)."""
+    tasks = [asyncio.ensure_future(r) for r in runs]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 async def on_thread(state: AppState, fn, big: bool = True):

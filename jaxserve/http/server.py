@@ -128,6 +128,8 @@ async def errors_middleware(request: web.Request, handler):
     size = (request.content_length if request.content_length is not None else cfg.max_body_bytes) if model_route else 0
     try:
         request[API_KEY_CLASS] = _authorize(request, cfg.keys)
+        if size > cfg.max_body_bytes:  # declared, not sent: refused before it holds the in-flight budget
+            raise ApiError(413, f"request body over {cfg.max_body_bytes} bytes ({size} declared)", "body_too_large")
         if model_route and state.active >= cfg.max_concurrent:
             raise ApiError(429, f"{state.active} requests are being handled; the limit is "
                                 f"{cfg.max_concurrent}", "rate_limit_error", {"Retry-After": str(RETRY_AFTER_S)})

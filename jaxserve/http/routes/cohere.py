@@ -11,8 +11,6 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import numpy as np
 from aiohttp import web
 
@@ -29,6 +27,7 @@ from jaxserve.http.handling import (
     require_kind,
     respond,
     run_request,
+    together,
     vectors_of,
 )
 from jaxserve.http.routes import multivector as multivector_routes
@@ -90,7 +89,7 @@ async def _cosine(state: AppState, req: api.CohereRerank, ask: Ask):
     names = _prompt_names(state)
     query, docs = (EmbedRequest(texts, None, long, prompt_name=api.cohere_prompt(kind, names))
                    for texts, kind in (([req.query], "search_query"), (req.documents, "search_document")))
-    q, d = await asyncio.gather(*(run_request(state, lambda r=r: embedding_pieces(state, r), ask=ask, inputs=r.count)
+    q, d = await together(*(run_request(state, lambda r=r: embedding_pieces(state, r), ask=ask, inputs=r.count)
                                   for r in (query, docs)))
     return (lambda: (vectors_of(d, docs) @ vectors_of(q, query)[0]).astype(np.float32),
             q.tokens + d.tokens, q.floats + d.floats)
@@ -99,7 +98,7 @@ async def _cosine(state: AppState, req: api.CohereRerank, ask: Ask):
 async def _maxsim(state: AppState, req: api.CohereRerank, ask: Ask):
     """The query and the documents as a multi-vector model's query and documents, scored by MaxSim (its /rerank)."""
     long = "error" if state.config.long == "error" else "truncate"
-    q, d = await asyncio.gather(multivector_routes.run(state, [req.query], "query", long, ask),
+    q, d = await together(multivector_routes.run(state, [req.query], "query", long, ask),
                                 multivector_routes.run(state, req.documents, "document", long, ask))
     mean = state.encoder.colbert.similarity == "meanmaxsim"
     return (lambda: multivector.maxsim_flat(multivector_routes.token_outputs(state, q, "query")[0],

@@ -13,8 +13,6 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import numpy as np
 import orjson
 from aiohttp import web
@@ -23,7 +21,7 @@ from jaxserve.heads import multivector
 from jaxserve.http import api
 from jaxserve.http.api import ApiError
 from jaxserve.http.classes import NO_ASK, Ask
-from jaxserve.http.handling import Ran, bytes_response, respond, run_request
+from jaxserve.http.handling import Ran, bytes_response, respond, run_request, together
 from jaxserve.http.state import AppState
 from jaxserve.scheduling.jobs import ragged_arange
 
@@ -74,7 +72,7 @@ async def rerank(state: AppState, body, ask: Ask = NO_ASK) -> web.Response:
     if direction != "right":
         raise ApiError(400, "a multi-vector model truncates the right end only (as PyLate and MultiVectorEncoder)")
     long = "truncate" if truncate else "error"
-    q, docs = await asyncio.gather(run(state, [query], "query", long, ask), run(state, texts, "document", long, ask))
+    q, docs = await together(run(state, [query], "query", long, ask), run(state, texts, "document", long, ask))
 
     def ranked() -> bytes:
         scores = multivector.maxsim_flat(token_outputs(state, q, "query")[0], *token_outputs(state, docs, "document"),

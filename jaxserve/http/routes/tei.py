@@ -37,7 +37,7 @@ from jaxserve.http.handling import (
 )
 from jaxserve.http.routes import bge_m3 as m3_routes
 from jaxserve.http.routes import multivector as multivector_routes
-from jaxserve.http.state import DICT_FLOATS, STATE, AppState
+from jaxserve.http.state import BODY_BYTES, DICT_FLOATS, STATE, AppState
 
 PATHS = ("/", "/invocations", "/embed", "/embed_all", "/embed_sparse", "/similarity", "/predict", "/rerank",
          "/tokenize", "/decode", "/embed_m3")
@@ -183,8 +183,9 @@ async def pair_scores(state: AppState, pairs: list[tuple[str, str]], ask: Ask, t
     return (lambda: api.scores(ran.out, raw)[:, 0]), ran.tokens
 
 
-async def _tokenize(state: AppState, body) -> web.Response:
-    texts, add_special, prompt_name, prompt_text = api.parse_tokenize(body, state.limits)
+async def _tokenize(state: AppState, body, ask: Ask = NO_ASK) -> web.Response:
+    texts, add_special, prompt_name, prompt_text = await parsed(state, ask,
+                                                                lambda: api.parse_tokenize(body, state.limits))
     tok = state.encoder.tokenizer.tokenizer
     kind = state.encoder.head.kind
     if kind not in ("embedding", "sparse") and (prompt_name is not None or prompt_text is not None):
@@ -207,8 +208,9 @@ async def _tokenize(state: AppState, body) -> web.Response:
     return bytes_response(await on_tokenizer(state, lambda: tokenized(tokens)))
 
 
-async def _decode(state: AppState, body) -> web.Response:
-    ids, skip_special = api.parse_decode(body, state.limits, state.encoder.arch.vocab_size)
+async def _decode(state: AppState, body, ask: Ask = NO_ASK) -> web.Response:
+    ids, skip_special = await parsed(state, ask,
+                                     lambda: api.parse_decode(body, state.limits, state.encoder.arch.vocab_size))
     tok = state.encoder.tokenizer.tokenizer
     decode = lambda: tok.decode_batch(ids, skip_special_tokens=skip_special)
     return bytes_response(await on_tokenizer(state, lambda: orjson.dumps(tokenized(decode))))
@@ -223,8 +225,8 @@ def route(handler):
         state = request.app[STATE]
         state.require_ready()
         body = await json_body(request)
-        if handler in (_tokenize, _decode):  # no model run: no class
-            return await handler(state, body)
+        if handler in (_tokenize, _decode):  # no model run: no class; the body's size (checked off the loop if large)
+            return await handler(state, body, Ask(body_bytes=request.get(BODY_BYTES, 0)))
         return await handler(state, body, ask_for(request, body))
 
     return handle
