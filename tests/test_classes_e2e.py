@@ -147,6 +147,9 @@ async def test_api_key_and_route_classes_are_ceilings(make_server, tiny_enc):
     assert await served("bulk") == before + 1
     await asked("app", {"inputs": "q", "priority": "interactive"}, "/embed")
     assert await served("bulk") == before + 2  # the route's ceiling: asking for interactive does not promote it
+    for alias in ("/", "/invocations"):  # TEI's root runs /embed here: held to /embed's ceiling (it once escaped it)
+        await asked("app", {"inputs": "q", "priority": "interactive"}, alias)
+    assert await served("bulk") == before + 4
     assert (await client.post("/v1/plan", json={"input": "q"}, headers={"Authorization": "Bearer nope"})).status == 401
 
 

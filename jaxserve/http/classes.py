@@ -91,6 +91,20 @@ def _deadline(value, where: str) -> float:
     return max(ms, MIN_DEADLINE_MS)
 
 
+# Paths that serve one route: a `--route-priority` ceiling set on any of them holds on each
+SAME_ROUTE = (("/v1/embeddings", "/embeddings"), ("/score", "/v1/score"), ("/", "/invocations"))
+
+
+def route_class(routes: dict[str, str], *paths: str | None) -> str | None:
+    """The strictest class `routes` (`--route-priority`) gives any of `paths` or the paths serving the same route
+    (SAME_ROUTE): a request is held to the ceiling of the route it runs, whichever name it came in by (TEI's
+    `POST /` runs the model kind's route: /embed, /predict ...)."""
+    named = {p for p in paths if p is not None}
+    named |= {q for group in SAME_ROUTE if named & set(group) for q in group}
+    found = [routes[p] for p in named if p in routes]
+    return max(found, key=CLASSES.index) if found else None
+
+
 def ask_of(body, headers, key: str | None = None, route: str | None = None, body_bytes: int = 0) -> Ask:
     """What a request asked for (`key`, `route`: the classes its API key and its route grant, if the server gives
     them one); 400 on a malformed priority or deadline."""

@@ -22,7 +22,7 @@ from jaxserve.errors import InputError, TokenizerError
 from jaxserve.http import api
 from jaxserve.http.api import ApiError, EmbedRequest
 from jaxserve.http.budget import Charge
-from jaxserve.http.classes import NO_ASK, Ask, ask_of, decide, likely_interactive
+from jaxserve.http.classes import NO_ASK, Ask, ask_of, decide, likely_interactive, route_class
 from jaxserve.http.state import (
     API_KEY_CLASS,
     BODY_BYTES,
@@ -193,11 +193,11 @@ class Ran:
         return self.pieces.tokens
 
 
-def ask_for(request: web.Request, body, route: str | None = None) -> Ask:
-    """What a request asked for, with the classes its API key and its route (`route`, default its own path) grant
-    as ceilings."""
+def ask_for(request: web.Request, body, route: str | None = None, runs: str | None = None) -> Ask:
+    """What a request asked for, with the classes its API key and its route (`route`, default its own path; and
+    `runs`, the route a path such as TEI's `/` runs) grant as ceilings (`route_class`)."""
     routes = request.app[STATE].config.route_classes
-    return ask_of(body, request.headers, request.get(API_KEY_CLASS), routes.get(route or request.path),
+    return ask_of(body, request.headers, request.get(API_KEY_CLASS), route_class(routes, route or request.path, runs),
                   request.get(BODY_BYTES, 0))
 
 

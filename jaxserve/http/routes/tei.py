@@ -237,16 +237,16 @@ async def root(request: web.Request) -> web.Response:
     state = request.app[STATE]
     state.require_ready()
     body = await json_body(request)
-    model, ask = kind(state), ask_for(request, body)
+    model = kind(state)
     if model == "classifier":
-        return await _predict(state, body, ask)
-    if model in ("reranker", "multivector"):
-        return await _rerank(state, body, ask)
-    if model == "sparse":
-        return await _embed_sparse(state, body, ask)
-    if isinstance(body, dict) and isinstance(body.get("inputs"), dict):
-        return await _similarity(state, body, ask)
-    return await _embed(state, body, ask)
+        path = "/predict"
+    elif model in ("reranker", "multivector"):
+        path = "/rerank"
+    elif model == "sparse":
+        path = "/embed_sparse"
+    else:
+        path = "/similarity" if isinstance(body, dict) and isinstance(body.get("inputs"), dict) else "/embed"
+    return await HANDLERS[path](state, body, ask_for(request, body, runs=path))  # held to that route's ceiling too
 
 
 def add_routes(app: web.Application) -> None:
