@@ -13,6 +13,7 @@ import threading
 
 import aiohttp
 import numpy as np
+import orjson
 import pytest
 import tiny
 from conftest import ONE_COVER, TINY_TABLE, SlowEngine, until, warm_encoder
@@ -275,3 +276,25 @@ async def test_one_failing_run_of_a_request_cancels_its_others():
     with pytest.raises(ApiError, match="query length"):
         await together(documents(), query())
     assert cancelled.is_set()
+
+
+async def test_a_client_that_does_not_read_its_large_response_holds_its_slot(make_server, tiny_enc):
+    """A large response is written with its request's concurrency slot still held: a client that never reads
+    (its response stuck in the socket) counts against --max-concurrent-requests, so a crowd of them meets 429,
+    not a server holding every response in memory; once it leaves, its slot is free."""
+    client = await make_server(tiny_enc, max_concurrent=1)
+    state = client.app[STATE]
+    body = orjson.dumps({"inputs": ["the model of a batch " * 6] * 1024})  # every token's vector: tens of MB
+    reader, writer = await asyncio.open_connection(client.server.host, client.server.port)
+    writer.write(b"POST /embed_all HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+                 % len(body) + body)
+    await writer.drain()
+    try:
+        assert b" 200 " in await asyncio.wait_for(reader.readline(), 60)  # its status line: the response is being
+        assert state.active == 1  # written, and the rest of it waits in the socket, unread
+        refused = await client.post("/v1/embeddings", json=GOOD)
+        assert refused.status == 429 and "requests are being handled" in (await refused.json())["error"]["message"]
+    finally:
+        writer.close()
+    await until(lambda: state.active == 0, "the slot given back once the client left")
+    assert (await client.post("/v1/embeddings", json=GOOD)).status == 200
