@@ -387,3 +387,55 @@ def test_a_chunk_of_no_documents_is_refused(tmp_path, capsys):
         cli.main(["embed", "--input", str(tmp_path / "c.txt"), "--output", str(tmp_path / "v.npy"), "--chunk", "0"])
     assert exit_.value.code == 2 and "--chunk: must be a whole number of at least 1" in capsys.readouterr().err
     assert not (tmp_path / "v.npy").exists()
+
+
+def test_an_input_that_changes_during_the_run_is_never_recorded_finished(tmp_path):
+    """Fewer documents than at the start (a .npy kept zero rows for the rest and said "complete"), or more (a
+    .jsonl went on writing): refused, and no summary records the output as finished."""
+    from jaxserve.errors import InputError
+    from jaxserve.offline.job import embed_corpus
+    from jaxserve.offline.sinks import open_sink
+
+    run = lambda texts: (np.ones((len(texts), 2), np.float32), len(texts), len(texts))
+    for n, out in ((3, tmp_path / "short.npy"), (7, tmp_path / "long.npy")):
+        sink = open_sink(str(out), {"input": "x", "rows": 5, "dim": 2})
+        with pytest.raises(InputError, match="changed during the run"):
+            embed_corpus(((None, f"doc {i}") for i in range(n)), run, sink, sink.resume(), 2)
+        assert not (tmp_path / f"{out.stem}.summary.json").exists()
+
+
+def test_corpus_checks_ids_of_one_type_a_bom_and_empty_shards(tmp_path):
+    """ids of two JSON types (a Parquet output's id column has one: its sealing failed after the whole run) are
+    refused by the check; a UTF-8 byte-order mark is not part of the first document; an empty file of a directory
+    is an empty shard, not a refused input (the whole input empty still is)."""
+    from jaxserve.offline.corpus import Corpus, CorpusError
+
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text('{"text": "a", "k": 1}\n{"text": "b", "k": 2}\n{"text": "c", "k": "x"}\n')
+    with pytest.raises(CorpusError, match="integer and string"):
+        Corpus(str(mixed), None, "k").check()
+    (tmp_path / "nested.jsonl").write_text('{"text": "a", "k": [1]}\n')
+    with pytest.raises(CorpusError, match="ids are strings or numbers"):
+        Corpus(str(tmp_path / "nested.jsonl"), None, "k").check()
+    bom = tmp_path / "bom.json"
+    bom.write_bytes(b'\xef\xbb\xbf{"text": "a"}\n{"text": "b"}\n')
+    assert list(Corpus(str(bom)).records()) == [(None, "a"), (None, "b")]
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    (shards / "a.jsonl").write_text('{"text": "a"}\n')
+    (shards / "b.txt").write_text("\n")
+    assert Corpus(str(shards)).check() == 1
+    (shards / "a.jsonl").write_text("")
+    with pytest.raises(CorpusError, match="has no documents"):
+        Corpus(str(shards)).check()
+
+
+def test_an_output_in_the_input_directory_is_refused(tmp_path, capsys):
+    """Its ids, progress and summary files would be read as input by a rerun (which then could not resume)."""
+    from jaxserve import cli
+
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "a.jsonl").write_text('{"text": "a", "k": "1"}\n')
+    assert cli.main(["embed", "--input", str(tmp_path / "d"), "--output", str(tmp_path / "d" / "v.npy"),
+                     "--id-field", "k"]) == 2
+    assert "in a directory the input reads from" in capsys.readouterr().err

@@ -27,6 +27,14 @@ class CorpusError(JaxserveError):
     """An input file that cannot be embedded as given."""
 
 
+def _id_kind(value, where: str) -> str:
+    """An id's JSON type; an object or array is refused (an id column holds scalars)."""
+    kinds = {bool: "boolean", int: "integer", float: "number", str: "string", type(None): "null"}
+    if type(value) not in kinds:
+        raise CorpusError(f"{where}: its id is a JSON {type(value).__name__}: ids are strings or numbers")
+    return kinds[type(value)]
+
+
 @dataclass(frozen=True)
 class Corpus:
     path: str
@@ -56,21 +64,33 @@ class Corpus:
         return [dataclasses.replace(self, path=f) for f in files]
 
     def check(self) -> int:
-        """Read everything once; the number of documents, or a CorpusError."""
-        return sum(one._check_file() for one in self._each())
+        """Read everything once; the number of documents, or a CorpusError. A file of a directory or glob may be
+        empty (an empty shard), the whole input not; the ids must be of one type (the output's id column is)."""
+        total, kinds = 0, set()
+        for one in self._each():
+            count, ids = one._check_file()
+            total, kinds = total + count, kinds | ids
+        if total == 0:
+            raise CorpusError(f"input {self.path!r} has no documents (only blank lines, or no rows)")
+        if len(kinds) > 1:
+            raise CorpusError(f"id field {self.id_field!r} holds {' and '.join(sorted(kinds))} values: give every "
+                              "row an id of one type (the output's id column has one)")
+        return total
 
-    def _check_file(self) -> int:
+    def _check_file(self) -> tuple[int, set[str]]:
+        """This file's documents and the types of its ids."""
         if not os.path.isfile(self.path):
             raise CorpusError(f"input {self.path!r} does not exist (or is not a file)")
         if not os.access(self.path, os.R_OK):
             raise CorpusError(f"input {self.path!r} is not readable: check its permissions")
         if self.parquet:
-            count = self._check_parquet()
-        else:
-            count = sum(1 for _ in self.records())
-        if count == 0:
-            raise CorpusError(f"input {self.path!r} has no documents (only blank lines, or no rows)")
-        return count
+            return self._check_parquet()
+        count, kinds = 0, set()
+        for number, (ident, _) in enumerate(self.records(), 1):
+            count += 1
+            if self.id_field is not None:
+                kinds.add(_id_kind(ident, f"{self.path}: document {number}"))
+        return count, kinds
 
     def records(self) -> Iterator[tuple[object, str]]:
         """(id or None, text) per document, in file order (a file after another: `files`)."""
@@ -136,6 +156,8 @@ class Corpus:
                 except UnicodeDecodeError as exc:
                     raise CorpusError(f"{self.path}:{number}: not UTF-8 (byte {exc.start}); re-encode the file "
                                       "as UTF-8, e.g. iconv -f latin1 -t utf-8") from None
+                if number == 1 and offset == 0:
+                    line = line.removeprefix("\ufeff")  # a UTF-8 byte-order mark (Windows' editors write one)
                 if not line.strip():
                     continue
                 if jsonl or line.lstrip().startswith("{"):
@@ -178,7 +200,7 @@ class Corpus:
     def _columns(self) -> list[str]:
         return [self.field] + ([self.id_field] if self.id_field else [])
 
-    def _check_parquet(self) -> int:
+    def _check_parquet(self) -> tuple[int, set[str]]:
         import pyarrow as pa
 
         pf = self._parquet_file()
@@ -199,7 +221,12 @@ class Corpus:
                     row = start + table[name].to_pylist().index(None)
                     raise CorpusError(f"{self.path}: row {row}: column {name!r} is null")
             start += table.num_rows
-        return pf.metadata.num_rows
+        if self.id_field is None:
+            return pf.metadata.num_rows, set()
+        kind = schema.field(self.id_field).type
+        name = ("integer" if pa.types.is_integer(kind) else "number" if pa.types.is_floating(kind) else
+                "string" if pa.types.is_string(kind) or pa.types.is_large_string(kind) else str(kind))
+        return pf.metadata.num_rows, {name}
 
     def _parquet_records(self, first_group: int = 0) -> Iterator[tuple[object, str]]:
         pf = self._parquet_file()

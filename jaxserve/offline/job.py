@@ -85,12 +85,18 @@ def embed_corpus(records: Iterable[tuple[object, str]],
             except InputError as exc:  # its "input N" counts from the chunk's first row
                 raise InputError(f"in the chunk from row {done}: {exc}; the rows before it are written, a rerun "
                                  "resumes there") from None
+            if done + len(batch) > sink.rows:
+                raise InputError(f"the input has more than the {sink.rows} documents it had when the run began: it "
+                                 "changed during the run; rerun it whole")
             sink.write(done, rows, [i for i, _ in batch])
             done += len(batch)
             summary.documents += len(batch)
             summary.tokens += tokens
             summary.compiled_tokens += compiled
             on_chunk(len(batch))
+    if done != sink.rows:  # never recorded as finished with rows missing
+        raise InputError(f"the input has {done} documents, {sink.rows} when the run began: it changed during the "
+                         "run; rerun it whole")
     summary.seconds = time.perf_counter() - began
     sink.finish(summary.as_dict())
     return summary
