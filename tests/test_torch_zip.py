@@ -106,3 +106,20 @@ def test_legacy_and_broken_archives(tmp_path):
             dst.writestr(info, data[:8] if info.filename.endswith("data/0") else data)
     with pytest.raises(CheckpointError, match="holds 8 bytes"):
         read_state_dict(tmp_path / "short.pt")
+
+
+def test_a_tensor_wider_than_its_storage_or_a_compressed_storage_is_refused(tmp_path):
+    """An expanded view (stride 0) saved by torch.save: a storage of one float and a size of 10^5 x 10^5. Copying
+    it whole would take 40 GB from a file of a few hundred bytes; refused before anything is allocated. A
+    compressed storage (torch.save never writes one: only a bomb would) is refused before it is inflated."""
+    torch.save({"w": torch.ones(1).expand(100_000, 100_000)}, tmp_path / "wide.pt")
+    assert os.path.getsize(tmp_path / "wide.pt") < 4096
+    with pytest.raises(CheckpointError, match="more elements than its storage"):
+        read_state_dict(tmp_path / "wide.pt")
+    torch.save({"w": torch.ones(4)}, tmp_path / "ok.pt")
+    with zipfile.ZipFile(tmp_path / "ok.pt") as src, zipfile.ZipFile(tmp_path / "packed.pt", "w") as dst:
+        for info in src.infolist():
+            dst.writestr(info.filename, src.read(info), zipfile.ZIP_DEFLATED if "/data/" in info.filename
+                         else zipfile.ZIP_STORED)
+    with pytest.raises(CheckpointError, match="compressed"):
+        read_state_dict(tmp_path / "packed.pt")

@@ -259,6 +259,24 @@ def test_an_artifact_another_user_could_have_written_is_refused_before_it_is_rea
     assert start_at(path, cache, ONE)[1].source["source"] == "artifact"
 
 
+def test_an_artifact_reached_by_a_link_is_refused(tiny_checkpoint, tmp_path):
+    """A symbolic or hard link in the cache under an artifact's name is refused, not followed: the file it names
+    may be this user's while another wrote its bytes (a download), and an artifact is unpickled. The server's own
+    artifacts are written whole under their one name."""
+    path, cache = tiny_checkpoint(), tmp_path / "cache"
+    start_at(path, cache, ONE)
+    (good,) = files(cache)
+    elsewhere = tmp_path / "elsewhere.jaxwarm"
+    good.rename(elsewhere)
+    good.symlink_to(elsewhere)
+    _, started = start_at(path, cache, ONE)
+    assert started.source["source"] != "artifact" and "a symbolic link" in started.source["artifact_skipped"]
+    good.unlink()
+    os.link(elsewhere, good)
+    _, started = start_at(path, cache, ONE)
+    assert started.source["source"] != "artifact" and "2 names (hard links)" in started.source["artifact_skipped"]
+
+
 def test_a_file_gone_between_listing_and_reading_is_passed_over(tiny_checkpoint, tmp_path):
     """A name listed in the cache with no file behind it any more (a dangling link here) is skipped, whether
     the other artifacts are read for the log or pruned."""

@@ -14,6 +14,7 @@ BGE-M3's heads (`colbert_linear.pt`, `sparse_linear.pt`) and `pytorch_model.bin`
 from __future__ import annotations
 
 import io
+import math
 import pickle
 import sys
 import zipfile
@@ -102,6 +103,10 @@ def _rebuild_tensor(storage, offset, size, stride, requires_grad=False, hooks=No
     flat = storage.array
     if 0 in size:
         return np.zeros(size, flat.dtype)
+    if math.prod(size) > len(flat) - offset:  # a view wider than its storage (a stride 0: an expanded tensor) would
+        raise CheckpointError(f"a tensor of size {size} (stride {stride}) has more elements than its storage's "
+                              f"{len(flat) - offset} from offset {offset}: a state dict's tensors are not expanded "
+                              "views")  # be copied whole: a few bytes of file, any size of memory
     last = offset + sum((n - 1) * s for n, s in zip(size, stride))
     if last >= len(flat):
         raise CheckpointError(f"a tensor (offset {offset}, size {size}, stride {stride}) reaches past its "
@@ -149,9 +154,12 @@ class _Unpickler(pickle.Unpickler):
         if key not in self.storages:
             name = f"{self.prefix}data/{key}"
             try:
-                raw = self.archive.read(name)
+                info = self.archive.getinfo(name)
             except KeyError:
                 raise CheckpointError(f"{self.source} has no storage {name}") from None
+            if info.compress_type != zipfile.ZIP_STORED:  # torch.save stores them; inflating is a bomb's way in
+                raise CheckpointError(f"{self.source}: storage {name} is compressed, which torch.save never does")
+            raw = self.archive.read(info)
             if len(raw) < numel * kind.dtype.itemsize:
                 raise CheckpointError(f"{self.source}: storage {key} holds {len(raw)} bytes, not the "
                                       f"{numel} x {kind.dtype.itemsize} its tensor says")

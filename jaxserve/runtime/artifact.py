@@ -193,7 +193,7 @@ def untrusted(st: os.stat_result, uid: int | None, directory: bool = False) -> s
 def _check_directory(directory: Path) -> None:
     """`Skipped` if the directory is missing, `Refused` if another user could have put files in it."""
     try:
-        st = os.stat(directory)
+        st = os.lstat(directory)  # the directory itself, not what a symlink in its place names
     except FileNotFoundError:
         raise Skipped(f"no warm artifact in {directory} yet") from None
     except OSError as exc:
@@ -207,9 +207,17 @@ def _open(path: Path):
     """An artifact opened for reading, `Refused` if another user could have written it: checked on the file
     opened, not on whatever the name points to a moment later. Non-blocking, so a FIFO in its place cannot hang
     a start (it is refused: not a regular file)."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    try:  # not through a symlink: the file it names may be one this user owns but another wrote (a download)
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0))
+    except OSError as exc:
+        if os.path.islink(path):
+            raise Refused(f"{Path(path).name} refused: a symbolic link, which an artifact never is ({TRUST_DOC})") \
+                from exc
+        raise
     try:
-        why = untrusted(os.fstat(fd), _uid())
+        st = os.fstat(fd)
+        why = untrusted(st, _uid()) or (f"the file has {st.st_nlink} names (hard links), an artifact one"
+                                        if st.st_nlink != 1 else None)
         if why:
             raise Refused(f"{Path(path).name} refused: {why} ({TRUST_DOC})")
         return os.fdopen(fd, "rb")
