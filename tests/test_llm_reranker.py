@@ -257,3 +257,22 @@ def test_hub_layout_needs_its_name(hub_reranker, tmp_path):
     assert llm_reranker.is_qwen3_reranker(path, "Qwen/Qwen3-Reranker-0.6B")
     assert not llm_reranker.is_qwen3_reranker(path, "Qwen/Qwen3-0.6B")
     assert not llm_reranker.is_qwen3_reranker(tmp_path, "Qwen/Qwen3-Reranker-0.6B")  # no config.json
+
+
+def test_the_warm_artifacts_key_tells_the_reranker_from_the_embedder_of_the_same_files(hub_reranker, tmp_path,
+                                                                                        monkeypatch):
+    """The hub's snapshot of Qwen/Qwen3-Reranker-* is a reranker by that name and an embedder by its snapshot
+    path (nothing in its files tells them apart): one's executables must never be loaded for the other."""
+    import shutil
+
+    from jaxserve import Encoder
+    from jaxserve.checkpoint import loader
+    from jaxserve.runtime import artifact
+
+    path, _ = hub_reranker
+    snap = shutil.copytree(path, tmp_path / "0123abcd")  # a snapshot directory is named by its commit
+    monkeypatch.setattr(loader, "_download", lambda repo_id: snap)
+    by_name, by_path = Encoder.from_pretrained("Qwen/Qwen3-Reranker-tiny"), Encoder.from_pretrained(str(snap))
+    assert by_name.path == by_path.path and by_name.head.kind == "classifier" and by_path.head.kind == "embedding"
+    keys = [artifact.key_fields(e, TABLE, ("pooled",)) for e in (by_name, by_path)]
+    assert keys[0]["head"] != keys[1]["head"] and artifact.digest(keys[0]) != artifact.digest(keys[1])

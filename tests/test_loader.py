@@ -23,6 +23,18 @@ def test_missing_weights(tiny_checkpoint):
         warm_encoder(path, TINY_TABLE)
 
 
+@pytest.mark.parametrize("name", ["/etc/hostname", "../outside.safetensors"])
+def test_an_index_naming_a_file_outside_the_checkpoint_is_refused(tiny_checkpoint, name):
+    """A shard index (or modules.json) is the checkpoint's word on its own files: a name leading out of its
+    directory is refused, not read as weights (a hub repository would read the server's local files)."""
+    path = tiny_checkpoint()
+    os.replace(path / "model.safetensors", path / "shard.safetensors")
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "shard.safetensors",
+                                                                                  "b": name}}))
+    with pytest.raises(CheckpointError, match="outside the checkpoint's directory"):
+        Encoder.from_pretrained(str(path))
+
+
 def test_missing_config(tiny_checkpoint):
     path = tiny_checkpoint()
     os.remove(path / "config.json")

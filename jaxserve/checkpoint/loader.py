@@ -90,7 +90,7 @@ def read_tensors(path: Path) -> dict[str, np.ndarray]:
     index = path / "model.safetensors.index.json"
     if index.exists():
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        files = [path / s for s in shards]
+        files = [inside(path, s, index.name) for s in shards]
     else:
         files = [path / "model.safetensors"]
     missing = [f.name for f in files if not f.exists()]
@@ -116,11 +116,20 @@ def read_tensors(path: Path) -> dict[str, np.ndarray]:
     return tensors
 
 
+def inside(path: Path, name: str, what: str) -> Path:
+    """`path / name`, a checkpoint's own file: a name an index or modules.json gives that leads out of the
+    checkpoint's directory (absolute, `..`) is refused, never read as weights nor listed in an error."""
+    found = path / name
+    if not found.resolve().is_relative_to(path.resolve()):
+        raise CheckpointError(f"{path}: {what} names {name!r}, outside the checkpoint's directory")
+    return found
+
+
 def _torch_files(path: Path) -> list[Path]:
     """`pytorch_model.bin`, or the shards its index lists ([] where neither exists)."""
     index = path / TORCH_INDEX
     if index.exists():
-        return [path / s for s in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+        return [inside(path, s, TORCH_INDEX) for s in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
     return [path / TORCH_WEIGHTS] if (path / TORCH_WEIGHTS).exists() else []
 
 
@@ -187,7 +196,7 @@ def load_dense(path: Path, layers) -> tuple[dict, ...]:
 
     out = []
     for layer in layers:
-        file = path / layer.path / "model.safetensors"
+        file = inside(path, layer.path, "modules.json") / "model.safetensors"
         if not file.exists():
             found = ", ".join(sorted(p.name for p in (path / layer.path).iterdir())) if (path / layer.path).is_dir() else "nothing"
             raise CheckpointError(f"Dense module {layer.path} has no model.safetensors (found: {found}); "

@@ -139,6 +139,8 @@ def key_fields(encoder, spec: BucketTable | TableOptions, outputs: tuple[str, ..
         "attention": encoder.attention,
         # a SPLADE head's output width (its cap, from JAXSERVE_SPARSE_CAP) and vocabulary block
         "sparse": dataclasses.asdict(splade) if splade is not None else None,
+        # the head: the same files are a reranker by one name and an embedder by another (Qwen3-Reranker's)
+        "head": _as_json(dataclasses.asdict(encoder.head)) if getattr(encoder, "head", None) is not None else None,
         "table": ({"file": hashlib.sha256(json.dumps(spec.to_json(), sort_keys=True).encode()).hexdigest()}
                   if isinstance(spec, BucketTable) else dataclasses.asdict(spec)),
         "outputs": list(outputs),
