@@ -515,6 +515,13 @@ def stage_model(args, sizes: Sizes, name: str, path: Path, pre: dict, sampler: S
     return rec
 
 
+def gpu_share(environ, fraction: float) -> dict:
+    """`environ` with a process's GPU pool at `fraction` of the card: XLA_CLIENT_MEM_FRACTION, the name jaxlib 0.11
+    and later read, and without XLA_PYTHON_CLIENT_MEM_FRACTION (its older name), which jaxlib refuses beside it."""
+    env = {k: v for k, v in environ.items() if k != "XLA_PYTHON_CLIENT_MEM_FRACTION"}
+    return {**env, "XLA_CLIENT_MEM_FRACTION": str(fraction)}
+
+
 def latency(args, sizes: Sizes, path: Path, table_file: Path) -> dict:
     """The 100-document question on this device: sequential vs one padded batch vs jaxserve's plan,
     each against its prediction (scripts/bench_latency.py, on the table the server served)."""
@@ -523,7 +530,7 @@ def latency(args, sizes: Sizes, path: Path, table_file: Path) -> dict:
            *sizes.latency]
     # bench_latency holds two encoders in its process and starts a server beside it: neither may take
     # JAX's default 75% of the GPU (MiniLM's buckets need a few GB).
-    env = {**os.environ, "JAXSERVE_MODEL": str(path), "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.4"}
+    env = {**gpu_share(os.environ, 0.4), "JAXSERVE_MODEL": str(path)}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=420)
     log(proc.stdout[-3000:])
     if proc.returncode:

@@ -54,6 +54,25 @@ def test_a_bucket_whose_kernel_fails_is_served_by_the_next_with_the_reason(model
     assert {b.attention for b in reference.warmup(OPTIONS).buckets} == {"dense"}
 
 
+def test_a_bucket_out_of_memory_is_not_served_by_a_slower_kernel(model, monkeypatch):
+    """Out of device memory (XLA's RESOURCE_EXHAUSTED) is the bucket's failure, not the kernel's: raised as it is,
+    not hidden behind the next implementation (which the warm artifact would then keep for good)."""
+    enc = Encoder.from_pretrained(model, attention="pallas")
+    make_forward = enc.engine._make_forward
+
+    def out_of_memory(slots, s, output, implementation):
+        forward = make_forward(slots, s, output, implementation)
+        if implementation == "pallas" and s == 128:
+            def exhausted(params, batch):
+                raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 81.92GiB")
+            return exhausted
+        return forward
+
+    monkeypatch.setattr(enc.engine, "_make_forward", out_of_memory)
+    with pytest.raises(RuntimeError, match="RESOURCE_EXHAUSTED"):
+        enc.warmup(OPTIONS)
+
+
 def test_cudnn_traced_on_a_cpu_falls_back_with_jaxs_own_error(model, monkeypatch):
     """No injection: cuDNN's kernel traced on a CPU backend raises in jax itself; the bucket still compiles."""
     enc = Encoder.from_pretrained(model, attention="cudnn")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import subprocess
 
-from test_bench_gpu import ROOT, _env
+from test_bench_gpu import ROOT, _env, bench_gpu
 
 
 def test_preflight_stops_without_a_gpu(tmp_path):
@@ -73,3 +73,13 @@ def test_the_preflight_names_versions_outside_pyprojects_pins(tmp_path):
     fake.write_text('[project]\ndependencies = ["numpy<1", "aiohttp>=3.0", "no-such-package>=1",\n'
                     '                "orjson<1; sys_platform == \'no-such-platform\'"]\n')
     assert [p.split()[0] for p in bench_gpu.outside_pins(fake)] == ["numpy"]
+
+
+def test_a_child_sharing_the_gpu_sets_the_pool_fraction_by_the_name_jaxlib_reads():
+    """XLA_CLIENT_MEM_FRACTION (jaxlib 0.11 and later, the GPU image's included); never with the older
+    XLA_PYTHON_CLIENT_MEM_FRACTION beside it, which jaxlib refuses at the GPU backend's start (the image may
+    set either)."""
+    for given in ({}, {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.9"}, {"XLA_CLIENT_MEM_FRACTION": "0.9", "PATH": "/bin"}):
+        env = bench_gpu.gpu_share(given, 0.4)
+        assert env["XLA_CLIENT_MEM_FRACTION"] == "0.4" and "XLA_PYTHON_CLIENT_MEM_FRACTION" not in env
+        assert all(env[k] == v for k, v in given.items() if "MEM_FRACTION" not in k)

@@ -89,7 +89,8 @@ def info_of(table) -> dict:
 
 POOL_RULE = {
     "cpu": f"{CPU_MEMORY_SHARE:.0%} of the host's available RAM",
-    "gpu": "XLA's allocator limit: XLA_PYTHON_CLIENT_MEM_FRACTION of the card, 75% unless set",
+    "gpu": "XLA's allocator limit: XLA_CLIENT_MEM_FRACTION of the card (or its older name "
+           "XLA_PYTHON_CLIENT_MEM_FRACTION, not both), 75% unless set",
 }
 
 

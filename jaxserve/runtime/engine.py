@@ -181,8 +181,8 @@ class Engine:
                     lowered = fn.lower(self._params_struct, batch_struct(batch, seqlen))
                 exe = lowered.compile()
             except Exception as exc:
-                if i == len(plan.candidates) - 1:
-                    raise
+                if i == len(plan.candidates) - 1 or "RESOURCE_EXHAUSTED" in str(exc):
+                    raise  # out of memory is the bucket's, not the kernel's: no slower kernel, recorded for good
                 why = _reason(impl, exc)
                 log.warning("bucket batch %d seqlen %d slots %d (%s): attention %s failed to compile, trying %s: %s",
                             batch, seqlen, slots, output, impl, plan.candidates[i + 1], why)
