@@ -358,11 +358,13 @@ class Pipeline:
         with self._lock:
             self._kick_pending = False
             taken = None if self._pipeline or self._stopping else self._take(time.monotonic())
-            if taken is None or any(b.queued for b in self.batchers.values()):
-                self._lock.notify()  # the prepare thread decides (a batch went ahead meanwhile, a window, or the
-                # rows this batch left: prepared behind it while it is on the device)
-        if taken is not None:
-            self._prepare(*taken)
+            if taken is None:
+                self._lock.notify()  # the prepare thread decides (a batch went ahead meanwhile, or a window)
+                return
+        self._prepare(*taken)
+        with self._lock:
+            if any(b.queued for b in self.batchers.values()):  # the rows this batch left: prepared behind it,
+                self._lock.notify()  # once it is on the device (first in line, as the batcher formed it)
 
     def cancel(self, jid: int) -> None:
         """Drop a job: its waiting rows never reach the device; rows already prepared or launched still run (as real
