@@ -145,7 +145,8 @@ class Encoder(ModelView):
         dims = cfg.dims(jnp.dtype(jdtype).itemsize)
         head_dim = dims.head_dim or dims.hidden // dims.heads
         engine = Engine(forward, params, local[:count],
-                        plan=partial(attention_kernels.plan, attention, platform, head_dim=head_dim, dtype=dtype),
+                        plan=partial(attention_kernels.plan, attention, platform, head_dim=head_dim, dtype=dtype,
+                                     devices=count),
                         spill=splade)
         template = llm_reranker.pair_template(path, loader.named(name)) if head.logit_score is not None else None
         enc = cls(path, Architecture.of(family.name, cfg), emb, tokenizer, engine, dtype, head, splade, colbert,

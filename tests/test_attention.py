@@ -171,6 +171,8 @@ def test_plan_orders_candidates_and_says_why_it_skips():
     assert plan("auto", "gpu", 128, 512, "bfloat16").candidates == ("dense",)
     assert plan("cudnn", "cpu", 128, 64, "bfloat16") == attention.Plan(("dense",), ("cudnn: needs a CUDA GPU (this is cpu)",))
     assert plan("pallas", "gpu", 1024, 64, "bfloat16").candidates == ("pallas", "blockwise")  # forced: no cuDNN
+    sharded = plan("auto", "gpu", 512, 64, "bfloat16", devices=2)  # Pallas has no sharding rule; cuDNN has one
+    assert sharded.candidates == ("cudnn", "blockwise") and "no sharding rule" in sharded.skipped[0]
     assert plan("xla", "gpu", 128, 64, "bfloat16").candidates == ("dense",)
     assert plan("blockwise", "gpu", 128, 64, "bfloat16").candidates == ("blockwise",)
     with pytest.raises(ValueError, match="unknown attention 'flash'"):

@@ -119,14 +119,15 @@ class Plan:
     skipped: tuple[str, ...] = ()
 
 
-def plan(choice: str, platform: str, seqlen: int, head_dim: int, dtype: str) -> Plan:
+def plan(choice: str, platform: str, seqlen: int, head_dim: int, dtype: str, devices: int = 1) -> Plan:
     """The candidates for one bucket under `--attention choice`.
 
     auto: on a GPU cuDNN, then Pallas, then xla; elsewhere xla (dense or blockwise by seqlen).
     cuDNN first because on H100/H200 its flash attention is usually the fastest at head_dim
     64-128 in bf16, Pallas' Triton kernel second (scripts/bench_attention.py measures it; the
     choice is overridable). A forced `pallas` or `cudnn` falls back to xla where it cannot take
-    the bucket, and where it fails to compile; `xla` and `blockwise` are taken as said.
+    the bucket, and where it fails to compile; `xla` and `blockwise` are taken as said. Over several `devices`
+    no Pallas: its call has no sharding rule (cuDNN's has), so a batch-sharded bucket would run it replicated.
     """
     if choice not in CHOICES:
         raise ValueError(f"unknown attention {choice!r}; choose from {', '.join(CHOICES)}")
@@ -140,6 +141,8 @@ def plan(choice: str, platform: str, seqlen: int, head_dim: int, dtype: str) -> 
     for impl in wanted:
         if impl == "cudnn":
             why = cudnn_unfit(platform, head_dim, dtype)
+        elif devices > 1:
+            why = f"no sharding rule for its kernel: over {devices} devices it would run replicated on each"
         else:
             why = pallas_unfit(seqlen, head_dim, jnp.dtype(dtype).itemsize)
         if why:
