@@ -103,7 +103,9 @@ async def test_a_future_done_before_its_time_is_left_as_it_is():
        st.floats(0, 50))
 def test_each_future_fails_when_its_time_is_up_to_the_millisecond_property(arrivals, end):
     """Futures added at increasing times with one of a few timeouts, some answered at once: at any time, a future
-    has failed iff it was not answered and its time is up (to the timer's slack); one timer is set at most."""
+    not answered has failed if its time is up, and not if its time is further than the timer's slack away (within
+    the slack either is on time: a sweep fails what is due within it, and whether a sweep came that near the end
+    depends on the other expiries); one timer is set at most."""
     loop = asyncio.new_event_loop()
     try:
         clock = Clock()
@@ -121,7 +123,9 @@ def test_each_future_fails_when_its_time_is_up_to_the_millisecond_property(arriv
         clock.advance(max(clock.now, end))
         for expiry, answered, f in added:
             failed = f.done() and not answered
-            assert failed == (not answered and expiry <= clock.now + CLOCK_SLACK_S)
+            if not answered and clock.now < expiry <= clock.now + CLOCK_SLACK_S:
+                continue  # within the slack of now: failed or not, on time
+            assert failed == (not answered and expiry <= clock.now)
             if failed:
                 assert isinstance(f.exception(), TimeoutError)
         if len(t):  # the timer is set no later than the earliest time still to come (a discard leaves it be)
