@@ -194,9 +194,9 @@ def cmd_embed(args) -> int:
 
     corpus = Corpus(args.input, args.field, args.id_field)
     sink_class(args.output)
-    read_from = {os.path.dirname(os.path.abspath(f)) for f in corpus.files()} if corpus.files() != [args.input] \
-        else set()  # a directory's or a glob's
-    if os.path.dirname(os.path.abspath(args.output)) in read_from:
+    files = corpus.files()
+    if files != [args.input] and os.path.dirname(os.path.abspath(args.output)) in {  # a directory's or a glob's
+            os.path.dirname(os.path.abspath(f)) for f in files}:
         raise JaxserveError(f"--output {args.output} is in a directory the input reads from: its files (the output, "
                             "its ids, progress and summary) would be read as input by a rerun; write it elsewhere")
     if args.ray_actors is not None and (not args.ray or args.ray_actors < 1):

@@ -117,10 +117,10 @@ async def test_admission_by_bytes_of_bodies_in_flight(make_server, tiny_enc):
     assert (await client.post("/v1/embeddings", json=body)).status == 200  # admitted again once it left
 
 
-async def _raw_post(client, headers: bytes, body: bytes = b""):
-    """A POST of /v1/embeddings on a connection of its own that sends `body` and then nothing (kept open)."""
+async def _raw_post(client, headers: bytes, body: bytes = b"", path: bytes = b"/v1/embeddings"):
+    """A POST of `path` on a connection of its own that sends `body` and then nothing (kept open)."""
     reader, writer = await asyncio.open_connection(client.server.host, client.server.port)
-    writer.write(b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" + headers +
+    writer.write(b"POST " + path + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" + headers +
                  b"\r\n" + body)
     await writer.drain()
     return reader, writer
@@ -285,10 +285,7 @@ async def test_a_client_that_does_not_read_its_large_response_holds_its_slot(mak
     client = await make_server(tiny_enc, max_concurrent=1)
     state = client.app[STATE]
     body = orjson.dumps({"inputs": ["the model of a batch " * 6] * 1024})  # every token's vector: tens of MB
-    reader, writer = await asyncio.open_connection(client.server.host, client.server.port)
-    writer.write(b"POST /embed_all HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
-                 % len(body) + body)
-    await writer.drain()
+    reader, writer = await _raw_post(client, b"Content-Length: %d\r\n" % len(body), body, b"/embed_all")
     try:
         assert b" 200 " in await asyncio.wait_for(reader.readline(), 60)  # its status line: the response is being
         assert state.active == 1  # written, and the rest of it waits in the socket, unread

@@ -325,8 +325,9 @@ def shape_vectors(vectors: np.ndarray, dimensions: int | None, normalize: bool) 
     """The first `dimensions` components (Matryoshka), then, with `normalize`, each row at unit length: cut first,
     as TEI and sentence-transformers' `truncate_dim` do, so `normalize: false` keeps the cut raw."""
     if dimensions is not None and dimensions != vectors.shape[1]:
-        vectors = np.ascontiguousarray(vectors[:, :dimensions])  # rows back to back, as the encoders read them
-    return normalize_rows(vectors) if normalize else vectors
+        vectors = vectors[:, :dimensions]
+    # normalize_rows makes a new array; a raw cut is a strided view, made contiguous as the encoders read rows
+    return normalize_rows(vectors) if normalize else np.ascontiguousarray(vectors)
 
 
 # Vectors as integers: Cohere's embedding types, and the same names on /v1/embeddings' `encoding_format` (Azure AI

@@ -141,8 +141,9 @@ async def errors_middleware(request: web.Request, handler):
         state.active += model_route
         try:
             response = await handler(request)
-            if _large(response):  # written with the request's slot and bytes still held: a client that does not
-                response = await _send_large(request, response)  # read holds those, not server memory unbounded
+            if isinstance(response, web.Response) and isinstance(response.body, bytes) and \
+                    len(response.body) > STREAM_BODY_BYTES:  # written with the request's slot and bytes still
+                response = await _send_large(request, response)  # held: a client that does not read holds those
         finally:
             state.active -= model_route
             charge.release()
@@ -159,19 +160,12 @@ async def errors_middleware(request: web.Request, handler):
     except Exception as exc:  # a bug: say so without echoing the request
         log.exception("unhandled error on %s", route)
         response = _error(ApiError(500, f"internal error: {type(exc).__name__}", "server_error"), request.path)
-    if _large(response):
-        response = await _send_large(request, response)
     error = getattr(response, "error_type", "http_error") if response.status >= 400 else None
     state.metrics.request(route, response.status, time.perf_counter() - start, error)
     return response
 
 
 STREAM_BODY_BYTES = 2**20  # larger response bodies are written from a memoryview (`_send_large`)
-
-
-def _large(response) -> bool:
-    return isinstance(response, web.Response) and isinstance(response.body, bytes) and \
-        len(response.body) > STREAM_BODY_BYTES
 
 
 async def _send_large(request: web.Request, response: web.Response) -> web.StreamResponse:

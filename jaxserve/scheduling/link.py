@@ -464,9 +464,7 @@ class EngineLink:
             for group in self._groups(tickets):
                 try:
                     if len(group) == 1:
-                        t = group[0]
-                        t.wire, t.rid, _ = self._expect(t.future)
-                        self._post_run(t.wire, t.rid, t.job, cls, None)
+                        self._send_alone(group[0], cls)
                         continue
                     wire, rid, future = self._expect()
                 except Draining as exc:
@@ -525,13 +523,16 @@ class EngineLink:
                 continue
             t.group = None
             try:
-                t.wire, t.rid, _ = self._expect(t.future)
+                self._send_alone(t, together.cls)
             except Draining as exc:
                 t.future.set_exception(exc)
-                continue
-            self._post_run(t.wire, t.rid, t.job, together.cls, None)
         if self._wire is not None:
             self._wire.flush()
+
+    def _send_alone(self, t: _Ticket, cls: int) -> None:
+        """A query as a job of its own: its reply resolves its own future."""
+        t.wire, t.rid, _ = self._expect(t.future)
+        self._post_run(t.wire, t.rid, t.job, cls, None)
 
     def _withdraw(self, ticket: _Ticket) -> None:
         """A request went away (cancelled, timed out): its job's rows are dropped, a joined job's once all of its

@@ -370,10 +370,14 @@ class Pipeline:
         """Drop a job: its waiting rows never reach the device; rows already prepared or launched still run (as real
         rows of their batch), and their outputs are discarded when the batch returns."""
         with self._lock:
-            dropped = sum(b.cancel(jid) for b in self.batchers.values())
+            dropped = self._drop_waiting((jid,))
             self._entries.pop(jid, None)
         self.metrics.sequences("dropped", dropped)
         self._check_idle()
+
+    def _drop_waiting(self, jids) -> int:
+        """Under the lock: the waiting rows of jobs `jids` out of every batcher; the sequences that drops."""
+        return sum(b.cancel(jid) for jid in jids for b in self.batchers.values())
 
     def _answer(self, jid: int, exc: Exception | None = None) -> None:
         """On the loop: resolve a finished (or failed) job's future."""
@@ -407,9 +411,7 @@ class Pipeline:
             log.exception(self.broken)
             with self._lock:
                 jids = list(self._entries)
-                for jid in jids:  # their rows too: none will be taken, and the queue counts them until dropped
-                    for b in self.batchers.values():
-                        b.cancel(jid)
+                self._drop_waiting(jids)  # their rows too: none will be taken, and the queue counts them till dropped
             for jid in jids:
                 self._loop.call_soon_threadsafe(self._answer, jid, Draining(self.broken))
             self._pass_stop_on(loop_fn)
@@ -638,9 +640,7 @@ class Pipeline:
         self.failures += device
         with self._lock:
             self._pipeline -= stage != "scattered"  # a scattered batch has left the pipeline already
-            for jid in jobs:
-                for b in self.batchers.values():
-                    b.cancel(jid)
+            self._drop_waiting(jobs)
             self._lock.notify()
         error = BatchError(f"the batch at {d.bucket.shape} failed being {stage}: {type(exc).__name__}: {exc}")
         for jid in jobs:

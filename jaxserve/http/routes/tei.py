@@ -188,11 +188,12 @@ async def _tokenize(state: AppState, body, ask: Ask = NO_ASK) -> web.Response:
                                                                 lambda: api.parse_tokenize(body, state.limits))
     tok = state.encoder.tokenizer.tokenizer
     kind = state.encoder.head.kind
-    if kind not in ("embedding", "sparse") and (prompt_name is not None or prompt_text is not None):
-        raise ApiError(400, f"`prompt_name` and `prompt` apply to embedding models; this server serves a {kind} model")
-    prompt = (request_prompt(state, api.EmbedRequest(texts, None, "truncate", prompt_name=prompt_name,
-                                                     prompt=prompt_text))
-              if kind in ("embedding", "sparse") else None)
+    if kind in ("embedding", "sparse"):
+        prompt = request_prompt(state, api.EmbedRequest(texts, None, "truncate", prompt_name=prompt_name,
+                                                        prompt=prompt_text))
+    else:
+        api._refuse(body, ("prompt_name", "prompt"), f"a {kind} model", "prompts apply to embedding models")
+        prompt = None
     texts = [prompt + t for t in texts] if prompt else texts
 
     def tokens() -> bytes:  # per token Python objects: on a tokenizer thread
