@@ -312,11 +312,11 @@ def test_likely_interactive_before_tokenizing():
 def test_a_routes_ceiling_holds_on_every_path_that_serves_it():
     """`--route-priority` on one name of a route holds on its others, and on the route a path such as TEI's `/`
     runs; the strictest of several applies; a route no one named has none."""
-    from jaxserve.http.classes import route_class
+    from jaxserve.http.classes import route_ceilings, route_class
 
-    routes = {"/v1/embeddings": "bulk", "/embed": "bulk", "/score": "interactive", "/v1/score": "bulk"}
+    routes = route_ceilings({"/v1/embeddings": "bulk", "/embed": "bulk", "/score": "interactive", "/v1/score": "bulk"})
     assert route_class(routes, "/embeddings") == "bulk"
     assert route_class(routes, "/", "/embed") == route_class(routes, "/invocations", "/embed") == "bulk"
     assert route_class(routes, "/score") == route_class(routes, "/v1/score") == "bulk"
     assert route_class(routes, "/", "/predict") is None and route_class(routes, "/rerank") is None
-    assert route_class({"/": "bulk"}, "/invocations", "/predict") == "bulk"
+    assert route_class(route_ceilings({"/": "bulk"}), "/invocations", "/predict") == "bulk"

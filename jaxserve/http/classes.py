@@ -95,13 +95,20 @@ def _deadline(value, where: str) -> float:
 SAME_ROUTE = (("/v1/embeddings", "/embeddings"), ("/score", "/v1/score"), ("/", "/invocations"))
 
 
-def route_class(routes: dict[str, str], *paths: str | None) -> str | None:
-    """The strictest class `routes` (`--route-priority`) gives any of `paths` or the paths serving the same route
-    (SAME_ROUTE): a request is held to the ceiling of the route it runs, whichever name it came in by (TEI's
-    `POST /` runs the model kind's route: /embed, /predict ...)."""
-    named = {p for p in paths if p is not None}
-    named |= {q for group in SAME_ROUTE if named & set(group) for q in group}
-    found = [routes[p] for p in named if p in routes]
+def route_ceilings(given: dict[str, str]) -> dict[str, str]:
+    """`--route-priority` by path, each class also on the paths serving the same route (SAME_ROUTE), the
+    strictest where two name one: made once per server, looked up per request (`route_class`)."""
+    out: dict[str, str] = {}
+    for path, cls in given.items():
+        for p in next((group for group in SAME_ROUTE if path in group), (path,)):
+            out[p] = max(out.get(p, cls), cls, key=CLASSES.index)
+    return out
+
+
+def route_class(ceilings: dict[str, str], *paths: str | None) -> str | None:
+    """The strictest class `ceilings` (`route_ceilings`) gives any of `paths`: a request is held to the ceiling of
+    the route it runs, whichever name it came in by (TEI's `POST /` runs the model kind's route: /embed ...)."""
+    found = [ceilings[p] for p in paths if p in ceilings] if ceilings else ()
     return max(found, key=CLASSES.index) if found else None
 
 

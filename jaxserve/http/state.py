@@ -16,7 +16,7 @@ from aiohttp import web
 from jaxserve.checkpoint import loader
 from jaxserve.http.api import ApiError, Limits
 from jaxserve.http.budget import ByteBudget
-from jaxserve.http.classes import INTERACTIVE_MAX_SEQUENCES, INTERACTIVE_MAX_TOKENS, Policy
+from jaxserve.http.classes import INTERACTIVE_MAX_SEQUENCES, INTERACTIVE_MAX_TOKENS, Policy, route_ceilings
 from jaxserve.http.metrics import EngineMetrics, ServerMetrics
 from jaxserve.runtime import artifact, host
 from jaxserve.runtime.buckets import BucketTable
@@ -105,8 +105,8 @@ class ServerConfig:
 
     @functools.cached_property
     def route_classes(self) -> dict[str, str]:
-        """`route_priority` by route path."""
-        return dict(self.route_priority)
+        """`route_priority` by route path, each also on the paths that serve the same route (`route_ceilings`)."""
+        return route_ceilings(dict(self.route_priority))
 
     @functools.cached_property
     def class_policy(self) -> Policy:
