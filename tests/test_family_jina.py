@@ -200,8 +200,11 @@ def test_unsupported_configs_are_clear_errors(edit, message):
         family_of({**HUB_CONFIG, **edit}).configure({**HUB_CONFIG, **edit})
 
 
-def test_plain_bert_with_other_positions_still_refused():
-    with pytest.raises(CheckpointError, match="unsupported position_embedding_type 'relative_key'"):
-        family_of({**HUB_CONFIG, "position_embedding_type": "relative_key"}).configure(
-            {**HUB_CONFIG, "position_embedding_type": "relative_key"})
+@pytest.mark.parametrize("edit, message", [
+    ({"position_embedding_type": "relative_key"}, "unsupported position_embedding_type 'relative_key'"),
+    ({"position_embedding_type": "absolute", "is_decoder": True}, "unsupported is_decoder=True"),  # causal in transformers
+])
+def test_plain_bert_variants_still_refused(edit, message):
+    with pytest.raises(CheckpointError, match=message):
+        family_of({**HUB_CONFIG, **edit}).configure({**HUB_CONFIG, **edit})
 

@@ -160,15 +160,26 @@ def test_dynamic_ntk_scaling_matches_transformers_per_document(tmp_path):
             np.testing.assert_allclose(g, w, atol=1e-4, rtol=1e-4, err_msg=f"packed={packed}")
 
 
-def test_classifier_logits_match_transformers(tmp_path):
-    """NomicBertForSequenceClassification: BERT's pooler (tanh) and classifier on the CLS token."""
+@pytest.mark.parametrize("layout", ["transformers", "hub"])
+def test_classifier_logits_match_transformers(tmp_path, layout):
+    """NomicBertForSequenceClassification: BERT's pooler (tanh) and classifier on the CLS token. The hub's
+    remote-code classifier holds the same tensors under `bert.` (its `self.bert`), with the hub's config."""
+    from safetensors.numpy import load_file, save_file
+
     labels = {0: "neg", 1: "pos"}
     path = hf_tiny.write(tmp_path / "clf", "NomicBertForSequenceClassification",
                          hf_config(num_labels=2, id2label=labels, label2id={v: k for k, v in labels.items()}),
                          kind="bert", seed=5, scale=0.3)
+    model = hf_tiny.torch_model(path, "NomicBertForSequenceClassification")
+    if layout == "hub":
+        tensors = load_file(str(path / "model.safetensors"))
+        assert any(k.startswith("nomic_bert.") for k in tensors)
+        save_file({k.replace("nomic_bert.", "bert.", 1): v for k, v in tensors.items()}, str(path / "model.safetensors"))
+        (path / "config.json").write_text(json.dumps({
+            **HUB_CONFIG, "architectures": ["NomicBertForSequenceClassification"], "num_labels": 2,
+            "id2label": {str(k): v for k, v in labels.items()}}))
     enc = warm_encoder(path, TINY_TABLE)
     assert enc.head.labels == ("neg", "pos")
-    model = hf_tiny.torch_model(path, "NomicBertForSequenceClassification")
     want = np.stack([hf_tiny.logits(model, np.asarray(ids, np.int32)) for ids in enc.tokenizer.encode(TEXTS[:4])])
     np.testing.assert_allclose(enc.classify(TEXTS[:4]), want, atol=1e-4, rtol=1e-4)
 
@@ -187,6 +198,7 @@ def test_transformers_config_fields():
     (dict(rotary_emb_fraction=0.5), "rotary_emb_fraction=0.5"),
     (dict(qkv_proj_bias=True), "qkv_proj_bias=True"),
     (dict(rotary_emb_interleaved=True), "rotary_emb_interleaved=True"),
+    (dict(rotary_emb_scale_base=512), "rotary_emb_scale_base=512"),  # the hub's xPos scaling
     (dict(activation_function="gelu"), "unsupported NomicBERT activation_function 'gelu'"),
     (dict(moe_every_n_layers=2, num_experts=8), "mixture-of-experts NomicBERT"),
     (dict(rotary_scaling_factor=-1), "rotary_scaling_factor must be a positive number"),

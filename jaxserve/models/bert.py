@@ -57,6 +57,9 @@ class Config:
             raise CheckpointError(
                 f"unsupported position_embedding_type {raw['position_embedding_type']!r}; only 'absolute'"
             )
+        if raw.get("is_decoder"):
+            raise CheckpointError("unsupported is_decoder=True: transformers runs such a BERT causal (a decoder); "
+                                  "jaxserve's BERT is bidirectional")
         layers.check_activation(raw.get("hidden_act", "gelu"))
         layers.require_ints(raw, "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                             "intermediate_size", "max_position_embeddings")

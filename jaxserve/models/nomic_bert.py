@@ -45,7 +45,7 @@ HUB_GATED = {"swiglu": "silu", "geglu": "gelu"}
 # every released nomic-embed-text checkpoint) has; any other value is refused.
 HUB_FIXED = {"prenorm": False, "rotary_emb_interleaved": False, "rotary_emb_fraction": 1.0, "qkv_proj_bias": False,
              "mlp_fc1_bias": False, "mlp_fc2_bias": False, "causal": False, "use_rms_norm": False,
-             "parallel_block": False}
+             "parallel_block": False, "rotary_emb_scale_base": None}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,6 +239,6 @@ def head_weights(cfg: Config) -> dict:
 
 FAMILY = Family(
     name="nomic_bert", model_types=("nomic_bert",), configure=Config.from_dict, encoder=Encoder, weights=weights,
-    encoder_prefixes=lambda cfg: ("nomic_bert.",), ignored=("pooler.", "cls.", "classifier."),
+    encoder_prefixes=lambda cfg: ("nomic_bert.", "bert."), ignored=("pooler.", "cls.", "classifier."),
     head=bert.ClassificationHead, head_weights=head_weights, head_pooling="cls",
 )
