@@ -136,7 +136,8 @@ class Encoder(ModelView):
                 return partial(sparse_forward, module, cfg, splade, slots)
             if head.kind == "classifier":
                 head_module = family.head(cfg, head.num_labels, jdtype)
-                return partial(classify_forward, module, head_module, family.pooling_for_head(cfg), slots)
+                return partial(classify_forward, module, head_module, family.pooling_for_head(cfg), slots,
+                               pad_id=family.head_pad_id(cfg))
             return partial(embed_forward, module, emb, slots)
         local = jax.devices()
         count = len(local) if devices == "all" else int(devices)

@@ -118,12 +118,16 @@ def test_matches_sentence_transformers_lasttoken(arch):
     hf_tiny.assert_matches_sentence_transformers(enc, path, TEXTS, "<|endoftext|>", MAX_LEN)
 
 
+@pytest.mark.parametrize("pad", ["<|im_end|>", "<|endoftext|>"])
 @pytest.mark.parametrize("model_type", list(ARCHS))
-def test_classifier_logits_match_transformers(tmp_path, model_type):
-    """*ForSequenceClassification: the `score` Linear on each sequence's last token (<|endoftext|>), packed rows."""
+def test_classifier_logits_match_transformers(tmp_path, model_type, pad):
+    """*ForSequenceClassification: the `score` Linear on each sequence's rightmost token that is not the pad
+    token, packed rows: the last (<|endoftext|>) while the pad token is another, the one before it when the
+    config pads with the token the tokenizer appends (fine-tunes of Qwen3 often do)."""
     labels = {0: "neg", 1: "neutral", 2: "pos"}
     suffix = "ForSequenceClassification"
-    path = write(tmp_path / model_type, model_type, suffix=suffix, num_labels=3, id2label=labels)
+    path = write(tmp_path / model_type, model_type, suffix=suffix, num_labels=3, id2label=labels,
+                 pad_token_id=VOCAB[pad])
     enc = warm_encoder(path, FULL_LENGTH)
     assert enc.head.labels == ("neg", "neutral", "pos")
     model = hf_tiny.torch_model(path, ARCHS[model_type][0] + suffix)

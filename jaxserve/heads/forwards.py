@@ -44,14 +44,18 @@ def tokens_forward(module, num_segments: int, params, batch: dict) -> jax.Array:
     return hidden.astype(jnp.float32)
 
 
-def classify_forward(module, head, head_pooling: str, num_segments: int, params, batch: dict):
-    """Pure forward: packed rows -> [B, K, L] float32 logits of each sequence (from the head's pooled token(s))."""
+def classify_forward(module, head, head_pooling: str, num_segments: int, params, batch: dict,
+                     pad_id: int | None = None):
+    """Pure forward: packed rows -> [B, K, L] float32 logits of each sequence (from the head's pooled token(s)).
+    With `pad_id`, the head's pooling skips that token except at a sequence's first place (`Family.head_pad_id`)."""
     encoder_params = {k: v for k, v in params.items() if k != "head"}
+    seg, pos = batch["segment_ids"], batch["positions"]
     hidden = module.apply(
-        {"params": encoder_params}, batch["token_ids"], batch["segment_ids"], batch["positions"], batch["type_ids"],
-        packed=num_segments > 1,
+        {"params": encoder_params}, batch["token_ids"], seg, pos, batch["type_ids"], packed=num_segments > 1,
     )  # [B, S, D]
-    pooled = pool(head_pooling, hidden, batch["segment_ids"], batch["positions"], num_segments)  # [B, K, D]
+    if pad_id is not None:
+        seg = jnp.where((batch["token_ids"] == pad_id) & (pos > 0), 0, seg)  # [B, S]
+    pooled = pool(head_pooling, hidden, seg, pos, num_segments)  # [B, K, D]
     return head.apply({"params": params["head"]}, pooled.astype(hidden.dtype)).astype(jnp.float32)
 
 

@@ -49,6 +49,7 @@ class Config:
     qkv_bias: bool = False
     out_bias: bool = False
     windows: tuple[int | None, ...] = ()  # per layer: sliding-window size, None for full causal attention
+    pad_token_id: int | None = None  # the token a classifier's last-token head looks past
 
     @property
     def max_positions(self) -> int:
@@ -101,6 +102,7 @@ class Config:
             qkv_bias={"qwen3": bias, "qwen2": True, "mistral": False}[model_type],
             out_bias=model_type == "qwen3" and bias,
             windows=layer_windows(raw),
+            pad_token_id=layers.optional_int(raw, "pad_token_id"),
         )
 
 

@@ -53,6 +53,14 @@ class Family:
     def pooling_for_head(self, cfg: ArchConfig) -> str:
         return self.head_pooling(cfg) if callable(self.head_pooling) else self.head_pooling
 
+    def head_pad_id(self, cfg: ArchConfig) -> int | None:
+        """The token a last-token head looks past: transformers' classifiers (GenericForSequenceClassification)
+        score each sequence's rightmost token that is not the config's pad token, which may well be the EOS
+        the tokenizer appends (Qwen3's <|endoftext|>)."""
+        if self.pooling_for_head(cfg) != "lasttoken":
+            return None
+        return getattr(cfg, "pad_token_id", None)
+
     def param_shapes(self, cfg: ArchConfig, dtype, num_labels: int = 0) -> dict:
         """The params tree the modules expect, as ShapeDtypeStructs (no memory used); `head` with labels."""
         import jax

@@ -67,6 +67,7 @@ class Config:
     attention_bias: bool = False
     global_rope: Rope = Rope(DEFAULT_THETA["full_attention"])
     local_rope: Rope = Rope(DEFAULT_THETA["sliding_attention"])
+    pad_token_id: int | None = 0  # the token a classifier's last-token head looks past (Gemma3TextConfig's default)
 
     @property
     def max_positions(self) -> int:
@@ -145,6 +146,7 @@ class Config:
             attention_bias=bool(raw.get("attention_bias", False)),
             global_rope=ropes["full_attention"],
             local_rope=ropes["sliding_attention"],
+            pad_token_id=layers.optional_int(raw, "pad_token_id", default=0),
         )
 
 

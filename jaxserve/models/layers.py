@@ -38,6 +38,14 @@ def require_ints(raw: dict, *keys: str) -> None:
         raise CheckpointError(f"config.json lacks integer field(s): {', '.join(missing)}")
 
 
+def optional_int(raw: dict, key: str, default: int | None = None) -> int | None:
+    """An integer field that may be null (`pad_token_id`); absent, its default."""
+    value = raw.get(key, default)
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+        raise CheckpointError(f"config.json field {key} must be an integer or null, not {value!r}")
+    return value
+
+
 def rotary_head_dim(hidden: int, heads: int) -> int:
     """hidden / heads, which rotary embedding needs whole and even; else a CheckpointError."""
     if hidden % heads or (hidden // heads) % 2:
