@@ -316,6 +316,7 @@ def test_a_routes_ceiling_holds_on_every_path_that_serves_it():
 
     routes = route_ceilings({"/v1/embeddings": "bulk", "/embed": "bulk", "/score": "interactive", "/v1/score": "bulk"})
     assert route_class(routes, "/embeddings") == "bulk"
+    assert route_class(route_ceilings({"/v2/embed": "bulk"}), "/v1/embed") == "bulk"  # Cohere's v1 and v2
     assert route_class(routes, "/", "/embed") == route_class(routes, "/invocations", "/embed") == "bulk"
     assert route_class(routes, "/score") == route_class(routes, "/v1/score") == "bulk"
     assert route_class(routes, "/", "/predict") is None and route_class(routes, "/rerank") is None

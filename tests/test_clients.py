@@ -535,7 +535,7 @@ async def test_llama_index_async(embedder, client_table):
         row.parity = cosine_parity([got], embed(enc, ["query: " + QUERY]))
 
 
-# ---- 6. cohere: ClientV2, Cohere's v2 API (/v2/embed, /v2/rerank) ----
+# ---- 6. cohere: ClientV2, Cohere's v2 API (/v2/embed, /v2/rerank); Client, v1's (/v1/embed, /v1/rerank) ----
 
 COHERE_TYPES = ["float", "int8", "uint8", "binary", "ubinary", "base64"]
 
@@ -582,6 +582,39 @@ def test_cohere_embed(embedder, client_table):
             co.embed(model=MODEL, texts=["x"] * 33, input_type="search_query")
         assert err.value.status_code == 413 and "at most 32" in err.value.body["message"]
         row.parity = "413 `ApiError`, the server's message"
+
+
+def test_cohere_v1_client(embedder, cross_encoder, client_table):
+    """Cohere's v1 `Client`, which langchain-cohere's CohereEmbeddings and llama-index's CohereEmbedding call."""
+    import cohere
+
+    server, enc = embedder
+    co = cohere.Client(api_key="unused", base_url=server.url)
+    with client_table.call("cohere", "`Client().embed(input_type=\"search_document\", embedding_types=[\"float\"])` "
+                           "(v1, as langchain-cohere calls it)") as row:
+        resp = co.embed(model=MODEL, texts=TEXTS, input_type="search_document", embedding_types=["float"])
+        assert server.last()[0] == "/v1/embed" and resp.response_type == "embeddings_by_type"
+        want = embed(enc, TEXTS)  # no "document" prompt in the checkpoint: none
+        row.parity = cosine_parity(resp.embeddings.float_, want)
+    with client_table.call("cohere", "`Client().embed(input_type=\"search_query\")` (v1 floats)") as row:
+        resp = co.embed(model=MODEL, texts=TEXTS, input_type="search_query")
+        assert resp.response_type == "embeddings_floats" and resp.meta.api_version.version == "1"
+        row.parity = cosine_parity(resp.embeddings, embed(enc, TEXTS, prompt_name="query"))
+    with client_table.call("cohere", "error: v1 `embed(truncate=\"NONE\")` over-length") as row:
+        with pytest.raises(cohere.BadRequestError) as err:
+            co.embed(model=MODEL, texts=[LONG], input_type="search_document", truncate="NONE")
+        assert set(err.value.body) == {"id", "message"} and "tokens" in err.value.body["message"]
+        row.parity = "400 `BadRequestError`, Cohere's `{id, message}`"
+    server, enc = cross_encoder
+    texts = ["a document", "jax", "the query of the model", "batch"]
+    with client_table.call("cohere", "`Client().rerank(query, documents, top_n=2)` (v1: vLLM's /v1/rerank)") as row:
+        resp = cohere.Client(api_key="unused", base_url=server.url).rerank(
+            model="tiny-cross-encoder", query="the query", documents=texts, top_n=2)
+        assert server.last()[0] == "/v1/rerank"
+        scores = 1 / (1 + np.exp(-enc.rerank("the query", texts).astype(np.float64)))
+        best = np.argsort(-scores, kind="stable")[:2]
+        assert [r.index for r in resp.results] == best.tolist()
+        row.parity = score_parity([r.relevance_score for r in resp.results], scores[best])
 
 
 async def test_cohere_async_embed(embedder, client_table):

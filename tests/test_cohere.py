@@ -91,7 +91,7 @@ def test_embed_request_fields():
     assert req.texts == TEXTS and types == ("ubinary", "float") and req.prompt_name == "document"
     assert (req.long, req.direction, req.dimensions, req.normalize) == ("truncate", "left", 16, True)
     req, types = parse({"texts": "one", "truncate": "NONE"})
-    assert types == ("float",) and (req.long, req.direction) == ("error", "right") and req.prompt_name is None
+    assert types == () and (req.long, req.direction) == ("error", "right") and req.prompt_name is None
     assert parse({"texts": ["a"], "truncate": "end"})[0].long == "truncate"
     assert parse({"texts": ["a"]})[0].long == "truncate"  # absent: the server's mode
 
@@ -343,6 +343,18 @@ async def test_v1_embeddings_base64_at_its_largest_keeps_the_loop_free(make_serv
 def test_embed_body_has_what_was_asked(types):
     v = normalize_rows(np.random.default_rng(1).standard_normal((3, 20)).astype(np.float32))
     req, asked = parse({"texts": ["a", "b", "c"], "embedding_types": types})
-    out = orjson.loads(api.cohere_embed_body(v, asked, req.texts, 5))
-    assert list(out["embeddings"]) == list(dict.fromkeys(types))
-    assert all(len(rows) == 3 for rows in out["embeddings"].values())
+    for version in ("1", "2"):
+        out = orjson.loads(api.cohere_embed_body(v, asked, req.texts, 5, version))
+        assert list(out["embeddings"]) == list(dict.fromkeys(types)) and out["response_type"] == "embeddings_by_type"
+        assert all(len(rows) == 3 for rows in out["embeddings"].values())
+
+
+def test_embed_body_without_types():
+    """v2 answers floats by type; v1 its list of float vectors (EmbeddingsFloatsEmbedResponse)."""
+    v = normalize_rows(np.random.default_rng(2).standard_normal((3, 20)).astype(np.float32))
+    req, asked = parse({"texts": ["a", "b", "c"]})
+    v2 = orjson.loads(api.cohere_embed_body(v, asked, req.texts, 5))
+    v1 = orjson.loads(api.cohere_embed_body(v, asked, req.texts, 5, "1"))
+    assert v2["response_type"] == "embeddings_by_type" and list(v2["embeddings"]) == ["float"]
+    assert v1["response_type"] == "embeddings_floats" and v1["meta"]["api_version"]["version"] == "1"
+    np.testing.assert_array_equal(v1["embeddings"], v2["embeddings"]["float"])

@@ -515,9 +515,9 @@ def _cohere_max_tokens(body: dict, key: str, limit: int) -> None:
 
 def parse_cohere_embed(body, limits: Limits, dim: int, default_long: str, prompts, max_tokens: int,
                        declared: tuple[int, ...] = ()) -> tuple[EmbedRequest, tuple[str, ...]]:
-    """Cohere /v2/embed: `texts`, `input_type` (a prompt: `cohere_prompt`), `embedding_types` (default float),
-    `output_dimension` (Matryoshka: one of `declared` when the checkpoint declares them), `truncate` NONE/START/END
-    (absent: the server's long-input mode) -> (the embed request, the types to return)."""
+    """Cohere /v2/embed (and v1's /v1/embed): `texts`, `input_type` (a prompt: `cohere_prompt`), `embedding_types`
+    (absent: () and floats), `output_dimension` (Matryoshka: one of `declared` when the checkpoint declares them),
+    `truncate` NONE/START/END (absent: the server's long-input mode) -> (the embed request, the types asked for)."""
     body = _object(body)
     for key in ("images", "inputs"):
         if body.get(key):
@@ -527,8 +527,8 @@ def parse_cohere_embed(body, limits: Limits, dim: int, default_long: str, prompt
     texts, _ = _inputs(body["texts"], "texts", limits, allow_tokens=False)
     types = body.get("embedding_types")
     if types is None:
-        types = ["float"]
-    if not isinstance(types, list) or not types or not all(t in COHERE_EMBEDDING_TYPES for t in types):
+        types = []
+    elif not isinstance(types, list) or not types or not all(t in COHERE_EMBEDDING_TYPES for t in types):
         raise ApiError(400, f"`embedding_types` must be a non-empty list of {', '.join(COHERE_EMBEDDING_TYPES)}, "
                             f"not {_show(types)}")
     truncate = body.get("truncate")
@@ -543,13 +543,21 @@ def parse_cohere_embed(body, limits: Limits, dim: int, default_long: str, prompt
                         cohere_prompt(body.get("input_type"), prompts), direction=direction), tuple(dict.fromkeys(types))
 
 
-def cohere_embed_body(vectors: np.ndarray, types: tuple[str, ...], texts: list[str], tokens: int) -> bytes:
-    """Cohere's EmbedByTypeResponse as JSON bytes: per type asked for, every vector in it (`quantize`, `b64_rows`)."""
-    embeddings = {t: np.ascontiguousarray(vectors, np.float32) if t == "float" else
-                  b64_rows(vectors) if t == "base64" else quantize(vectors, t) for t in types}
+def cohere_embed_body(vectors: np.ndarray, types: tuple[str, ...], texts: list[str], tokens: int,
+                      version: str = "2") -> bytes:
+    """Cohere's EmbedByTypeResponse as JSON bytes: per type asked for (v2's default: float), every vector in it
+    (`quantize`, `b64_rows`). v1 without `embedding_types` answers its EmbeddingsFloatsEmbedResponse: a list of
+    float vectors."""
+    floats = np.ascontiguousarray(vectors, np.float32)
+    if not types and version == "1":
+        embeddings, kind = floats, "embeddings_floats"
+    else:
+        embeddings = {t: floats if t == "float" else b64_rows(vectors) if t == "base64" else quantize(vectors, t)
+                      for t in types or ("float",)}
+        kind = "embeddings_by_type"
     return orjson.dumps({"id": uuid.uuid4().hex, "embeddings": embeddings, "texts": texts,
-                         "meta": {"api_version": {"version": "2"}, "billed_units": {"input_tokens": tokens}},
-                         "response_type": "embeddings_by_type"}, option=orjson.OPT_SERIALIZE_NUMPY)
+                         "meta": {"api_version": {"version": version}, "billed_units": {"input_tokens": tokens}},
+                         "response_type": kind}, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
 @dataclasses.dataclass(frozen=True)

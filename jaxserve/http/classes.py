@@ -92,7 +92,8 @@ def _deadline(value, where: str) -> float:
 
 
 # Paths that serve one route: a `--route-priority` ceiling set on any of them holds on each
-SAME_ROUTE = (("/v1/embeddings", "/embeddings"), ("/score", "/v1/score"), ("/", "/invocations"))
+SAME_ROUTE = (("/v1/embeddings", "/embeddings"), ("/score", "/v1/score"), ("/", "/invocations"),
+              ("/v2/embed", "/v1/embed"))
 
 
 def route_ceilings(given: dict[str, str]) -> dict[str, str]:

@@ -190,7 +190,7 @@ def spec(version: str) -> dict:
                 "type": "object", "required": ["text_1", "text_2"], "properties": {
                     "text_1": TEXTS, "text_2": TEXTS, "model": {"type": "string"}, **INSTRUCTION}}, {"type": "object"})
                for path in ("/score", "/v1/score")},
-            "/v2/embed": _post("Cohere's v2 embed: float, int8, uint8, binary, ubinary and base64 embeddings", {
+            **{path: _post(f"Cohere's {version} embed: float, int8, uint8, binary, ubinary and base64 embeddings", {
                 "type": "object", "required": ["texts"], "properties": {
                     "texts": {"type": "array", "items": {"type": "string"}, "minItems": 1},
                     "model": {"type": "string"},
@@ -200,7 +200,7 @@ def spec(version: str) -> dict:
                                                                    "enum": list(COHERE_EMBEDDING_TYPES)}},
                     "output_dimension": {"type": "integer", "minimum": 1},
                     "truncate": {"type": "string", "enum": ["NONE", "START", "END"]}}},
-                {"type": "object"}, COHERE_ERROR),
+                {"type": "object"}, COHERE_ERROR) for path, version in (("/v2/embed", "v2"), ("/v1/embed", "v1"))},
             "/v2/rerank": _post("Cohere's v2 rerank", {
                 "type": "object", "required": ["query", "documents"], "properties": {
                     "query": {"type": "string", "minLength": 1}, "model": {"type": "string"},

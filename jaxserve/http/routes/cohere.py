@@ -1,9 +1,11 @@
-"""Cohere's v2 API, as the `cohere` SDK (`ClientV2.embed`, `ClientV2.rerank`) calls it; errors in Cohere's shape
-(`{"id", "message"}`: the middleware writes them, `api.ApiError.cohere`).
+"""Cohere's v2 API, as the `cohere` SDK (`ClientV2.embed`, `ClientV2.rerank`) calls it, and v1's embed (`Client.embed`,
+which langchain-cohere's `CohereEmbeddings` calls); errors in Cohere's shape (`{"id", "message"}`: the middleware
+writes them, `api.ApiError.cohere`). v1's rerank (`Client.rerank`) is vLLM's `/v1/rerank`, whose answer it reads.
 
 - `POST /v2/embed`: an embedding model's vectors in any of Cohere's embedding types at once (`api.quantize`),
   `input_type` read as the checkpoint's prompt (`api.cohere_prompt`), `output_dimension` limited to the
   checkpoint's Matryoshka dimensions where config.json declares them (`EmbeddingConfig.matryoshka_dimensions`).
+  `POST /v1/embed` the same, answering v1's float vectors where no `embedding_types` is asked for.
 - `POST /v2/rerank`: relevance scores, best first: a cross-encoder's probability (sigmoid of its logit, TEI's
   /rerank score), an embedding model's cosine of query (input_type search_query) and document (search_document)
   as vLLM scores them, a multi-vector model's MaxSim (its /rerank score).
@@ -34,7 +36,7 @@ from jaxserve.http.routes import multivector as multivector_routes
 from jaxserve.http.routes import tei as tei_routes
 from jaxserve.http.state import DICT_FLOATS, STATE, AppState
 
-PATHS = ("/v2/embed", "/v2/rerank")
+PATHS = ("/v2/embed", "/v2/rerank", "/v1/embed")
 
 
 def _prompt_names(state: AppState) -> list[str]:
@@ -42,9 +44,17 @@ def _prompt_names(state: AppState) -> list[str]:
 
 
 async def embed(request: web.Request) -> web.Response:
+    return await _embed(request, "2")
+
+
+async def embed_v1(request: web.Request) -> web.Response:
+    return await _embed(request, "1")
+
+
+async def _embed(request: web.Request, version: str) -> web.Response:
     state = request.app[STATE]
     state.require_ready()
-    require_kind(state, "embedding", "/v2/embed")
+    require_kind(state, "embedding", request.path)
     body = await json_body(request)
     ask = ask_for(request, body)
     enc = state.encoder
@@ -52,8 +62,8 @@ async def embed(request: web.Request) -> web.Response:
         body, state.limits, enc.dim, state.config.long, _prompt_names(state), enc.tokenizer.max_length,
         enc.embedding_config.matryoshka_dimensions))
     ran = await run_request(state, lambda: embedding_pieces(state, req), ask=ask, inputs=req.count)
-    encoded, _ = await respond(state, lambda: api.cohere_embed_body(vectors_of(ran, req), types, req.texts, ran.tokens),
-                               ran.floats * len(types))
+    encoded, _ = await respond(state, lambda: api.cohere_embed_body(vectors_of(ran, req), types, req.texts, ran.tokens,
+                                                                    version), ran.floats * max(len(types), 1))
     return bytes_response(encoded)
 
 
@@ -111,4 +121,5 @@ SCORERS = {"reranker": _cross_encoder, "embedding": _cosine, "multivector": _max
 
 def add_routes(app: web.Application) -> None:
     app.router.add_post("/v2/embed", embed)
+    app.router.add_post("/v1/embed", embed_v1)
     app.router.add_post("/v2/rerank", rerank)
