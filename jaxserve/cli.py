@@ -393,7 +393,7 @@ def build_parser() -> argparse.ArgumentParser:
     prompts.add_argument("--default-prompt", help="prompt text for requests that name none")
     serve.add_argument("--token-ids", default="openai", choices=["openai", "model"],
                        help="token-id inputs on /v1/embeddings: OpenAI's tokenizer's ids (tiktoken, what OpenAI's and "
-                            "LangChain's clients send), or this model's own vocabulary")
+                            "LangChain's clients send), or this model's own sequences, run as given (vLLM's)")
     serve.add_argument("--embed-all", default=True, action=argparse.BooleanOptionalAction,
                        help="compile token outputs for TEI's /embed_all (one more shape per seqlen)")
     serve.add_argument("--default-priority", choices=("auto", "interactive", "bulk"), default="auto",

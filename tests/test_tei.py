@@ -166,11 +166,37 @@ async def test_openai_token_ids_are_read_as_openais_tokenizer_unless_told_otherw
     got = await (await client.post("/v1/embeddings", json={"input": ids, "encoding_format": "float"})).json()
     np.testing.assert_allclose([d["embedding"] for d in got["data"]], enc.embed(TEXTS, normalize=True), atol=1e-5)
     model_ids = await make_server(enc, token_ids="model")
-    own = [[int(t) for t in s[1:-1]] for s in enc.tokenizer.encode(TEXTS)]  # bodies in the model's own vocabulary
+    own = [[int(t) for t in s] for s in enc.tokenizer.encode(TEXTS)]  # the model's own sequences, as vLLM reads them
     got = await (await model_ids.post("/v1/embeddings", json={"input": own, "encoding_format": "float"})).json()
     np.testing.assert_allclose([d["embedding"] for d in got["data"]], enc.embed(TEXTS, normalize=True), atol=1e-5)
+    assert got["usage"]["prompt_tokens"] == sum(map(len, own))  # the ids sent, no special token added
     refused = await model_ids.post("/v1/embeddings", json={"input": [[1, 10**5]]})
     assert refused.status == 400 and "outside the vocabulary" in (await refused.json())["error"]["message"]
+
+
+async def test_token_ids_run_as_given_as_teis_embed_runs_them(make_server, embedder):
+    """Ids from /tokenize (with their [CLS] ... [SEP]) embed as their text: they were wrapped in a second [CLS] ...
+    [SEP]. Bodies alone run without special tokens, as TEI runs them. A list over the model's limit is cut at the
+    `truncation_direction` end (`truncate`), else refused; with a prompt, the ids are read as their text (special
+    tokens dropped) and the prompt put in front, as TEI does."""
+    _, enc = embedder
+    client = await make_server(enc)
+    tokens = await (await client.post("/tokenize", json={"inputs": TEXTS})).json()
+    ids = [[t["id"] for t in seq] for seq in tokens]
+    got = await (await client.post("/embed", json={"inputs": ids})).json()
+    np.testing.assert_allclose(got, enc.embed(TEXTS, normalize=True), atol=1e-5)
+    (body,) = await (await client.post("/embed", json={"inputs": [ids[1][1:-1]]})).json()
+    assert not np.allclose(body, got[1], atol=1e-3)  # no [CLS] or [SEP] added
+    limit = enc.tokenizer.max_length
+    long = (ids[1] * limit)[: limit + 5]
+    for direction, kept in (("Right", long[:limit]), ("Left", long[-limit:])):
+        cut = await client.post("/embed", json={"inputs": [long], "truncation_direction": direction})
+        want = await (await client.post("/embed", json={"inputs": [kept]})).json()
+        np.testing.assert_allclose(await cut.json(), want, atol=1e-5)
+    refused = await client.post("/embed", json={"inputs": [long], "truncate": False})
+    assert refused.status == 422 and f"limit of {limit}" in (await refused.json())["error"]
+    prompted = await (await client.post("/embed", json={"inputs": [ids[0][1:-1]], "prompt": "the query "})).json()
+    np.testing.assert_allclose(prompted, enc.embed(TEXTS[:1], prompt="the query "), atol=1e-5)
 
 
 async def test_openai_token_ids_never_make_the_server_fetch_an_encoding(make_server, embedder, monkeypatch, tmp_path):

@@ -8,6 +8,7 @@ from tokenizers import Tokenizer, normalizers, pre_tokenizers
 
 from jaxserve.checkpoint import loader
 from jaxserve.checkpoint.tokenize import TextTokenizer
+from jaxserve.errors import InputError, TooLongError
 
 MAX_LEN = 64  # short, so that truncation is reached too
 
@@ -150,3 +151,58 @@ def test_flat_ids_lengths_and_offsets(minilm_tokenizers):
     assert pieces.tokens == int(pieces.lengths.sum()) == len(pieces.ids)
     one = tok.documents(texts[1:2])  # a query's piece, made without numpy's calls
     assert one.tokens == int(one.lengths.sum()) == len(ref.encode(texts[1]).ids)
+
+
+@pytest.fixture(scope="module")
+def metaspace(tmp_path_factory) -> TextTokenizer:
+    """A SentencePiece-style tokenizer (Unigram, Metaspace), where "query: " alone ends in a lone "▁" that the
+    prompt and its text joined do not have (multilingual-e5's and EmbeddingGemma's prompts end in a space)."""
+    from tokenizers import AddedToken, models, processors
+
+    scores = {"<s>": 0.0, "</s>": 0.0, "<unk>": 0.0, "▁query": -1.0, ":": -1.0, "▁": -2.0, "▁hello": -1.0,
+              "hello": -1.5, "▁world": -1.0, **dict.fromkeys("queryhlowd", -5.0)}
+    tok = Tokenizer(models.Unigram(list(scores.items()), unk_id=2))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
+    tok.add_special_tokens([AddedToken(t, special=True) for t in ("<s>", "</s>", "<unk>")])
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A </s>", special_tokens=[("<s>", 0), ("</s>", 1)])
+    path = tmp_path_factory.mktemp("metaspace")
+    tok.save(str(path / "tokenizer.json"))
+    return TextTokenizer.from_dir(path, 12)
+
+
+def test_a_prompt_is_joined_with_its_text_before_tokenizing_in_every_mode(metaspace):
+    """Refusing (`error`, TEI's `truncate: false`) and chunking tokenized the prompt apart from the text, which a
+    Metaspace tokenizer reads differently from the two joined (['▁query', ':', '▁', '▁hello'] for ['▁query', ':',
+    '▁hello']): every mode now gives the truncate path's ids, sentence-transformers' and TEI's."""
+    tok = metaspace
+    tokens = lambda seq: [tok.tokenizer.id_to_token(int(i)) for i in seq]
+    joined = ["<s>", "▁query", ":", "▁hello", "▁world", "</s>"]
+    for long in ("truncate", "error", "chunk"):
+        assert [tokens(s) for s in tok.documents(["hello world"], long, prompt="query: ").seqs] == [joined], long
+    # a long text: the first window as the joined text tokenizes, every later one starting with the prompt's tokens
+    windows = [tokens(s) for s in tok.documents(["hello world" + " world" * 20], "chunk", overlap=2,
+                                                prompt="query: ").seqs]
+    assert windows[0] == ["<s>", "▁query", ":", "▁hello"] + ["▁world"] * 7 + ["</s>"]
+    assert len(windows) > 2 and all(w[:3] == ["<s>", "▁query", ":"] and w[3:-1] == ["▁world"] * 8 and w[-1] == "</s>"
+                                    for w in windows[1:])
+    with pytest.raises(InputError, match="the prompt has 10 tokens"):
+        tok.documents(["hello"], "chunk", prompt="query: " * 5)
+
+
+def test_token_ids_run_as_given(minilm_tokenizers):
+    """Token-id inputs are whole sequences (TEI's /embed and vLLM's meaning): none added to, cut at their
+    `direction` end or refused; chunked, each window keeps the [CLS] and [SEP] they came with, so a text's own
+    ids chunk as the text does."""
+    tok, _ = minilm_tokenizers
+    text = "the quick brown fox jumps over the lazy dog " * 20
+    (full,) = tok.encode_bodies([text])
+    ids = np.concatenate([tok.prefix, full, tok.suffix]).astype(np.int32)
+    short = ids[:10]
+    assert ids_of(tok.given([short])) == [short.tolist()]
+    assert ids_of(tok.given([ids])) == [ids[:MAX_LEN].tolist()]
+    assert ids_of(tok.given([ids], direction="left")) == [ids[-MAX_LEN:].tolist()]
+    assert ids_of(tok.given([ids], "chunk")) == ids_of(tok.documents([text], "chunk"))
+    assert ids_of(tok.given([full], "chunk"))[0] == full[:MAX_LEN].tolist()  # no template: none added
+    with pytest.raises(TooLongError, match=f"input 1 has {len(ids)} tokens, over the model's limit of {MAX_LEN}"):
+        tok.given([short, ids], "error")
+    assert tok.given([short, ids]).tokens == 10 + MAX_LEN  # usage: the ids run

@@ -214,21 +214,27 @@ class TextTokenizer:
                   prompt: str | None = None, direction: str = "right") -> Pieces:
         """Texts -> model sequences: a long one truncated (one tokenizer call), split into windows, or refused.
 
-        `prompt` goes in front of every text, as sentence-transformers puts it: the
-        strings joined before tokenizing, so its tokens count toward the length limit.
-        In chunk mode every window starts with the prompt's tokens. `direction`: which end truncation cuts."""
+        `prompt` goes in front of every text, as sentence-transformers and TEI put it: the
+        strings joined before tokenizing, in every mode, so its tokens count toward the length
+        limit and are the ids truncation gives. In chunk mode every window starts with the
+        prompt's tokens as they came out of the joined text. `direction`: which end truncation cuts."""
         if long not in LONG_MODES:
             raise InputError(f"unknown long-input mode {long!r}; choose from {', '.join(LONG_MODES)}")
+        if prompt:
+            texts = [prompt + t for t in texts]
         if long == "truncate":
-            if prompt:
-                texts = [prompt + t for t in texts]
             ids, offsets, _ = flat_ids(self._encoded(texts, direction))
             n = len(texts)
             if n == 1:  # one text (a query's): its document and weight without four numpy calls
                 return Pieces(ids, offsets, FIRST_DOC, np.array([float(max(len(ids) - self.num_special, 1))]))
             lengths = offsets[1:] - offsets[:-1]
             return Pieces(ids, offsets, np.arange(n), np.maximum(lengths - self.num_special, 1).astype(float))
-        return self.pieces(self.encode_bodies(texts), long, overlap, prompt, direction)
+        if not prompt or long == "error":
+            return self.pieces(self.encode_bodies(texts), long, overlap, direction)
+        encodings = self._encoded(texts, "whole", fast=False, special=False)
+        within = lambda offset: offset[1] <= len(prompt)  # a token wholly inside the prompt's characters
+        heads = [sum(1 for _ in itertools.takewhile(within, e.offsets)) for e in encodings]
+        return self.pieces([np.asarray(e.ids, np.int32) for e in encodings], long, overlap, direction, heads)
 
     def pairs(self, inputs: list, truncate: bool = True, direction: str = "right") -> Pieces:
         """Texts (one sequence each) and (text, text) pairs ([CLS] a [SEP] b [SEP], token types 0 then 1), mixed.
@@ -247,44 +253,62 @@ class TextTokenizer:
         return Pieces(ids, offsets, np.arange(n), np.ones(n), types)
 
     def pieces(self, bodies: list[np.ndarray], long: str = "truncate", overlap: int = DEFAULT_CHUNK_OVERLAP,
-               prompt: str | None = None, direction: str = "right") -> Pieces:
+               direction: str = "right", heads: list[int] | None = None) -> Pieces:
         """Document bodies (no special tokens) -> model sequences, a long one truncated (cutting the
-        `direction` end), windowed or refused; each starts with `prompt`'s tokens."""
+        `direction` end), windowed or refused. `heads[i]`: how many of body i's first tokens (a prompt's)
+        start every window and are never cut."""
         if long not in LONG_MODES:
             raise InputError(f"unknown long-input mode {long!r}; choose from {', '.join(LONG_MODES)}")
-        if prompt:
-            head = np.asarray(self.tokenizer.encode(prompt, add_special_tokens=False).ids, np.int32)
-            if len(head) >= self.max_body:
-                raise InputError(f"the prompt has {len(head)} tokens, leaving no room for text within "
-                                 f"the model's limit of {self.max_length}")
-            return self._prefixed(bodies, head, long, overlap, direction)
         seqs, doc, weight = [], [], []
-        w = self.max_body
         for i, body in enumerate(bodies):
-            n = len(body)
-            if n <= w or long == "truncate":
-                starts = [0 if direction == "right" else max(0, n - w)]
-            elif long == "error":
-                raise TooLongError(
-                    f"input {i} has {n + self.num_special} tokens, over the model's limit of {self.max_length} "
-                    "(allow truncation or chunking)"
-                )
-            else:
-                stride = max(1, w - min(overlap, w // 2))
-                starts = list(range(0, n - w, stride)) + [n - w]
-            for s in starts:
-                window = body[s : s + w]
-                seqs.append(self.wrap(window))
+            h = 0 if heads is None else heads[i]
+            if h >= self.max_body:
+                raise InputError(f"the prompt has {h} tokens, leaving no room for text within the model's limit "
+                                 f"of {self.max_length}")
+            head, rest = body[:h], body[h:]
+            for s, e in _windows(len(rest), self.max_body - h, long, overlap, direction, i, len(body) + self.num_special,
+                                 self.max_length):
+                seqs.append(self.wrap(np.concatenate([head, rest[s:e]])))
                 doc.append(i)
-                weight.append(max(len(window), 1))
+                weight.append(max(e - s, 1))
         return from_sequences(seqs, np.asarray(doc, np.int64), np.asarray(weight, np.float64))
 
-    def _prefixed(self, bodies: list[np.ndarray], head: np.ndarray, long: str, overlap: int, direction: str) -> Pieces:
-        """`pieces` with `head` (a prompt's tokens) in front of every window, counted in its width."""
-        narrower = dataclasses.replace(self, max_length=self.max_length - len(head))
-        plain = narrower.pieces(bodies, long, overlap, direction=direction)
-        seqs = [np.concatenate([s[: len(self.prefix)], head, s[len(self.prefix):]]) for s in plain.seqs]
-        return from_sequences(seqs, plain.doc, plain.weight)
+    def given(self, inputs: list[np.ndarray], long: str = "truncate", overlap: int = DEFAULT_CHUNK_OVERLAP,
+              direction: str = "right") -> Pieces:
+        """Token-id inputs -> model sequences, the ids used as given, as TEI's /embed and vLLM use them: no special
+        tokens added, so ids from a /tokenize keep their own [CLS] ... [SEP], once. One over the model's limit is
+        cut at its `direction` end as TEI's tokenizer cuts it (a special token there goes too), refused, or
+        (chunk) windowed between the template's special tokens it starts and ends with, which every window keeps."""
+        if long not in LONG_MODES:
+            raise InputError(f"unknown long-input mode {long!r}; choose from {', '.join(LONG_MODES)}")
+        seqs, doc, weight = [], [], []
+        for i, ids in enumerate(inputs):
+            n = len(ids)
+            lead = len(self.prefix) if long == "chunk" and tuple(ids[: len(self.prefix)]) == self.prefix else 0
+            trail = len(self.suffix) if (long == "chunk" and n - lead >= len(self.suffix)
+                                         and tuple(ids[n - len(self.suffix):]) == self.suffix) else 0
+            head, body, tail = ids[:lead], ids[lead:n - trail], ids[n - trail:]
+            for s, e in _windows(len(body), self.max_length - lead - trail, long, overlap, direction, i, n,
+                                 self.max_length):
+                seqs.append(np.concatenate([head, body[s:e], tail]))
+                doc.append(i)
+                weight.append(max(e - s, 1))
+        return from_sequences(seqs, np.asarray(doc, np.int64), np.asarray(weight, np.float64))
+
+
+def _windows(n: int, width: int, long: str, overlap: int, direction: str, i: int, tokens: int,
+             limit: int) -> list[tuple[int, int]]:
+    """(start, end) of the windows of `width` that `long` cuts from n body tokens: one (truncated at the
+    `direction` end), several overlapping by `overlap` (at most half a window), or a TooLongError naming
+    input `i` of `tokens` tokens over the model's `limit`."""
+    if n <= width or long == "truncate":
+        s = 0 if direction == "right" else max(0, n - width)
+        return [(s, min(n, s + width))]
+    if long == "error":
+        raise TooLongError(f"input {i} has {tokens} tokens, over the model's limit of {limit} "
+                           "(allow truncation or chunking)")
+    stride = max(1, width - min(overlap, width // 2))
+    return [(s, s + width) for s in [*range(0, n - width, stride), n - width]]
 
 
 def openai_token_texts(token_ids: list[np.ndarray], model: str | None) -> list[str]:

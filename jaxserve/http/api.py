@@ -81,7 +81,7 @@ class Limits:
 @dataclasses.dataclass(frozen=True)
 class EmbedRequest:
     texts: list[str] | None  # either texts ...
-    token_ids: list[np.ndarray] | None  # ... or pre-tokenized bodies (no special tokens)
+    token_ids: list[np.ndarray] | None  # ... or token ids: whole model sequences, run as given
     long: str  # truncate | chunk | error
     normalize: bool = True
     dimensions: int | None = None

@@ -282,7 +282,9 @@ def embedding_pieces(state: AppState, req: EmbedRequest, openai_ids: bool = Fals
 
     Token ids are the model's own vocabulary (TEI), except on OpenAI's route with
     `--token-ids openai` (the default), where they are OpenAI's tokenizer's ids,
-    decoded to text first (`openai_token_texts`)."""
+    decoded to text first (`openai_token_texts`). The model's own ids run as given
+    (`TextTokenizer.given`), or with a prompt, as TEI runs them: decoded without their
+    special tokens, the prompt put in front of the text, and tokenized as text."""
     enc = state.encoder
     tok = enc.tokenizer
     prompt = request_prompt(state, req)
@@ -294,7 +296,9 @@ def embedding_pieces(state: AppState, req: EmbedRequest, openai_ids: bool = Fals
         for i, ids in enumerate(token_ids):
             if ids.max() >= vocab:
                 raise InputError(f"input {i} has token id {int(ids.max())}, outside the vocabulary of {vocab}")
-        return tok.pieces(token_ids, req.long, prompt=prompt, direction=req.direction)
+        if not prompt:
+            return tok.given(token_ids, req.long, direction=req.direction)
+        texts = tok.tokenizer.decode_batch([ids.tolist() for ids in token_ids], skip_special_tokens=True)
     return tok.documents(texts, req.long, prompt=prompt, direction=req.direction)
 
 
