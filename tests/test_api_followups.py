@@ -111,3 +111,19 @@ def test_input_type_reaches_the_served_tasks_prompt_and_not_another_tasks():
     assert emb.prompt(api.cohere_prompt("search_query", names)) == JINA_V3_PROMPTS["retrieval.query"]
     with pytest.raises(InputError, match="'retrieval.passage' is the prompt of another task adapter"):
         emb.prompt(api.cohere_prompt("search_document", names))
+
+
+def test_predict_holds_a_plain_text_to_the_input_limit():
+    """/predict checked the length of a pair's texts only: a plain text of any length was accepted."""
+    for inputs in ("x" * 1001, ["x" * 1001], [["x" * 1001]], ["ok", "x" * 1001, "ok"]):
+        with pytest.raises(ApiError, match="over 1000 characters") as err:
+            api.parse_predict({"inputs": inputs}, LIMITS, True)
+        assert err.value.status == 413 and err.value.tei() == (422, {"error": err.value.message, "error_type": "Validation"})
+    assert api.parse_predict({"inputs": ["x" * 1000, "y"]}, LIMITS, True).inputs == [("x" * 1000, "y")]
+    assert api.parse_predict({"inputs": ["ok", ["a"], "b"]}, LIMITS, True).inputs == ["ok", "a", "b"]
+
+
+def test_a_wrong_multivector_encoding_format_is_shown_cut_short():
+    with pytest.raises(ApiError) as err:
+        api.parse_multivector_embeddings({"input": "x", "encoding_format": "b" * 200_000}, LIMITS)
+    assert err.value.status == 400 and len(err.value.message) < 300

@@ -250,6 +250,15 @@ def test_ask_parsing_and_defaults():
     assert decide(Ask(INTERACTIVE, source="body"), 2, INTERACTIVE_MAX_TOKENS + 1) == (BULK, "size")
 
 
+@pytest.mark.parametrize("body", [{"priority": "s" * 200_000}, {"priority": [1] * 100_000}, {"deadline_ms": "9" * 200_000 + "x"},
+                                  {"deadline_ms": [[[]]] * 50_000}])
+def test_a_wrong_priority_or_deadline_is_shown_cut_short(body):
+    """The value was echoed whole (a 200 KB 400 body), as docs/api.md says it never is."""
+    with pytest.raises(ApiError) as err:
+        ask_of(body, {})
+    assert err.value.status == 400 and len(err.value.message) < 300
+
+
 def test_a_deadline_is_never_shorter_than_the_floor():
     """A client cannot always jump to the front of its class with ever-shorter deadlines."""
     assert ask_of({"deadline_ms": 0.001}, {}).deadline_ms == MIN_DEADLINE_MS

@@ -201,7 +201,7 @@ def parse_multivector_embeddings(body, limits: Limits) -> tuple[list[str], str]:
             "its vectors are per token, and `is_query` picks the query or document marker")
     fmt = body.get("encoding_format")
     if fmt not in (None, "float"):
-        raise ApiError(400, f"a multi-vector model's embeddings are float lists: `encoding_format` {fmt!r} is not "
+        raise ApiError(400, f"a multi-vector model's embeddings are float lists: `encoding_format` {_show(fmt)} is not "
                             "supported")
     return texts, "query" if _bool(body, "is_query", True) else "document"
 
@@ -391,12 +391,12 @@ class ClassifyRequest:
 
 
 def _pair_or_text(x, field: str, limits: Limits):
-    if isinstance(x, str):
-        return x
-    if isinstance(x, list) and len(x) in (1, 2) and all(isinstance(s, str) for s in x):
-        if any(len(s) > limits.max_input_chars for s in x):
+    """A /predict input, a text or a [text, text] pair, each text within `--max-input-chars`."""
+    texts = [x] if isinstance(x, str) else x
+    if isinstance(texts, list) and len(texts) in (1, 2) and all(isinstance(s, str) for s in texts):
+        if any(len(s) > limits.max_input_chars for s in texts):
             raise ApiError(413, f"`{field}` has over {limits.max_input_chars} characters", "request_too_large")
-        return x[0] if len(x) == 1 else (x[0], x[1])
+        return x if isinstance(x, str) else texts[0] if len(texts) == 1 else (texts[0], texts[1])
     raise ApiError(400, f"`{field}` must be a string or a [text, text] pair")
 
 

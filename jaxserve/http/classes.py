@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from jaxserve.http.api import ApiError
+from jaxserve.http.api import ApiError, _show
 from jaxserve.scheduling.batcher import BULK, CLASSES, INTERACTIVE
 
 INTERACTIVE_MAX_SEQUENCES = 8  # at most this many sequences (after chunking) may run as interactive ...
@@ -67,7 +67,7 @@ DEFAULT_POLICY = Policy()
 
 def _class(value, where: str) -> int:
     if isinstance(value, bool):
-        raise ApiError(400, f"`{where}` must be an integer or one of {list(CLASSES)}, not {value!r}")
+        raise ApiError(400, f"`{where}` must be an integer or one of {list(CLASSES)}, not {_show(value)}")
     if isinstance(value, str):
         name = value.strip().lower()
         if name in CLASSES:
@@ -75,10 +75,10 @@ def _class(value, where: str) -> int:
         try:
             value = int(name)
         except ValueError:
-            raise ApiError(400, f"`{where}` must be an integer or one of {list(CLASSES)}, not {value!r}") from None
+            raise ApiError(400, f"`{where}` must be an integer or one of {list(CLASSES)}, not {_show(value)}") from None
     if isinstance(value, int):
         return INTERACTIVE if value <= 0 else BULK  # vLLM: lower is earlier, 0 the default
-    raise ApiError(400, f"`{where}` must be an integer or one of {list(CLASSES)}, not {value!r}")
+    raise ApiError(400, f"`{where}` must be an integer or one of {list(CLASSES)}, not {_show(value)}")
 
 
 def _deadline(value, where: str) -> float:
@@ -87,7 +87,7 @@ def _deadline(value, where: str) -> float:
     except (TypeError, ValueError):
         ms = math.nan
     if isinstance(value, bool) or not math.isfinite(ms) or ms <= 0:
-        raise ApiError(400, f"`{where}` must be a positive number of milliseconds, not {value!r}")
+        raise ApiError(400, f"`{where}` must be a positive number of milliseconds, not {_show(value)}")
     return max(ms, MIN_DEADLINE_MS)
 
 
