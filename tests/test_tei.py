@@ -80,6 +80,19 @@ async def test_decode_and_tokenize_round_trip(make_server, embedder):
     assert [t["id"] for t in tokens[0]] == ids[0]
 
 
+async def test_tokenize_answers_byte_offsets_as_tei(make_server, embedder):
+    """TEI's /tokenize gives UTF-8 byte offsets (Rust's tokenizers); they were character offsets, the same in ASCII
+    only."""
+    _, enc = embedder
+    client = await make_server(enc)
+    for text in ("café x", "caf\U0001F600 x"):
+        (tokens,) = await (await client.post("/tokenize", json={"inputs": text})).json()
+        raw = text.encode()
+        words = [t for t in tokens if not t["special"]]
+        assert [raw[t["start"]:t["stop"]].decode() for t in words] == [t["text"] for t in words]
+        assert words[-1] == {**words[-1], "text": "x", "start": len(raw) - 1, "stop": len(raw)}
+
+
 async def test_left_truncation_keeps_the_end(make_server, embedder):
     _, enc = embedder
     client = await make_server(enc)

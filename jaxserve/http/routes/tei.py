@@ -11,6 +11,8 @@ Errors on these routes are TEI's `{"error", "error_type"}` with TEI's codes
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import orjson
 from aiohttp import web
@@ -197,16 +199,25 @@ async def _tokenize(state: AppState, body, ask: Ask = NO_ASK) -> web.Response:
     texts = [prompt + t for t in texts] if prompt else texts
 
     def tokens() -> bytes:  # per token Python objects: on a tokenizer thread
-        return orjson.dumps([
-            [
+        out = []
+        for text, e in zip(texts, tok.encode_batch(texts, add_special_tokens=add_special)):
+            at = _byte_offsets(text)
+            out.append([
                 {"id": tid, "text": token if special else text[a:b], "special": bool(special),
-                 "start": None if special else a, "stop": None if special else b}
+                 "start": None if special else at(a), "stop": None if special else at(b)}
                 for tid, token, (a, b), special in zip(e.ids, e.tokens, e.offsets, e.special_tokens_mask)
-            ]
-            for text, e in zip(texts, tok.encode_batch(texts, add_special_tokens=add_special))
-        ])
+            ])
+        return orjson.dumps(out)
 
     return bytes_response(await on_tokenizer(state, lambda: tokenized(tokens)))
+
+
+def _byte_offsets(text: str):
+    """Character offset -> UTF-8 byte offset in `text`: TEI's /tokenize answers the byte offsets of Rust's
+    tokenizers (core/src/tokenization.rs `into_tokens` slices the input's bytes), Python's gives characters."""
+    if text.isascii():
+        return lambda i: i
+    return list(itertools.accumulate((len(c.encode()) for c in text), initial=0)).__getitem__
 
 
 async def _decode(state: AppState, body, ask: Ask = NO_ASK) -> web.Response:
