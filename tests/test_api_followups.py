@@ -127,3 +127,20 @@ def test_a_wrong_multivector_encoding_format_is_shown_cut_short():
     with pytest.raises(ApiError) as err:
         api.parse_multivector_embeddings({"input": "x", "encoding_format": "b" * 200_000}, LIMITS)
     assert err.value.status == 400 and len(err.value.message) < 300
+
+
+def test_vllms_truncate_prompt_tokens_and_add_special_tokens_are_served_or_refused():
+    """vLLM's fields were ignored: a cut to N tokens, or no special tokens, answered 200 with the vectors of other
+    sequences. -1 (the model's limit) truncates there; anything else the server cannot do is a 400 naming it."""
+    parse = lambda **kw: api.parse_openai_embeddings({"input": "x", **kw}, LIMITS, 8, "error")
+    assert parse().long == "error" and parse(truncate_prompt_tokens=None, add_special_tokens=True).long == "error"
+    assert parse(truncate_prompt_tokens=-1).long == "truncate"
+    for kw, field in (({"truncate_prompt_tokens": 16}, "truncate_prompt_tokens"),
+                      ({"truncate_prompt_tokens": True}, "truncate_prompt_tokens"),
+                      ({"add_special_tokens": False}, "add_special_tokens")):
+        with pytest.raises(ApiError, match=f"`{field}`") as err:
+            parse(**kw)
+        assert err.value.status == 400
+    assert api.vllm_long({"truncate_prompt_tokens": -1}, "error") == "truncate"  # /v1/score, /score, /v1/rerank
+    with pytest.raises(ApiError, match="`truncate_prompt_tokens` 0"):
+        api.vllm_long({"truncate_prompt_tokens": 0}, "truncate")

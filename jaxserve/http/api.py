@@ -139,6 +139,21 @@ def _long_mode(body: dict, default: str) -> str:
     return long
 
 
+def vllm_long(body: dict, default: str) -> str:
+    """The long-input mode of a body with vLLM's `truncate_prompt_tokens` and `add_special_tokens` (its embeddings,
+    score and rerank requests): -1, the model's limit, truncates there, as this server truncates; any other cut
+    (vLLM keeps the first N tokens of a text and the last N of token ids) and `add_special_tokens: false` are
+    refused rather than dropped, which would answer 200 with the vectors of other sequences."""
+    cut = body.get("truncate_prompt_tokens")
+    if cut is not None and (cut != -1 or isinstance(cut, bool)):
+        raise ApiError(400, f"`truncate_prompt_tokens` {_show(cut)} is not supported: this server cuts inputs at the "
+                            "model's limit only (-1, or absent with truncation on)")
+    if body.get("add_special_tokens") not in (None, True):
+        raise ApiError(400, "`add_special_tokens` must be true: this server always adds the model's special tokens "
+                            "to a text")
+    return "truncate" if cut == -1 else default
+
+
 def _object(body) -> dict:
     if not isinstance(body, dict):
         raise ApiError(400, f"the request body must be a JSON object, not {type(body).__name__}")
@@ -188,8 +203,8 @@ def parse_openai_embeddings(body, limits: Limits, dim: int, default_long: str,
     fmt = body.get("encoding_format") or "float"
     if fmt not in ENCODING_FORMATS:
         raise ApiError(400, f"`encoding_format` must be one of {', '.join(ENCODING_FORMATS)}, not {_show(fmt)}")
-    return EmbedRequest(texts, ids, _long_mode(body, default_long), True, _dimensions(body, dim, declared), fmt,
-                        *_prompt(body, limits), model=model)
+    return EmbedRequest(texts, ids, _long_mode(body, vllm_long(body, default_long)), True,
+                        _dimensions(body, dim, declared), fmt, *_prompt(body, limits), model=model)
 
 
 def parse_multivector_embeddings(body, limits: Limits) -> tuple[list[str], str]:
