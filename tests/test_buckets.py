@@ -6,6 +6,7 @@ from hypothesis import strategies as st
 
 from jaxserve.dims import ModelDims
 from jaxserve.runtime.buckets import (
+    Bucket,
     BucketTable,
     derive,
     fine_ladder,
@@ -122,14 +123,28 @@ def test_json_round_trip(tmp_path):
 
 
 def test_table_rejects_unsorted_or_duplicate_shapes():
-    from jaxserve.runtime.buckets import Bucket
-
     with pytest.raises(ValueError, match="distinct and sorted"):
         BucketTable(buckets=(Bucket(4, 32), Bucket(4, 16)))
     with pytest.raises(ValueError, match="distinct and sorted"):
         BucketTable(buckets=(Bucket(4, 16), Bucket(4, 16)))
     with pytest.raises(ValueError, match="disagree on slots"):
         BucketTable(buckets=(Bucket(2, 16, slots=1), Bucket(4, 16, slots=2)))
+
+
+@pytest.mark.parametrize("bucket", [Bucket(0, 16), Bucket(4, 0), Bucket(4, 16, slots=0), Bucket(-1, 16)])
+def test_table_rejects_a_bucket_without_rows_tokens_or_slots(bucket):
+    """A table file's bucket of batch, seqlen or slots below 1 is refused when read (before: it loaded, and a
+    batch of 0 rows or a row of 0 slots failed at warmup or on the first request)."""
+    with pytest.raises(ValueError, match="at least 1"):
+        BucketTable(buckets=(bucket,))
+
+
+def test_table_rejects_slots_that_shrink_as_the_seqlen_grows():
+    """Routing takes the smallest seqlen whose rows hold a row's sequences, searching the slots as sorted: fewer
+    slots at a longer seqlen sent two sequences to a one-slot row (then the batcher failed forming its batch)."""
+    with pytest.raises(ValueError, match="must not decrease"):
+        BucketTable((Bucket(4, 16, 2), Bucket(4, 32, 1), Bucket(4, 64, 8)), layout="packed")
+    BucketTable((Bucket(4, 16, 2), Bucket(4, 32, 2), Bucket(4, 64, 8)), layout="packed")
 
 
 def test_batch_ladder_adds_halvings_that_fit():

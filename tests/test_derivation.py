@@ -1,11 +1,12 @@
 """The lazy derivation as pure code: each seqlen's ladder climbed to its knee, with fake compilers and clocks."""
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxserve.dims import ModelDims
 from jaxserve.runtime.buckets import Bucket, BucketTable, batch_fitter, batch_sizes, pays, throughput_knee
-from jaxserve.runtime.derivation import Climb, climb, climbs, table_of
+from jaxserve.runtime.derivation import Climb, TableOptions, climb, climbs, table_of
 
 DIMS = ModelDims(hidden=64, intermediate=256, heads=4)
 WEIGHTS = 10_000
@@ -140,3 +141,12 @@ def test_an_8b_model_over_the_budget_compiles_its_largest_bucket_once_more():
     candidates = [1, 4, 16, 64, 256, 1024, 4096, 16384]  # the token cap's batch last
     assert c.compiled == candidates + [14808] and [b.batch for b in c.kept] == candidates[:-1] + [14808]
     assert c.kept[-1].compiled_bytes <= budget < weights + per_row * 14816
+
+
+def test_table_options_sort_seqlens_and_refuse_non_positive_ones():
+    """Seqlens are put in order without repeats, and one below 1 refused, when the options are made: before, an
+    unsorted list climbed and compiled every bucket before the table refused its order, and 0 divided by zero."""
+    assert TableOptions(seqlens=(64, 16, 16, 32)).seqlens == (16, 32, 64)
+    for bad in ((0, 64), (16, -32), (16.5,), ("16",)):
+        with pytest.raises(ValueError, match="positive integers"):
+            TableOptions(seqlens=bad)

@@ -78,9 +78,16 @@ class BucketTable:
             raise ValueError("a bucket table needs at least one bucket")
         if shapes != sorted(set(shapes)):
             raise ValueError(f"bucket shapes must be distinct and sorted by (seqlen, batch), got {shapes}")
+        small = [b for b in self.buckets if min(b.batch, b.seqlen, b.slots) < 1]
+        if small:
+            raise ValueError(f"bucket batch, seqlen and slots must be at least 1, got {small[0]}")
         for s in set(b.seqlen for b in self.buckets):
             if len({b.slots for b in self.at(s)}) != 1:
                 raise ValueError(f"buckets at seqlen {s} disagree on slots")
+        slots = self.slots_by_seqlen
+        if any(a > b for a, b in zip(slots, slots[1:])):
+            raise ValueError(f"slots must not decrease as the seqlen grows (a longer row holds as many sequences "
+                             f"as a shorter one: routing relies on it), got {dict(zip(self.seqlens, slots))}")
 
     # The lookups below run per row on the request path: computed once per table (frozen, so they never go stale).
 
@@ -97,7 +104,7 @@ class BucketTable:
 
     @functools.cached_property
     def slots_by_seqlen(self) -> tuple[int, ...]:
-        """Per seqlen (ascending), the most sequences a row there holds."""
+        """Per seqlen (ascending), the most sequences a row there holds: never fewer at a longer seqlen."""
         return tuple(self._by_seqlen[s][-1].slots for s in self.seqlens)
 
     @property

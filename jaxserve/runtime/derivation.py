@@ -22,6 +22,7 @@ with fake timings.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Callable
 
 from jaxserve.dims import ModelDims
@@ -165,3 +166,15 @@ class TableOptions:
     batch_multiple: int | None = None
     batch_ladder: bool = True  # batches 1, 4, 16, ... below each seqlen's largest
     knee: bool = True  # stop each seqlen's climb at its throughput knee
+
+    def __post_init__(self):
+        """`seqlens` sorted and without repeats, each a positive int: checked here, before anything compiles (a
+        climb over unsorted seqlens compiled every bucket, then the table refused them)."""
+        if self.seqlens is not None:
+            try:
+                seqlens = tuple(sorted({operator.index(s) for s in self.seqlens}))
+            except TypeError:
+                seqlens = (0,)
+            if seqlens and seqlens[0] < 1:
+                raise ValueError(f"seqlens must be positive integers, got {tuple(self.seqlens)}")
+            object.__setattr__(self, "seqlens", seqlens)

@@ -118,7 +118,7 @@ def row_tokens(lengths: np.ndarray, members: np.ndarray, starts: np.ndarray) -> 
 def route(tokens: np.ndarray, docs: np.ndarray, table: BucketTable) -> np.ndarray:
     """[R] the smallest seqlen holding each row's tokens and documents (vectorised `table.pick`)."""
     seqlens = np.asarray(table.seqlens)
-    slots = np.maximum.accumulate(table.slots_by_seqlen)
+    slots = np.asarray(table.slots_by_seqlen)  # non-decreasing (the table checks): searchsorted takes it
     i = np.maximum(np.searchsorted(seqlens, tokens, side="left"), np.searchsorted(slots, docs, side="left"))
     if len(i) and i.max() >= len(seqlens):
         r = int(np.argmax(i >= len(seqlens)))
