@@ -5,6 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from jaxserve.errors import TooLongError
 from jaxserve.runtime.buckets import Bucket, BucketTable, fixed, geometric_ladder, slots_for
 from jaxserve.scheduling.planner import UNTIMED_PACK_WIDTH, cheapest_cover, pack, pack_width
 
@@ -77,8 +78,10 @@ def test_batch_ladder_covers_rows_cheaply():
 
 
 def test_too_long_sequence_is_an_error():
-    with pytest.raises(ValueError, match="no bucket holds 129 tokens"):
-        pack([129], TABLES["padded"])
+    """The input's error (a request's 400, 422 on TEI's routes), not a bug's 500."""
+    for lengths in ([129], [129, 3]):
+        with pytest.raises(TooLongError, match="no bucket holds 129 tokens"):
+            pack(lengths, TABLES["padded"])
 
 
 def test_slots_grow_with_seqlen():

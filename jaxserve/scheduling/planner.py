@@ -21,6 +21,7 @@ import functools
 
 import numpy as np
 
+from jaxserve.errors import TooLongError
 from jaxserve.runtime.buckets import Bucket, BucketTable, dispatch_s
 
 # Without measured times, a dispatch costs its tokens plus this many: fewer
@@ -76,14 +77,15 @@ class Rows:
 
 def pack(lengths, table: BucketTable, layout: str | None = None) -> Rows:
     """Rows for sequences of these lengths on this table (`layout` defaults to the table's), longest seqlen
-    first: the rows a batch takes of one request at several seqlens are then one slice of its tokens."""
+    first: the rows a batch takes of one request at several seqlens are then one slice of its tokens. A sequence
+    longer than the longest seqlen raises TooLongError: the input's fault (a request's 400), never a server's 500."""
     lengths = np.asarray(lengths, np.int64).reshape(-1)
     derived = _derived(table)
     width = derived.width if (layout or table.layout) == "packed" else None
     if len(lengths) == 1:  # one sequence (a query)
         return derived.query_rows(table, width, int(lengths[0]))
     if len(lengths) and lengths.max() > table.max_seqlen:
-        raise ValueError(f"no bucket holds {int(lengths.max())} tokens (largest seqlen {table.max_seqlen})")
+        raise TooLongError(f"no bucket holds {int(lengths.max())} tokens (largest seqlen {table.max_seqlen})")
     if width is None or not len(lengths):  # padded, or no sequences
         rows = None
         members = np.arange(len(lengths))
@@ -184,7 +186,7 @@ class _Derived:
         rows = self.queries.get((width, length))
         if rows is None:
             if length > table.max_seqlen:
-                raise ValueError(f"no bucket holds {length} tokens (largest seqlen {table.max_seqlen})")
+                raise TooLongError(f"no bucket holds {length} tokens (largest seqlen {table.max_seqlen})")
             arrays = (np.array([length]), np.zeros(1, np.int64), np.arange(2), np.array([table.pick(length).seqlen]))
             rows = self.queries[(width, length)] = Rows(*map(read_only, arrays), width)
         return rows
