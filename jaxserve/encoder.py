@@ -63,6 +63,18 @@ class Encoder(ModelView):
     model_config: ArchConfig = dataclasses.field(kw_only=True)
     last_dispatches: list = dataclasses.field(default_factory=list, repr=False, kw_only=True)  # the last `run`'s batches
 
+    def __post_init__(self):
+        """Every pooled table the engine installs fits this view's limits to it (`fit_to`): derived, given or a
+        warm artifact's, through `warmup`, `start` or a server; an engine that comes warm (a simulated one) now."""
+        if self.engine.table is not None:
+            self.fit_to(self.engine.table)
+        if hasattr(self.engine, "on_install"):  # one that installs tables (a simulated one never does)
+            self.engine.on_install = self._installed
+
+    def _installed(self, table: BucketTable, output: str) -> None:
+        if output == "pooled":
+            self.fit_to(table)
+
     @classmethod
     def from_pretrained(
         cls, name: str | None = None, dtype: str = "auto", buckets: BucketTable | str | Path | None = None,
@@ -206,8 +218,11 @@ class Encoder(ModelView):
         table's descriptive fields."""
         info = device.describe(o.device_memory)
         label = info.kind if o.device_memory is None else f"{info.kind} compiler, {o.device_memory} bytes given"
+        seqlens = list(o.seqlens) if o.seqlens else buckets.ladder(o.ladder, self.embedding_config.max_seq_length)
+        if self.colbert is not None:  # a query expansion past the seqlens is refused before anything compiles
+            multivector.within(self.colbert, seqlens[-1])
         bounds = dict(
-            seqlens=list(o.seqlens) if o.seqlens else buckets.ladder(o.ladder, self.embedding_config.max_seq_length),
+            seqlens=seqlens,
             budget_bytes=device.budget_bytes(info.memory_bytes, o.headroom),
             max_batch_tokens=o.max_batch_tokens or info.max_batch_tokens, max_batch=o.max_batch or info.max_batch,
             multiple=o.batch_multiple or info.batch_multiple, layout=o.layout, devices=self.engine.devices,
@@ -243,10 +258,8 @@ class Encoder(ModelView):
         and the model's artifacts pruned to the newest `keep` (default: --keep-artifacts')."""
         from jaxserve.runtime import artifact, startup
 
-        started = startup.start(self, table or TableOptions(), tokens, startup.cache_root(cache), progress=progress,
-                                keep=artifact.KEEP if keep is None else keep)
-        self.fit_to(started)
-        return started
+        return startup.start(self, table or TableOptions(), tokens, startup.cache_root(cache), progress=progress,
+                             keep=artifact.KEEP if keep is None else keep)
 
     def warm_table(self) -> BucketTable:
         """The table batches run at: the warm one, or (first use) one derived for this device and warmed now."""

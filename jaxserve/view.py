@@ -90,10 +90,16 @@ class ModelView:
     def fit_to(self, table: BucketTable) -> None:
         """Sequences no longer than the table's longest seqlen: a table derived at fewer seqlens than the model
         takes (`--seqlens 32,128` for a model of 256) makes its largest seqlen the limit that inputs are
-        truncated to (or refused at, `long="error"`), where they would otherwise fit no bucket."""
-        if table.max_seqlen < self.tokenizer.max_length:
-            self.tokenizer = dataclasses.replace(self.tokenizer, max_length=table.max_seqlen)
-            self.embedding_config = dataclasses.replace(self.embedding_config, max_seq_length=table.max_seqlen)
+        truncated to (or refused at, `long="error"`), where they would otherwise fit no bucket; a multi-vector
+        model's query and document lengths with them (`multivector.within`). An `Encoder` calls it for every
+        pooled table its engine installs."""
+        longest = table.max_seqlen
+        if self.colbert is not None:
+            self.colbert = multivector.within(self.colbert, longest)
+            self.__dict__.pop("_kind_tokenizers", None)  # made again from the lengths cut
+        if longest < self.tokenizer.max_length:
+            self.tokenizer = dataclasses.replace(self.tokenizer, max_length=longest)
+            self.embedding_config = dataclasses.replace(self.embedding_config, max_seq_length=longest)
 
     def multivector_pieces(self, texts: list[str], kind: str, long: str = "truncate",
                            prompt: str | None = None) -> Pieces:

@@ -58,6 +58,29 @@ def test_warmup_rejects_table_shorter_than_model(tiny_checkpoint):
         enc.warmup(fixed([(4, 32)]))
 
 
+def test_a_derived_table_shorter_than_the_model_truncates_however_it_is_installed(tiny_checkpoint, tmp_path):
+    """`--seqlens` below the model's 64 tokens: long inputs are cut to the longest seqlen whichever way the table
+    came, `warmup` (as `Encoder.embed`'s first use and `jaxserve explain`), a cold `start` or a warm artifact's
+    (before: only `start` and the server fitted the tokenizer; `warmup` left it at 64, and a long input fit no
+    bucket: ValueError)."""
+    from jaxserve.errors import TooLongError
+    from jaxserve.runtime.derivation import TableOptions
+
+    path = tiny_checkpoint()
+    options = TableOptions(seqlens=(16, 32), max_batch=4, batch_ladder=False)
+    long = "the " * 100
+    for start in ("warmup", "cold", "artifact"):
+        enc = Encoder.from_pretrained(str(path))
+        if start == "warmup":
+            enc.warmup(options)
+        else:
+            enc.start(options, cache=tmp_path)
+        assert enc.tokenizer.max_length == enc.embedding_config.max_seq_length == 32, start
+        np.testing.assert_allclose(enc.embed([long, "a"])[:1], enc.embed([texts_of_length(32)]), atol=1e-5)
+        with pytest.raises(TooLongError):
+            enc.embed([long], long="error")
+
+
 def test_derived_table_uses_xla_memory_analysis(tiny_checkpoint):
     enc = Encoder.from_pretrained(str(tiny_checkpoint()))
     weights = enc.engine.weights_bytes

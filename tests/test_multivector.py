@@ -478,3 +478,36 @@ def test_maxsim_in_blocks_matches_one_product_per_document(monkeypatch):
         np.testing.assert_allclose(multivector.maxsim(query, docs), want, rtol=1e-5)
         np.testing.assert_allclose(multivector.maxsim(query, docs, mean=True), want / len(query), rtol=1e-5)
     assert multivector.maxsim(query, []).shape == (0,)
+
+
+async def test_a_table_shorter_than_the_documents_truncates_them(make_server, st_model):
+    """Seqlens below the document length (48): documents are cut to the longest seqlen (32), in the Python API and
+    on the server's routes (before: the kinds' tokenizers kept 48, a long document fit no bucket: ValueError, a
+    500 on /v1/embeddings and a 424 on /rerank); queries keep their expansion to 16."""
+    from jaxserve.runtime.derivation import TableOptions
+
+    path, _ = st_model
+    enc = Encoder.from_pretrained(str(path), dtype="float32")
+    enc.warmup(TableOptions(seqlens=(16, 32), max_batch=4, batch_ladder=False))
+    assert enc.colbert.lengths == (QUERY_LENGTH, 32)
+    long = DOCUMENTS[2]  # 48 tokens and more
+    (doc,) = enc.embed_multivector([long], kind="document")
+    assert len(doc) <= 32 and len(enc.embed_multivector([long], kind="query")[0]) == QUERY_LENGTH
+    client = await make_server(enc)
+    resp = await client.post("/v1/embeddings", json={"input": [long], "is_query": False})
+    assert resp.status == 200
+    np.testing.assert_allclose(np.asarray((await resp.json())["data"][0]["embedding"], np.float32), doc, atol=1e-5)
+    assert (await client.post("/rerank", json={"query": "jax", "texts": [long, "x"]})).status == 200
+
+
+def test_a_query_expansion_past_the_table_is_refused_before_compiling(st_model):
+    """Queries padded to 16 tokens cannot be cut to a table of seqlen 8: refused when the table is derived."""
+    from jaxserve.runtime import compiles
+    from jaxserve.runtime.derivation import TableOptions
+
+    path, _ = st_model
+    enc = Encoder.from_pretrained(str(path), dtype="float32")
+    before = compiles.xla_compiles_total()
+    with pytest.raises(ValueError, match="expands every query to 16 tokens"):
+        enc.warmup(TableOptions(seqlens=(8,)))
+    assert compiles.xla_compiles_total() == before

@@ -164,6 +164,15 @@ def from_checkpoint(path: Path, tokenizer: TextTokenizer, hidden: int, default_l
                              exp_id, attend, skip, tuple(tasks), similarity)
 
 
+def within(mv: MultiVectorConfig, seqlen: int) -> MultiVectorConfig:
+    """`mv` for a table whose longest seqlen is `seqlen`: each kind truncated there. A query expansion pads
+    every query to its length, which no truncation shortens: past the table it is refused (ValueError)."""
+    if mv.expansion is not None and mv.expansion > seqlen:
+        raise ValueError(f"this model expands every query to {mv.expansion} tokens, past the bucket table's "
+                         f"longest seqlen {seqlen}: give seqlens reaching {mv.expansion}")
+    return dataclasses.replace(mv, lengths=tuple(min(n, seqlen) for n in mv.lengths))
+
+
 def _document_prompt(prompts: dict) -> str | None:
     """encode_document's default prompt: the first of document / passage / corpus the checkpoint has."""
     return next((prompts[k] for k in ("document", "passage", "corpus") if k in prompts), None)

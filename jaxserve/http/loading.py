@@ -51,12 +51,10 @@ def start_engine(cfg: ServerConfig, enc: Encoder, started: startup.Startup) -> B
         started.source = {"source": "given"}
         if tokens and "tokens" not in enc.engine.tables:
             enc.warmup_tokens(progress=True)
-        enc.fit_to(enc.engine.table)
         return enc.engine.table
     spec = BucketTable.load(cfg.buckets) if cfg.buckets != "auto" else cfg.table_options
     cache = startup.cache_root(cfg.cache_dir) if cfg.use_cache else None
     table = startup.start(enc, spec, tokens, cache, started, progress=True, keep=cfg.keep_artifacts)
-    enc.fit_to(table)
     log.info("start-up: %s; table %s", started.summary(), started.source.get("source"))
     return table
 

@@ -128,6 +128,9 @@ class Engine:
         self._attention: dict[tuple[int, int, int, str], Attention] = {}
         self._lock = threading.Lock()
         self.tables: dict[str, BucketTable] = {}  # per output, the warmed table
+        # told of every table installed, however it came (derived, given, a warm artifact's): the encoder fits
+        # its tokenizer's limits to the pooled one (`ModelView.fit_to`)
+        self.on_install: Callable[[BucketTable, str], None] = lambda table, output: None
         self.spent = {"compile": 0.0, "timing": 0.0}  # wall seconds of warming up (warm.py; start-up's phases)
         self.host_dispatch_s: float | None = None  # the host's time per dispatch (`warm.host_dispatch_s`)
         # Start each output's copy to the host as soon as it is launched, so it overlaps the next batch's work and
@@ -220,6 +223,7 @@ class Engine:
             table = _with(table, buckets=tuple(self._attended(b, output) for b in table.buckets))
         self.tables[output] = table
         self._table_keys = frozenset(k for k in self._table_keys if k[3] != output) | kept
+        self.on_install(table, output)
         return table
 
     def _attended(self, bucket: Bucket, output: str) -> Bucket:
