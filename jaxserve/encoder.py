@@ -42,6 +42,10 @@ from jaxserve.scheduling.planner import Rows, pack
 from jaxserve.view import Architecture, ModelView, normalize_rows
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+# a climb for --device-memory above the live pool that reached a bucket too big to run here
+CLIMB_REMEDY = ("It was derived for --device-memory above this device's pool: leave that out to serve here, or "
+                "derive for the larger device with `jaxserve buckets --device-memory BYTES --write FILE`, which runs "
+                "nothing.")
 
 
 def resolve_dtype(dtype: str) -> str:
@@ -207,7 +211,8 @@ class Encoder(ModelView):
         seqlens = bounds.pop("seqlens")
         ladders = derivation.climbs(seqlens, self.dims, self.engine.weights_bytes, **bounds,
                                     batch_ladder=options.batch_ladder, knee=options.knee)
-        warm.climb(self.engine, ladders, progress=progress)
+        check = self._fits_check(options.headroom, remedy=CLIMB_REMEDY)
+        warm.climb(self.engine, ladders, progress=progress, check=check)
         table = derivation.table_of(ladders, self.dims, self.engine.weights_bytes, bounds["devices"],
                                     budget_bytes=bounds["budget_bytes"], max_batch_tokens=bounds["max_batch_tokens"],
                                     layout=options.layout, host_dispatch_s=self.engine.host_dispatch_s, **fields)
@@ -242,14 +247,17 @@ class Encoder(ModelView):
             )
         return warm.given(self.engine, table, progress=progress, check=self._fits_check())
 
-    def _fits_check(self):
-        """A given table's check against the live pool: its compiled buckets within the budget derivation uses."""
+    def _fits_check(self, headroom: float | None = None, remedy: str = buckets.GIVEN_REMEDY):
+        """The check against the live pool, of a given table's compiled buckets and of each bucket a climb runs
+        (its budget another device's with `--device-memory` above this pool): within the budget derivation uses."""
         info = device.describe()
-        budget = device.budget_bytes(info.memory_bytes)
-        rule = (f"{DEFAULT_HEADROOM} x this device's pool of {info.memory_bytes} bytes, "
+        headroom = DEFAULT_HEADROOM if headroom is None else headroom
+        rule = (f"{headroom} x this device's pool of {info.memory_bytes} bytes, "
                 f"{device.POOL_RULE.get(info.platform, device.POOL_RULE['gpu'])}")
-        return partial(buckets.check_fits, budget_bytes=budget, weights_bytes=self.engine.weights_bytes,
-                       fit=buckets.batch_fitter(info.batch_multiple, self.engine.devices), budget_rule=rule)
+        return partial(buckets.check_fits, budget_bytes=device.budget_bytes(info.memory_bytes, headroom),
+                       weights_bytes=self.engine.weights_bytes,
+                       fit=buckets.batch_fitter(info.batch_multiple, self.engine.devices), budget_rule=rule,
+                       remedy=remedy)
 
     def start(self, table: BucketTable | TableOptions | None = None, cache: str | Path | None = None,
               tokens: bool = False, progress: bool = False, keep: int | None = None) -> BucketTable:

@@ -55,3 +55,27 @@ def test_device_memory_above_the_live_pool_warns(monkeypatch, caplog):
         assert device.describe(16 * GB).memory_bytes == 16 * GB
     (record,) = caplog.records
     assert "16000000000 bytes given, above this device's pool of 8000000000 bytes" in record.getMessage()
+
+
+def test_a_climb_for_device_memory_above_the_live_pool_refuses_a_bucket_over_it_before_running_it(
+        tiny_checkpoint, monkeypatch):
+    """`--device-memory` above the live pool derives with that budget, and each candidate is checked against the
+    live pool before it runs: one over it is refused as a given table's is (before: a bucket of 100x the pool
+    was compiled, timed and served). Without the option the climb stays within the pool, and nothing is refused."""
+    from jaxserve.runtime import warm
+    from jaxserve.runtime.derivation import TableOptions
+
+    enc = Encoder.from_pretrained(str(tiny_checkpoint()))
+    slots = TINY_TABLE.at(64)[0].slots
+    small = compiled_bytes(enc.engine.compile(1, 64, slots))
+    large = compiled_bytes(enc.engine.compile(4, 64, slots))
+    monkeypatch.setattr(device, "_memory_limit", lambda dev: int((small + large) / 2 / device.DEFAULT_HEADROOM))
+    ran = []
+    time_bucket = warm.time_bucket
+    monkeypatch.setattr(warm, "time_bucket", lambda engine, bucket, output: ran.append(bucket.batch) or
+                        time_bucket(engine, bucket, output))
+    options = dict(seqlens=(64,), max_batch=4, max_batch_tokens=10**6, knee=False)
+    with pytest.raises(TableTooLarge, match=rf"batch 4 x seqlen 64 needs {large}.*--device-memory"):
+        enc.warmup(TableOptions(device_memory=100 * large, **options))
+    assert ran == [1]
+    assert enc.warmup(TableOptions(**options)).at(64)[-1].compiled_bytes <= device.budget_bytes(device.pool_bytes())

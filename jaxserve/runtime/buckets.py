@@ -313,14 +313,18 @@ def derive(
 
 
 class TableTooLarge(JaxserveError, ValueError):
-    """A given table with buckets over this device's memory budget (the CLI prints it without a traceback)."""
+    """A table with buckets over this device's memory budget: a given one, or one derived for a larger device's
+    memory (`--device-memory`) and about to run here (the CLI prints it without a traceback)."""
+
+
+GIVEN_REMEDY = "Derive a table on this device (--buckets auto, or `jaxserve buckets --write FILE`), or shrink these."
 
 
 def check_fits(compiled: list[Bucket], budget_bytes: int, weights_bytes: int, fit: Callable[[int], int],
-               budget_rule: str = "") -> None:
+               budget_rule: str = "", remedy: str = GIVEN_REMEDY) -> None:
     """Raise `TableTooLarge` naming every bucket whose compiled bytes (this device's compiler) exceed the budget,
     with per seqlen the largest batch that fits: estimated from its largest bucket's figure, the bytes past
-    the weights taken as linear in the batch, rounded by `fit` (the device's batch multiple)."""
+    the weights taken as linear in the batch, rounded by `fit` (the device's batch multiple); `remedy` ends it."""
     over = [b for b in compiled if b.compiled_bytes > budget_bytes]
     if not over:
         return
@@ -334,8 +338,7 @@ def check_fits(compiled: list[Bucket], budget_bytes: int, weights_bytes: int, fi
         f"the bucket table does not fit this device: {len(over)} bucket(s) need more than the budget of "
         f"{budget_bytes} bytes{f' ({budget_rule})' if budget_rule else ''}, weights {weights_bytes}: "
         + ", ".join(f"batch {b.batch} x seqlen {b.seqlen} needs {b.compiled_bytes}" for b in over)
-        + ". Largest batches that fit (estimated): " + ", ".join(fits)
-        + ". Derive a table on this device (--buckets auto, or `jaxserve buckets --write FILE`), or shrink these.")
+        + ". Largest batches that fit (estimated): " + ", ".join(fits) + ". " + remedy)
 
 
 def batch_sizes(largest: int) -> list[int]:

@@ -39,13 +39,14 @@ class DeviceInfo:
 
 def describe(memory_override: int | None = None) -> DeviceInfo:
     """This device, its memory the live pool's (`pool_bytes`) or `memory_override` (a warning if that is larger:
-    a table derived for it will not fit here)."""
+    a table derived for it may not fit here)."""
     dev = _devices()[0]
     platform = dev.platform
     live = _memory_limit(dev)
     if memory_override and memory_override > live:
         log.warning("device memory of %d bytes given, above this device's pool of %d bytes (%s): a table derived "
-                    "for it is refused here at warmup", memory_override, live, POOL_RULE.get(platform, POOL_RULE["gpu"]))
+                    "for it is refused here at warmup if a bucket is over this pool (`jaxserve buckets` runs none)",
+                    memory_override, live, POOL_RULE.get(platform, POOL_RULE["gpu"]))
     memory = memory_override or live
     if platform == "cpu":
         # On CPU, big dispatches gain nothing over medium ones once both cores are

@@ -48,9 +48,12 @@ def given(engine: Engine, table: BucketTable, progress: bool = False, output: st
     return engine.install(dataclasses.replace(table, buckets=tuple(timed), host_dispatch_s=host_s), output)
 
 
-def climb(engine: Engine, ladders: list[derivation.Climb], progress: bool = False, output: str = "pooled") -> None:
+def climb(engine: Engine, ladders: list[derivation.Climb], progress: bool = False, output: str = "pooled",
+          check: Callable[[list[Bucket]], None] | None = None) -> None:
     """Climb each seqlen's batch ladder to its knee (`jaxserve.runtime.derivation`), the engine compiling (each
-    round's candidates in parallel) and this module timing; the caller installs the table made of the result."""
+    round's candidates in parallel) and this module timing; the caller installs the table made of the result.
+    `check` gets each candidate within the climb's budget, with its compiled bytes, before it runs (it raises to
+    refuse it: one over the live pool, where the budget is another device's)."""
     if ladders and not ladders[0].done:  # the knee weighs each batch against the host's cost per dispatch
         first = ladders[0]
         host_s = host_dispatch_s(engine, Bucket(first.next(), first.seqlen, first.slots), output)
@@ -69,6 +72,8 @@ def climb(engine: Engine, ladders: list[derivation.Climb], progress: bool = Fals
             return sizes
 
         def time_one(bucket: Bucket) -> float:  # the climb times only candidates within the budget
+            if check is not None:
+                check([bucket])
             # A round's spin-up: the largest of its first bucket and those timed in earlier rounds.
             if round_begins[0]:
                 round_begins[0] = False
