@@ -18,7 +18,7 @@ from jaxserve.checkpoint import llm_reranker, loader
 from jaxserve.checkpoint.config import EmbeddingConfig, read_head_config, read_model_config
 from jaxserve.checkpoint.tokenize import Pieces, TextTokenizer
 from jaxserve.dims import ModelDims
-from jaxserve.errors import CheckpointError, InputError
+from jaxserve.errors import CheckpointError, InputError, TableError
 from jaxserve.heads import bge_m3, multivector, sparse
 from jaxserve.heads.forwards import (
     classify_forward,
@@ -241,7 +241,7 @@ class Encoder(ModelView):
         if not isinstance(table, BucketTable):
             return self.climb_table(table or TableOptions(), progress)
         if table.max_seqlen < self.embedding_config.max_seq_length:
-            raise ValueError(
+            raise TableError(
                 f"bucket table stops at seqlen {table.max_seqlen}, below the model's "
                 f"max_seq_length {self.embedding_config.max_seq_length}"
             )

@@ -9,6 +9,10 @@ class CheckpointError(JaxserveError):
     """A model directory is missing a file, or holds something we cannot run."""
 
 
+class TableError(JaxserveError, ValueError):
+    """A bucket table, or the options to derive one, that this model cannot be served with."""
+
+
 class InputError(JaxserveError):
     """A request's documents cannot be run as asked."""
 

@@ -36,7 +36,7 @@ import numpy as np
 from jaxserve.checkpoint import modules as st_modules
 from jaxserve.checkpoint.config import DenseLayer, dense_layer
 from jaxserve.checkpoint.tokenize import Pieces, TextTokenizer, from_sequences
-from jaxserve.errors import CheckpointError, InputError
+from jaxserve.errors import CheckpointError, InputError, TableError
 
 KINDS = ("query", "document")
 MASK_TOKENS = ("[MASK]", "<mask>")  # looked up when the tokenizer config names none
@@ -166,9 +166,9 @@ def from_checkpoint(path: Path, tokenizer: TextTokenizer, hidden: int, default_l
 
 def within(mv: MultiVectorConfig, seqlen: int) -> MultiVectorConfig:
     """`mv` for a table whose longest seqlen is `seqlen`: each kind truncated there. A query expansion pads
-    every query to its length, which no truncation shortens: past the table it is refused (ValueError)."""
+    every query to its length, which no truncation shortens: past the table it is refused (TableError)."""
     if mv.expansion is not None and mv.expansion > seqlen:
-        raise ValueError(f"this model expands every query to {mv.expansion} tokens, past the bucket table's "
+        raise TableError(f"this model expands every query to {mv.expansion} tokens, past the bucket table's "
                          f"longest seqlen {seqlen}: give seqlens reaching {mv.expansion}")
     return dataclasses.replace(mv, lengths=tuple(min(n, seqlen) for n in mv.lengths))
 

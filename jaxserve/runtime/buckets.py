@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Callable
 
 from jaxserve.dims import ModelDims
-from jaxserve.errors import JaxserveError
+from jaxserve.errors import TableError
 
 LADDERS = ("default", "max", "pow2", "fine")
 LAYOUTS = ("padded", "packed")  # one document per row, or several (segment ids)
@@ -75,18 +75,18 @@ class BucketTable:
     def __post_init__(self):
         shapes = [(b.seqlen, b.batch) for b in self.buckets]
         if not shapes:
-            raise ValueError("a bucket table needs at least one bucket")
+            raise TableError("a bucket table needs at least one bucket")
         if shapes != sorted(set(shapes)):
-            raise ValueError(f"bucket shapes must be distinct and sorted by (seqlen, batch), got {shapes}")
+            raise TableError(f"bucket shapes must be distinct and sorted by (seqlen, batch), got {shapes}")
         small = [b for b in self.buckets if min(b.batch, b.seqlen, b.slots) < 1]
         if small:
-            raise ValueError(f"bucket batch, seqlen and slots must be at least 1, got {small[0]}")
+            raise TableError(f"bucket batch, seqlen and slots must be at least 1, got {small[0]}")
         for s in set(b.seqlen for b in self.buckets):
             if len({b.slots for b in self.at(s)}) != 1:
-                raise ValueError(f"buckets at seqlen {s} disagree on slots")
+                raise TableError(f"buckets at seqlen {s} disagree on slots")
         slots = self.slots_by_seqlen
         if any(a > b for a, b in zip(slots, slots[1:])):
-            raise ValueError(f"slots must not decrease as the seqlen grows (a longer row holds as many sequences "
+            raise TableError(f"slots must not decrease as the seqlen grows (a longer row holds as many sequences "
                              f"as a shorter one: routing relies on it), got {dict(zip(self.seqlens, slots))}")
 
     # The lookups below run per row on the request path: computed once per table (frozen, so they never go stale).
@@ -312,7 +312,7 @@ def derive(
     )
 
 
-class TableTooLarge(JaxserveError, ValueError):
+class TableTooLarge(TableError):
     """A table with buckets over this device's memory budget: a given one, or one derived for a larger device's
     memory (`--device-memory`) and about to run here (the CLI prints it without a traceback)."""
 

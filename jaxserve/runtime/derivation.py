@@ -26,6 +26,7 @@ import operator
 from typing import Callable
 
 from jaxserve.dims import ModelDims
+from jaxserve.errors import TableError
 from jaxserve.runtime.buckets import (
     THROUGHPUT_GAIN,
     Bucket,
@@ -176,5 +177,5 @@ class TableOptions:
             except TypeError:
                 seqlens = (0,)
             if seqlens and seqlens[0] < 1:
-                raise ValueError(f"seqlens must be positive integers, got {tuple(self.seqlens)}")
+                raise TableError(f"seqlens must be positive integers, got {tuple(self.seqlens)}")
             object.__setattr__(self, "seqlens", seqlens)
