@@ -131,8 +131,9 @@ class Encoder(ModelView):
                 params["dense"] = loader.load_dense(path, colbert.dense)
         m3 = None
         if head.kind == "embedding" and bge_m3.is_checkpoint(path):  # its dense output is CLS, normalised
-            if emb.dense:
-                raise CheckpointError(f"{path}: a BGE-M3 checkpoint with Dense modules is not supported")
+            if emb.dense or emb.truncate_dim is not None:
+                raise CheckpointError(f"{path}: a BGE-M3 checkpoint with Dense modules or a truncate_dim is not "
+                                      "supported")
             m3, params["m3"] = bge_m3.from_checkpoint(path, tokenizer.tokenizer, cfg.hidden_size)
             emb = dataclasses.replace(emb, pooling="cls", normalize=True)
         params = jax.device_put(params)

@@ -172,6 +172,18 @@ def test_multivector_encoder_variants(tmp_path, options):
         assert_same_tokens(enc.embed_multivector(texts, kind=kind), reference(path, texts, kind))
 
 
+def test_truncate_dim_cuts_and_normalises_each_token(tmp_path):
+    """A save's `truncate_dim`: each token vector cut to it and L2-normalised, as MultiVectorEncoder's encode does
+    (here on a model without a Normalize module of its own)."""
+    path = st_checkpoint(tmp_path, normalize=False)
+    config = json.loads((path / "config_sentence_transformers.json").read_text())
+    (path / "config_sentence_transformers.json").write_text(json.dumps({**config, "truncate_dim": 5}))
+    enc = warm_encoder(path, TABLE, dtype="float32")
+    assert enc.colbert.dim == enc.token_dim == 5 and enc.colbert.normalize
+    for kind, texts in (("query", QUERIES), ("document", DOCUMENTS)):
+        assert_same_tokens(enc.embed_multivector(texts, kind=kind), reference(path, texts, kind))
+
+
 def test_expansion_past_a_sliding_window_is_refused(tmp_path):
     """ModernBERT with local attention 4 positions either side and 16 hidden expansion tokens: the last ones
     would see no key at all (transformers and jaxserve differ there), so the checkpoint is refused at load;

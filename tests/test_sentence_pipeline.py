@@ -140,6 +140,30 @@ async def test_server_default_prompt_name(make_server, full):
     assert (await (await client.get("/info")).json())["default_prompt_name"] == "query"
 
 
+async def test_truncate_dim_is_the_served_width(make_server, tmp_path):
+    """A save with `truncate_dim` (config_sentence_transformers.json) serves vectors of that width, as
+    sentence-transformers' `encode` cuts them: the same directions, here normalised after the cut (sentence-
+    transformers cuts its Normalize module's unit vectors); a request asks for that width or less."""
+    path = checkpoint(tmp_path / "cut", pooling="mean", dense=DENSE)
+    config = json.loads((path / "config_sentence_transformers.json").read_text())
+    (path / "config_sentence_transformers.json").write_text(json.dumps({**config, "truncate_dim": 8}))
+    enc = warm_encoder(path, TABLE)
+    want = sentence_transformer(path).encode(TEXTS)
+    got = enc.embed(TEXTS)
+    assert enc.dim == 8 and got.shape == want.shape == (len(TEXTS), 8)
+    assert cosine_rows(got, want).min() >= 0.99999
+    np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
+    client = await make_server(enc)
+    assert (await (await client.get("/info")).json())["dimensions"] == 8
+    raw = await (await client.post("/embed", json={"inputs": TEXTS, "normalize": False})).json()
+    np.testing.assert_allclose(raw, enc.embed(TEXTS, normalize=False), rtol=1e-4, atol=1e-6)
+    assert cosine_rows(raw, want).min() >= 0.99999
+    openai = await client.post("/v1/embeddings", json={"input": TEXTS, "dimensions": 4})
+    assert cosine_rows([d["embedding"] for d in (await openai.json())["data"]], want[:, :4]).min() >= 0.99999
+    wide = await client.post("/v1/embeddings", json={"input": TEXTS, "dimensions": 16})
+    assert wide.status == 400 and "from 1 to 8" in (await wide.json())["error"]["message"]
+
+
 def test_a_default_prompt_name_the_model_lacks_stops_the_server_at_start(full):
     from jaxserve.http.loading import check_prompt
     from jaxserve.http.server import ServerConfig

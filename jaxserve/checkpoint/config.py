@@ -94,6 +94,8 @@ class EmbeddingConfig:
     default_prompt_name: str | None = None
     # the widths config.json says the vectors may be cut to (Matryoshka; as vLLM reads it); (): any width
     matryoshka_dimensions: tuple[int, ...] = ()
+    # config_sentence_transformers.json's truncate_dim: the vectors' served width, cut after the modules run (None: full)
+    truncate_dim: int | None = None
     # Task adapters (Jina-embeddings-v3): the one merged into the weights, and the others, whose prompts are refused
     task: str | None = None
     other_tasks: tuple[str, ...] = ()
@@ -103,8 +105,10 @@ class EmbeddingConfig:
         return tuple(self.pooling.split("+"))
 
     def out_dim(self, hidden: int) -> int:
-        """Width of the final vector."""
-        return self.dense[-1].out_features if self.dense else hidden * len(self.modes)
+        """Width of the final vector: the last module's, cut to `truncate_dim` (sentence-transformers' slice: a
+        wider one keeps the full width)."""
+        full = self.dense[-1].out_features if self.dense else hidden * len(self.modes)
+        return full if self.truncate_dim is None else min(full, self.truncate_dim)
 
     def prompt(self, name: str | None = None, text: str | None = None) -> str | None:
         """The prompt text a request asks for: by `name`, as `text`, or the checkpoint's default."""
@@ -166,7 +170,16 @@ class EmbeddingConfig:
         return cls(pooling=pooling, max_seq_length=max_len, normalize=normalize, dense=tuple(dense),
                    prompts=prompts, default_prompt_name=default, task=task,
                    other_tasks=tuple(t for t in adapters if t != task),
-                   matryoshka_dimensions=matryoshka_dimensions(path))
+                   matryoshka_dimensions=matryoshka_dimensions(path), truncate_dim=truncate_dim(st_config))
+
+
+def truncate_dim(st_config: dict) -> int | None:
+    """config_sentence_transformers.json's `truncate_dim`: the width sentence-transformers' `encode` cuts the
+    vectors to after its modules (None: none set)."""
+    dim = st_config.get("truncate_dim")
+    if dim is not None and (not isinstance(dim, int) or isinstance(dim, bool) or dim < 1):
+        raise CheckpointError(f"config_sentence_transformers.json's truncate_dim {dim!r} is not a positive integer")
+    return dim
 
 
 def matryoshka_dimensions(path: Path) -> tuple[int, ...]:

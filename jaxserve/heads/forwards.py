@@ -24,14 +24,14 @@ from jaxserve.models import layers
 
 def embed_forward(module, emb: EmbeddingConfig, num_segments: int, params, batch: dict) -> jax.Array:
     """Pure forward: a batch of packed rows -> [B, K, D'] float32 vectors: pooled, through the checkpoint's
-    Dense layers (params["dense"]), not normalised."""
+    Dense layers (params["dense"]), cut to its `truncate_dim`, not normalised."""
     encoder_params = {k: v for k, v in params.items() if k != "dense"}
     hidden = module.apply(
         {"params": encoder_params}, batch["token_ids"], batch["segment_ids"], batch["positions"], batch["type_ids"],
         packed=num_segments > 1,
     )  # [B, S, D]
     pooled = pool(emb.pooling, hidden, batch["segment_ids"], batch["positions"], num_segments)  # [B, K, D x modes]
-    return dense_layers(emb.dense, params.get("dense", ()), pooled)
+    return dense_layers(emb.dense, params.get("dense", ()), pooled)[..., : emb.truncate_dim]
 
 
 def tokens_forward(module, num_segments: int, params, batch: dict) -> jax.Array:
@@ -60,7 +60,8 @@ def classify_forward(module, head, head_pooling: str, num_segments: int, params,
 
 
 def multivector_forward(module, mv: MultiVectorConfig, vocab: int, num_segments: int, params, batch: dict) -> jax.Array:
-    """Pure forward: packed rows -> [B, S, dim] float32 token vectors (projected, normalised if the model does)."""
+    """Pure forward: packed rows -> [B, S, dim] float32 token vectors (projected, cut to the checkpoint's
+    `truncate_dim`, normalised if the model does or is cut)."""
     ids, seg = batch["token_ids"], batch["segment_ids"]
     hidden_keys = ids >= vocab  # expansion tokens the encoder must not attend to
     ids = jnp.where(hidden_keys, ids - vocab, ids)
@@ -68,7 +69,7 @@ def multivector_forward(module, mv: MultiVectorConfig, vocab: int, num_segments:
     encoder_params = {k: v for k, v in params.items() if k not in ("dense", "head", "mlm")}
     hidden = module.apply({"params": encoder_params}, ids, seg, batch["positions"], batch["type_ids"],
                           packed=num_segments > 1)  # [B, S, D]
-    x = dense_layers(mv.dense, params.get("dense", ()), hidden.astype(jnp.float32))  # [B, S, dim]
+    x = dense_layers(mv.dense, params.get("dense", ()), hidden.astype(jnp.float32))[..., : mv.dim]  # [B, S, dim]
     if mv.normalize:  # torch's F.normalize: x / max(|x|, 1e-12)
         x = x / jnp.maximum(jnp.linalg.norm(x, axis=-1, keepdims=True), 1e-12)
     return x

@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxserve.checkpoint import modules as st_modules
-from jaxserve.checkpoint.config import DenseLayer, dense_layer
+from jaxserve.checkpoint.config import DenseLayer, dense_layer, truncate_dim
 from jaxserve.checkpoint.tokenize import Pieces, TextTokenizer, from_sequences
 from jaxserve.errors import CheckpointError, InputError, TableError
 
@@ -111,6 +111,9 @@ def from_checkpoint(path: Path, tokenizer: TextTokenizer, hidden: int, default_l
         if layer.in_features != width:
             raise CheckpointError(f"Dense module {layer.path} takes {layer.in_features} features, not {width}")
         width = layer.out_features
+    cut = truncate_dim(st)  # MultiVectorEncoder's: each token vector cut to it, then L2-normalised
+    if cut is not None:
+        width, normalize = min(width, cut), True
 
     expansion = sbert.get("query_expansion")
     query_length, document_length = sbert.get("query_length"), sbert.get("document_length")

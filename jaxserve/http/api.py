@@ -223,13 +223,14 @@ def parse_multivector_embeddings(body, limits: Limits) -> tuple[list[str], str]:
 
 def _dimensions(body: dict, dim: int, declared: tuple[int, ...] = (), key: str = "dimensions") -> int | None:
     """The width a request cuts its vectors to (`key`); with the checkpoint's Matryoshka dimensions `declared`,
-    one of them or the full width: the model was trained to be cut there only."""
+    one of them or the full width: the model was trained to be cut there only. `dim`: the width it serves (its
+    `truncate_dim`, where it has one): no request is wider."""
     dims = body.get(key)
     if dims is not None and (not isinstance(dims, int) or isinstance(dims, bool) or not 1 <= dims <= dim):
         raise ApiError(400, f"`{key}` must be an integer from 1 to {dim}, not {_show(dims)}")
     if dims is not None and declared and dims != dim and dims not in declared:
         raise ApiError(400, f"`{key}` {dims} is not one of this model's Matryoshka dimensions "
-                            f"({', '.join(map(str, sorted({*declared, dim})))})")
+                            f"({', '.join(str(d) for d in sorted({*declared, dim}) if d <= dim)})")
     return dims
 
 
