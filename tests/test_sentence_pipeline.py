@@ -208,3 +208,25 @@ def test_decoder_embedder_pipelines_match_sentence_transformers(tmp_path, family
     np.testing.assert_allclose(np.linalg.norm(enc.embed(TEXTS), axis=1), 1.0, atol=1e-5)
     bf16 = warm_encoder(path, TABLE, dtype="bfloat16")
     assert cosine_rows(bf16.embed(TEXTS, prompt_name="query"), st.encode(TEXTS, prompt_name="query")).min() >= 0.999
+
+
+
+def test_a_plain_causal_lm_gets_last_token_pooling(tmp_path):
+    """No modules.json: a `...ForCausalLM` checkpoint is pooled at its last token, as sentence-transformers
+    decides, not normalised; with config.json's `is_causal` false, at the mean."""
+    cfg = transformers.Qwen3Config(vocab_size=len(hf_tiny.vocab("decoder")), hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                   max_position_embeddings=64, pad_token_id=0, tie_word_embeddings=True)
+    hf_tiny.write(tmp_path, "Qwen3ForCausalLM", cfg, "decoder", scale=0.3)
+    assert not (tmp_path / "modules.json").exists()
+    enc = warm_encoder(tmp_path, TABLE)
+    assert (enc.embedding_config.pooling, enc.embedding_config.normalize) == ("lasttoken", False)
+    st = hf_tiny.sentence_transformer_on_tokenizer_json(tmp_path, "<|endoftext|>", 64)
+    got, want = enc.embed(TEXTS), st.encode(TEXTS)
+    assert cosine_rows(got, want).min() >= 0.99999
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    from jaxserve.checkpoint.config import plain_pooling
+
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "is_causal": False}))
+    assert plain_pooling(tmp_path) == "mean"

@@ -136,11 +136,10 @@ class EmbeddingConfig:
         `config_sentence_transformers.json`.
 
         A plain transformers checkpoint (no `modules.json`) gets what
-        sentence-transformers gives it: mean pooling at the model's full
-        length, not normalised.
+        sentence-transformers gives it: `plain_pooling`, not normalised.
         """
-        pooling, normalize, dense = "mean", False, []
         modules = [] if st_modules.is_multivector(path) else st_modules.listed(path)  # multi-vector: heads.multivector
+        pooling, normalize, dense = "mean" if modules else plain_pooling(path), False, []
         for module in modules:
             kind = st_modules.kind(module)
             if kind == "Pooling":
@@ -180,6 +179,15 @@ def truncate_dim(st_config: dict) -> int | None:
     if dim is not None and (not isinstance(dim, int) or isinstance(dim, bool) or dim < 1):
         raise CheckpointError(f"config_sentence_transformers.json's truncate_dim {dim!r} is not a positive integer")
     return dim
+
+
+def plain_pooling(path: Path) -> str:
+    """The pooling sentence-transformers gives a checkpoint without `modules.json`: the last token for a causal
+    LM (config.json's first architecture a `...ForCausalLM`, its `is_causal` not false), else the mean."""
+    raw = _read_config(path)
+    archs = raw.get("architectures") or [""]
+    causal = isinstance(archs[0], str) and archs[0].endswith("ForCausalLM") and raw.get("is_causal", True)
+    return "lasttoken" if causal else "mean"
 
 
 def matryoshka_dimensions(path: Path) -> tuple[int, ...]:
