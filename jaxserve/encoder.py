@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.checkpoint import llm_reranker, loader
-from jaxserve.checkpoint.config import EmbeddingConfig, read_head_config, read_model_config
+from jaxserve.checkpoint.config import EmbeddingConfig, read_head_config, read_model_config, transformer_module_config
 from jaxserve.checkpoint.tokenize import Pieces, TextTokenizer
 from jaxserve.dims import ModelDims
 from jaxserve.errors import CheckpointError, InputError, TableError
@@ -102,7 +102,8 @@ class Encoder(ModelView):
         family, cfg = read_model_config(path, loader.task_named(task))
         head = read_head_config(path, loader.named(name))
         emb = EmbeddingConfig.from_checkpoint(path, cfg)
-        tokenizer = TextTokenizer.from_dir(path, emb.max_seq_length)
+        tokenizer = TextTokenizer.from_dir(path, emb.max_seq_length,
+                                           lowercase=bool(transformer_module_config(path).get("do_lower_case")))
         jdtype = DTYPES[dtype]
         shapes = family.param_shapes(cfg, jdtype, head.num_labels)
         if head.logit_score is None:

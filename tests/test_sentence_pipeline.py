@@ -164,6 +164,24 @@ async def test_truncate_dim_is_the_served_width(make_server, tmp_path):
     assert wide.status == 400 and "from 1 to 8" in (await wide.json())["error"]["message"]
 
 
+def test_do_lower_case_lowercases_the_texts(tmp_path):
+    """A cased tokenizer under a Transformer module with `do_lower_case` (sentence_bert_config.json): the texts
+    lowercased before tokenizing, as sentence-transformers does (tests/test_tokenize.py: every path's ids)."""
+    from transformers import PreTrainedTokenizerFast
+
+    path = checkpoint(tmp_path / "lower", pooling="mean", max_seq_length=64)
+    tokenizer = json.loads((path / "tokenizer.json").read_text())
+    tokenizer["normalizer"]["lowercase"] = False
+    (path / "tokenizer.json").write_text(json.dumps(tokenizer))
+    (path / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 64, "do_lower_case": True}))
+    PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"), pad_token="[PAD]").save_pretrained(str(path))
+    enc = warm_encoder(path, TABLE)
+    texts = ["The Model", "JAX Documents QUERY", "the model"]
+    st = sentence_transformer(path)
+    assert [s.tolist() for s in enc.tokenizer.encode(texts)] == [st.tokenizer(t)["input_ids"] for t in texts]
+    assert cosine_rows(enc.embed(texts), st.encode(texts)).min() >= 0.99999
+
+
 def test_a_default_prompt_name_the_model_lacks_stops_the_server_at_start(full):
     from jaxserve.http.loading import check_prompt
     from jaxserve.http.server import ServerConfig

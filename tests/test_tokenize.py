@@ -206,3 +206,58 @@ def test_token_ids_run_as_given(minilm_tokenizers):
     with pytest.raises(TooLongError, match=f"input 1 has {len(ids)} tokens, over the model's limit of {MAX_LEN}"):
         tok.given([short, ids], "error")
     assert tok.given([short, ids]).tokens == 10 + MAX_LEN  # usage: the ids run
+
+
+MIXED = ["Hello World, JAX Documents!", "The MODEL", "Émile ZOLA à Paris", "ΟΔΟΣ und STRAßE", "İstanbul\tNAÏVE"]
+
+
+@pytest.fixture(scope="module")
+def cased_minilm(tmp_path_factory):
+    """MiniLM's files with a cased tokenizer (its normalizer's and tokenizer_config's lowercasing off) under a
+    Transformer module with `do_lower_case`: (jaxserve's tokenizer, sentence-transformers' processor, which
+    it gives a Lowercase in front)."""
+    import json
+
+    from sentence_transformers import SentenceTransformer
+
+    src, path = loader.resolve(None), tmp_path_factory.mktemp("cased")
+    for f in src.iterdir():
+        (path / f.name).symlink_to(f)
+    edits = {"tokenizer.json": lambda c: {**c, "normalizer": {**c["normalizer"], "lowercase": False}},
+             "tokenizer_config.json": lambda c: {**c, "do_lower_case": False},
+             "sentence_bert_config.json": lambda c: {**c, "do_lower_case": True}}
+    for name, edit in edits.items():
+        config = json.loads((src / name).read_text())
+        (path / name).unlink()
+        (path / name).write_text(json.dumps(edit(config)))
+    return TextTokenizer.from_dir(path, MAX_LEN, lowercase=True), SentenceTransformer(str(path), device="cpu")[0].processor
+
+
+def test_do_lower_case_lowercases_on_every_path(cased_minilm):
+    """The ids of sentence-transformers' processor for mixed-case texts: ASCII (its own path) and not, with a
+    prompt, in windows, and as pairs."""
+    tok, proc = cased_minilm
+    assert tok._ascii is not None  # still BERT's normalizer, lowercasing
+    want = lambda texts: proc(texts, truncation=True, max_length=MAX_LEN)["input_ids"]
+    assert ids_of(tok.documents(MIXED)) == want(MIXED)
+    assert ids_of(tok.documents(MIXED[:2])) == want(MIXED[:2])  # all ASCII: the ASCII tokenizer alone
+    assert ids_of(tok.documents(MIXED, prompt="Query: ")) == want(["Query: " + t for t in MIXED])
+    assert ids_of(tok.documents(MIXED, "chunk", prompt="Query: ")) == want(["Query: " + t for t in MIXED])
+    pairs = list(zip(MIXED, reversed(MIXED)))
+    assert ids_of(tok.pairs(pairs)) == proc([a for a, _ in pairs], [b for _, b in pairs], truncation="longest_first",
+                                            max_length=MAX_LEN)["input_ids"]
+
+
+@pytest.mark.parametrize("norm", [None, normalizers.NFKC(), normalizers.Sequence([normalizers.NFD()]),
+                                  normalizers.BertNormalizer(lowercase=False, strip_accents=True)],
+                         ids=["none", "nfkc", "sequence", "bert-stripping"])
+def test_do_lower_case_puts_a_lowercase_in_front_of_another_normalizer(norm):
+    """Any other normalizer (or none) gets sentence-transformers' Lowercase in front; one that lowercases, none."""
+    from jaxserve.checkpoint.tokenize import _lowercasing
+
+    got = _lowercasing(norm)
+    assert type(got) is normalizers.Sequence and type(list(got)[0]) is normalizers.Lowercase
+    assert got.normalize_str("ÉMILE Zola") == (norm.normalize_str("émile zola") if norm else "émile zola")
+    assert _lowercasing(got) is got
+    bert = normalizers.BertNormalizer()  # lowercases (and strips accents) already
+    assert _lowercasing(bert) is bert

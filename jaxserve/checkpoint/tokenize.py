@@ -116,7 +116,8 @@ class TextTokenizer:
     max_length: int  # model limit, special tokens included
 
     @classmethod
-    def from_dir(cls, path: Path, max_length: int) -> "TextTokenizer":
+    def from_dir(cls, path: Path, max_length: int, lowercase: bool = False) -> "TextTokenizer":
+        """The checkpoint's tokenizer; `lowercase`: the Transformer module's `do_lower_case` (`_lowercasing`)."""
         file = path / "tokenizer.json"
         if file.exists():
             tok = Tokenizer.from_file(str(file))
@@ -124,6 +125,8 @@ class TextTokenizer:
             tok = _from_transformers(path)
         tok.no_padding()
         tok.no_truncation()
+        if lowercase:
+            tok.normalizer = _lowercasing(tok.normalizer)
         prefix, suffix = _special_template(tok)
         return cls(tok, prefix, suffix, max_length)
 
@@ -388,6 +391,22 @@ def from_sequences(seqs: list[np.ndarray], doc: np.ndarray, weight: np.ndarray,
     ids = np.concatenate(seqs).astype(np.int32) if seqs else np.zeros(0, np.int32)
     flat_types = np.concatenate(types).astype(np.int32) if types is not None and seqs else None
     return Pieces(ids, offsets, np.asarray(doc, np.int64), np.asarray(weight, np.float64), flat_types)
+
+
+def _lowercasing(norm):
+    """`norm` lowercasing first, as sentence-transformers' `do_lower_case` puts a Lowercase in front of a
+    normalizer that has none. BERT's without accent stripping stays BERT's with `lowercase` on (the same text:
+    its other steps neither make nor meet a cased letter), so that the ASCII path (`TextTokenizer._ascii`),
+    which reads that flag, still serves it."""
+    if type(norm) is normalizers.BertNormalizer and norm.lowercase:
+        return norm
+    if type(norm) is normalizers.BertNormalizer and not norm.strip_accents:
+        return normalizers.BertNormalizer(clean_text=norm.clean_text, handle_chinese_chars=norm.handle_chinese_chars,
+                                          strip_accents=False, lowercase=True)
+    steps = list(norm) if type(norm) is normalizers.Sequence else [] if norm is None else [norm]
+    if any(type(n) is normalizers.Lowercase for n in steps):
+        return norm
+    return normalizers.Sequence([normalizers.Lowercase(), *steps])
 
 
 def _special_template(tok: Tokenizer) -> tuple[tuple[int, ...], tuple[int, ...]]:
