@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.checkpoint import llm_reranker, loader
+from jaxserve.checkpoint import modules as st_modules
 from jaxserve.checkpoint.config import EmbeddingConfig, read_head_config, read_model_config, transformer_module_config
 from jaxserve.checkpoint.tokenize import Pieces, TextTokenizer
 from jaxserve.dims import ModelDims
@@ -119,7 +120,9 @@ class Encoder(ModelView):
             params["head"] = {"score": {"kernel": kernel.astype(jdtype)}}
         if emb.dense and head.kind == "embedding":
             params["dense"] = loader.load_dense(path, emb.dense)
-        splade = sparse.SparseConfig.from_module(head.sparse, cfg.vocab_size) if head.kind == "sparse" else None
+        splade = (sparse.SparseConfig.from_module(head.sparse, cfg.vocab_size,
+                                                  max_active_dims=st_modules.st_config(path).get("max_active_dims"))
+                  if head.kind == "sparse" else None)
         if splade is not None:
             params["mlm"] = sparse.load_head(path, family.name, cfg, jdtype)
         colbert = (multivector.from_checkpoint(path, tokenizer, cfg.hidden_size, emb.max_seq_length,

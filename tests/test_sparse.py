@@ -6,12 +6,14 @@ sentence-transformers with max_seq_length 128. Parity: the same non-zero
 indices, values within 1e-4 relative.
 """
 
+import json
+
 import hf_tiny
 import numpy as np
 import pytest
 from conftest import warm_encoder
 
-from jaxserve.errors import InputError
+from jaxserve.errors import CheckpointError, InputError
 from jaxserve.heads import forwards, sparse
 from jaxserve.runtime.buckets import fixed
 
@@ -167,6 +169,42 @@ def test_rows_over_the_cap_read_from_their_full_rows(monkeypatch):
     assert not cfg.needed(compact[:, :1]).any()  # as shipped
     with pytest.raises(ValueError, match="without their full rows"):
         sparse.decode(compact[0], cfg)
+
+
+def test_max_active_dims_keeps_each_rows_largest_weights():
+    """`max_active_dims`: a row's k largest weights, in index order, from compact rows and full ones alike; a row
+    of k or fewer as it is."""
+    import orjson
+
+    cfg = sparse.SparseConfig(8, cap=3, max_active=2)
+    compact = np.array([[3, 0.5, 2.0, 1.0, 1, 4, 6], [2, 1.5, 0.25, 0, 0, 7, 0], [4, 0, 0, 0, 0, 0, 0]], np.float32)
+    full = {2: (np.array([0, 2, 3, 5]), np.array([0.75, 3.0, 0.125, 1.25], np.float32))}
+    want = [[{"index": 4, "value": 2.0}, {"index": 6, "value": 1.0}],
+            [{"index": 0, "value": 1.5}, {"index": 7, "value": 0.25}],
+            [{"index": 2, "value": 3.0}, {"index": 5, "value": 1.25}]]
+    assert sparse.decode(sparse.SparseRows(compact, full), cfg) == want
+    assert [orjson.loads(r) for r in sparse.json_rows(sparse.SparseRows(compact, full), cfg)] == want
+    assert compact[0, 0] == 3  # the device's rows are left as they came
+    with pytest.raises(CheckpointError, match="max_active_dims 0"):
+        sparse.SparseConfig.from_module({}, 8, max_active_dims=0)
+
+
+async def test_max_active_dims_matches_sparse_encoder(make_server, dense_splade, tmp_path, monkeypatch):
+    """A save's max_active_dims (config_sentence_transformers.json): each text's largest weights only, as
+    SparseEncoder.encode keeps them, in process and over /embed_sparse; texts under the cap and over it."""
+    import shutil
+
+    path, enc, _ = dense_splade
+    shutil.copytree(path, tmp_path / "mad")
+    config = json.loads((tmp_path / "mad" / "config_sentence_transformers.json").read_text())
+    (tmp_path / "mad" / "config_sentence_transformers.json").write_text(json.dumps({**config, "max_active_dims": 5}))
+    monkeypatch.setenv(sparse.CAP_ENV, str(enc.splade.cap))
+    mad = warm_encoder(tmp_path / "mad", PACKED)
+    want = reference(tmp_path / "mad", TEXTS)
+    assert [int(np.count_nonzero(w)) for w in want] == [5] * len(TEXTS)
+    assert_same_sparse(mad.embed_sparse(TEXTS), want)
+    client = await make_server(mad)
+    assert_same_sparse(await (await client.post("/embed_sparse", json={"inputs": TEXTS})).json(), want)
 
 
 def test_dense_routes_refuse(splade):

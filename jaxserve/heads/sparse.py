@@ -51,6 +51,7 @@ class SparseConfig:
     activation: str = "relu"  # relu: log1p(relu(x)); log1p_relu: log1p(log1p(relu(x)))
     cap: int = 0  # non-zeros shipped per sequence
     block: int = BLOCK  # vocabulary entries projected at a time (the module's BLOCK when the model was loaded)
+    max_active: int | None = None  # config_sentence_transformers.json's max_active_dims: the largest weights kept
 
     @property
     def out_dim(self) -> int:
@@ -58,7 +59,12 @@ class SparseConfig:
         return 1 + 2 * self.cap
 
     @classmethod
-    def from_module(cls, raw: dict, vocab_size: int, cap: int | None = None) -> "SparseConfig":
+    def from_module(cls, raw: dict, vocab_size: int, cap: int | None = None,
+                    max_active_dims: int | None = None) -> "SparseConfig":
+        """SpladePooling's config `raw`; `max_active_dims`: the SparseEncoder's (its non-zeros per text, at most)."""
+        if max_active_dims is not None and (not isinstance(max_active_dims, int) or isinstance(max_active_dims, bool)
+                                            or max_active_dims < 1):
+            raise CheckpointError(f"max_active_dims {max_active_dims!r} is not a positive integer")
         strategy = raw.get("pooling_strategy", "max")
         activation = raw.get("activation_function", "relu")
         if strategy not in STRATEGIES or activation not in ACTIVATIONS:
@@ -67,7 +73,7 @@ class SparseConfig:
         if cap is None:
             cap = int(os.environ.get(CAP_ENV) or DEFAULT_CAP)
         # both change the executables: the warm artifact's key holds this config whole
-        return cls(vocab_size, strategy, activation, max(1, min(int(cap), vocab_size)), BLOCK)
+        return cls(vocab_size, strategy, activation, max(1, min(int(cap), vocab_size)), BLOCK, max_active_dims)
 
     def needed(self, out_bkw: np.ndarray) -> np.ndarray:
         """A batch's compact rows [B, k, 1 + 2 cap] -> [B, k] bool: the sequences over the cap, whose full rows
@@ -150,12 +156,33 @@ def nonzeros(weights_v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return indices, np.ascontiguousarray(weights_v[indices], np.float32)
 
 
+def largest(indices: np.ndarray, values: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """One sequence's non-zeros (index order) -> its `k` largest, in index order: sentence-transformers'
+    `select_max_active_dims` (its topk; equal weights: the lower index first)."""
+    if len(values) <= k:
+        return indices, values
+    keep = np.sort(np.argsort(-values, kind="stable")[:k])
+    return indices[keep], values[keep]
+
+
 def _rows(out, sparse: SparseConfig) -> SparseRows:
+    """Device rows as `SparseRows`, each sequence's non-zeros cut to the model's `max_active_dims` if it has one."""
     rows = out if isinstance(out, SparseRows) else SparseRows(out)
     missing = set(over_cap(rows.compact, sparse).tolist()) - set(rows.full)
     if missing:  # compact rows from a pass that kept no spill: a caller's error, never the request's
         raise ValueError(f"compact SPLADE rows over the cap without their full rows (sequences {sorted(missing)})")
-    return rows
+    k, cap = sparse.max_active, sparse.cap
+    n = counts(rows.compact)
+    if k is None or not (n > k).any():
+        return rows
+    compact = rows.compact.copy()
+    for p in np.flatnonzero((n > k) & (n <= cap)):
+        indices, values = largest(compact[p, 1 + cap : 1 + cap + n[p]], compact[p, 1 : 1 + n[p]], k)  # copies
+        compact[p, 0] = k
+        compact[p, 1 : 1 + k] = values
+        compact[p, 1 + cap : 1 + cap + k] = indices
+    full = {p: largest(*rows.full[p], k) for p in rows.full}
+    return SparseRows(compact, full)
 
 
 def decode(out: SparseRows | np.ndarray, sparse: SparseConfig) -> list[list[dict]]:

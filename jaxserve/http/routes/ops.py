@@ -72,7 +72,7 @@ async def info(request: web.Request) -> web.Response:
         if enc.splade is not None:  # dimensions: the vocabulary; cap: non-zeros shipped per input
             body.update(dimensions=c.vocab_size, pooling="splade",
                         sparse={"pooling_strategy": enc.splade.strategy, "activation_function": enc.splade.activation,
-                                "cap": enc.splade.cap})
+                                "cap": enc.splade.cap, "max_active_dims": enc.splade.max_active})
         if enc.colbert is not None:  # dimensions: of each token vector
             mv = enc.colbert
             body.update(dimensions=mv.dim, pooling="multivector", normalize=mv.normalize, multivector={
