@@ -182,6 +182,19 @@ def test_do_lower_case_lowercases_the_texts(tmp_path):
     assert cosine_rows(enc.embed(texts), st.encode(texts)).min() >= 0.99999
 
 
+def test_a_dense_layer_after_normalize_is_refused(tmp_path):
+    """Pooling -> Normalize -> Dense: sentence-transformers' output is the Dense of the unit vector, not a unit
+    vector; jaxserve normalises last only, so it refuses the order rather than serve other vectors."""
+    from jaxserve.checkpoint.config import EmbeddingConfig, read_model_config
+    from jaxserve.errors import CheckpointError
+
+    path = checkpoint(tmp_path / "order", pooling="mean", dense=DENSE[:1])
+    modules = json.loads((path / "modules.json").read_text())
+    (path / "modules.json").write_text(json.dumps([modules[0], modules[1], modules[3], modules[2]]))
+    with pytest.raises(CheckpointError, match="Dense module .*'2_Dense'.* after Normalize"):
+        EmbeddingConfig.from_checkpoint(path, read_model_config(path)[1])
+
+
 def test_a_default_prompt_name_the_model_lacks_stops_the_server_at_start(full):
     from jaxserve.http.loading import check_prompt
     from jaxserve.http.server import ServerConfig

@@ -83,7 +83,8 @@ class EmbeddingConfig:
 
     The pipeline is the checkpoint's own `modules.json`: Transformer, then
     Pooling (every mode; several modes are concatenated in sentence-transformers'
-    order), then any Dense layers, then Normalize if (and only if) it is listed.
+    order), then any Dense layers, then Normalize if (and only if) it is listed
+    (last: a module after it is refused).
     """
 
     pooling: str = "mean"  # a mode of POOLING_MODES, or several joined by "+" (concatenated)
@@ -142,6 +143,9 @@ class EmbeddingConfig:
         pooling, normalize, dense = "mean" if modules else plain_pooling(path), False, []
         for module in modules:
             kind = st_modules.kind(module)
+            if normalize and kind in ("Pooling", "Dense"):
+                raise CheckpointError(f"modules.json lists a {kind} module ({module.get('path')!r}) after Normalize; "
+                                      "jaxserve normalises the final vector only (Normalize must come last)")
             if kind == "Pooling":
                 pooling = pooling_mode(st_modules.module_config(path, module))
             elif kind == "Dense":
