@@ -230,7 +230,8 @@ def cased_minilm(tmp_path_factory):
         config = json.loads((src / name).read_text())
         (path / name).unlink()
         (path / name).write_text(json.dumps(edit(config)))
-    return TextTokenizer.from_dir(path, MAX_LEN, lowercase=True), SentenceTransformer(str(path), device="cpu")[0].processor
+    processor = SentenceTransformer(str(path), device="cpu")[0].processor
+    return TextTokenizer.from_dir(path, MAX_LEN, lowercase=True), processor
 
 
 def test_do_lower_case_lowercases_on_every_path(cased_minilm):

@@ -95,7 +95,7 @@ class EmbeddingConfig:
     default_prompt_name: str | None = None
     # the widths config.json says the vectors may be cut to (Matryoshka; as vLLM reads it); (): any width
     matryoshka_dimensions: tuple[int, ...] = ()
-    # config_sentence_transformers.json's truncate_dim: the vectors' served width, cut after the modules run (None: full)
+    # config_sentence_transformers.json's truncate_dim: the served width, cut after the modules run (None: full)
     truncate_dim: int | None = None
     # Task adapters (Jina-embeddings-v3): the one merged into the weights, and the others, whose prompts are refused
     task: str | None = None
