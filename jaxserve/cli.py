@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import math
 import os
@@ -38,17 +39,29 @@ def table_for(enc, args):
     return table_options(args)
 
 
+@contextlib.contextmanager
+def refused():
+    """A config's ValueError (options that each parse but together, or against the config's rules, do not hold)
+    as the command line's error: `jaxserve: ...` and status 2, as every other refusal, not a traceback."""
+    from jaxserve.errors import JaxserveError
+
+    try:
+        yield
+    except ValueError as err:
+        raise JaxserveError(str(err)) from None
+
+
 def table_options(args):
     """The table flags as the derivation's options."""
     from jaxserve.runtime.derivation import TableOptions
 
-    return TableOptions(
-        ladder=args.ladder, layout=args.layout,
-        seqlens=tuple(int(x) for x in args.seqlens.split(",")) if args.seqlens else None,
-        device_memory=args.device_memory, headroom=args.headroom, max_batch_tokens=args.max_batch_tokens,
-        max_batch=args.max_batch, batch_multiple=args.batch_multiple, batch_ladder=args.batch_ladder == "on",
-        knee=args.throughput_knee == "on",
-    )
+    with refused():
+        return TableOptions(
+            ladder=args.ladder, layout=args.layout, seqlens=args.seqlens,
+            device_memory=args.device_memory, headroom=args.headroom, max_batch_tokens=args.max_batch_tokens,
+            max_batch=args.max_batch, batch_multiple=args.batch_multiple, batch_ladder=args.batch_ladder == "on",
+            knee=args.throughput_knee == "on",
+        )
 
 
 def cmd_buckets(args) -> int:
@@ -121,44 +134,60 @@ def api_keys(args) -> tuple[tuple[str, str | None], ...]:
     """--api-key flags, then the lines of --api-keys-file, each KEY or KEY=CLASS."""
     from jaxserve.http.classes import parse_key
 
+    from jaxserve.errors import JaxserveError
+
     lines = list(args.api_key)
     if args.api_keys_file:
-        with open(args.api_keys_file) as f:
-            lines += [line for line in f.read().splitlines() if line.strip() and not line.lstrip().startswith("#")]
+        try:
+            with open(args.api_keys_file) as f:
+                text = f.read()
+        except OSError as err:
+            raise JaxserveError(f"--api-keys-file {args.api_keys_file}: {err.strerror}") from None
+        lines += [line for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
     return tuple(parse_key(line) for line in lines)
+
+
+def sim_spec(args):
+    """--simulate-device and its options as a SimSpec; None: the real device."""
+    if args.simulate_device is None:
+        return None
+    from jaxserve.runtime.simulated import SimSpec
+
+    overhead = {} if args.simulate_overhead_us is None else {"step_overhead_us": args.simulate_overhead_us}
+    return SimSpec(args.simulate_device, sizes=tuple(args.simulate_size) if args.simulate_size else None, **overhead)
 
 
 def serve_config(args):
     """`jaxserve serve`'s options as a ServerConfig."""
+    from jaxserve.errors import JaxserveError
     from jaxserve.http.server import ServerConfig
     from jaxserve.runtime import host
 
-    simulate = None
-    if args.simulate_device is not None:
-        from jaxserve.runtime.simulated import SimSpec
-
-        simulate = SimSpec(args.simulate_device, args.simulate_overhead_us,
-                           sizes=tuple(args.simulate_size) if args.simulate_size else None)
-    config = ServerConfig(
-        model=args.model, model_name=args.served_model_name, dtype=args.dtype, attention=args.attention, task=args.task,
-        buckets=args.buckets,
-        ladder=args.ladder, layout=args.layout, max_wait_ms=args.max_wait_ms, max_queue_tokens=args.max_queue_tokens,
-        max_client_batch=args.max_client_batch, max_input_chars=args.max_input_chars,
-        max_body_bytes=args.max_body_bytes, long=args.long,
-        api_key=os.environ.get("JAXSERVE_API_KEY") or None, api_keys=api_keys(args),
-        route_priority=tuple(args.route_priority),
-        cache_dir=args.cache_dir, use_cache=not args.no_cache, keep_artifacts=args.keep_artifacts,
-        max_concurrent=args.max_concurrent_requests,
-        request_timeout_s=args.request_timeout_s, devices=args.devices, max_inflight_bytes=args.max_inflight_bytes,
-        default_prompt_name=args.default_prompt_name, default_prompt=args.default_prompt,
-        token_ids=args.token_ids, embed_all=args.embed_all, table=table_options(args),
-        default_priority=args.default_priority, interactive_max_sequences=args.interactive_max_sequences,
-        interactive_max_tokens=args.interactive_max_tokens,
-        bulk_dispatch_ms=args.bulk_dispatch_ms, host_dispatch_us=args.host_dispatch_us,
-        tokenizer_threads=args.tokenizer_threads, respond_threads=args.respond_threads,
-        workers=host.frontend_workers() if args.workers == "auto" else args.workers,
-        engine_restarts=args.engine_restarts, simulate=simulate, access_log=args.access_log, malloc=args.malloc,
-    )
+    if args.simulate_device is None and (args.simulate_overhead_us is not None or args.simulate_size is not None):
+        raise JaxserveError("--simulate-overhead-us and --simulate-size describe a simulated device: they need "
+                            "--simulate-device")
+    with refused():
+        simulate = sim_spec(args)
+        config = ServerConfig(
+            model=args.model, model_name=args.served_model_name, dtype=args.dtype, attention=args.attention,
+            task=args.task, buckets=args.buckets, ladder=args.ladder, layout=args.layout, max_wait_ms=args.max_wait_ms,
+            max_queue_tokens=args.max_queue_tokens,
+            max_client_batch=args.max_client_batch, max_input_chars=args.max_input_chars,
+            max_body_bytes=args.max_body_bytes, long=args.long,
+            api_key=os.environ.get("JAXSERVE_API_KEY") or None, api_keys=api_keys(args),
+            route_priority=tuple(args.route_priority),
+            cache_dir=args.cache_dir, use_cache=not args.no_cache, keep_artifacts=args.keep_artifacts,
+            max_concurrent=args.max_concurrent_requests,
+            request_timeout_s=args.request_timeout_s, devices=args.devices, max_inflight_bytes=args.max_inflight_bytes,
+            default_prompt_name=args.default_prompt_name, default_prompt=args.default_prompt,
+            token_ids=args.token_ids, embed_all=args.embed_all, table=table_options(args),
+            default_priority=args.default_priority, interactive_max_sequences=args.interactive_max_sequences,
+            interactive_max_tokens=args.interactive_max_tokens,
+            bulk_dispatch_ms=args.bulk_dispatch_ms, host_dispatch_us=args.host_dispatch_us,
+            tokenizer_threads=args.tokenizer_threads, respond_threads=args.respond_threads,
+            workers=host.frontend_workers() if args.workers == "auto" else args.workers,
+            engine_restarts=args.engine_restarts, simulate=simulate, access_log=args.access_log, malloc=args.malloc,
+        )
     if simulate is not None:  # token outputs are not simulated: /embed_all is off
         config = dataclasses.replace(config, embed_all=False, use_cache=False)
     return config
@@ -310,7 +339,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     buckets = sub.add_parser("buckets", help="derive the bucket table for this device and print its memory math")
     _model_args(buckets)
-    _table_args(buckets)
+    _table_args(buckets, timed=False)
     buckets.add_argument("--write", metavar="FILE", help="save the table as JSON")
     buckets.set_defaults(func=cmd_buckets)
 
@@ -370,7 +399,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="serve the model over HTTP (OpenAI /v1/embeddings, TEI /embed)")
     _model_args(serve)
     serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8080)
+    serve.add_argument("--port", type=_port, default=8080, help="0: any free port")
     _table_args(serve)
     serve.add_argument("--max-wait-ms", type=float, default=server.MAX_WAIT_MS,
                        help="batch window: how long a partial batch waits while the device is busy")
@@ -447,8 +476,8 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--simulate-device", type=float, metavar="TFLOPS",
                      help="serve on a simulated device of this achieved rate: each dispatch costs overhead + "
                           "FLOPs / rate on one device clock; measures this host's request path without a GPU")
-    sim.add_argument("--simulate-overhead-us", type=float, default=30.0, metavar="US",
-                     help="the simulated device's launch and synchronisation time per dispatch")
+    sim.add_argument("--simulate-overhead-us", type=float, metavar="US",
+                     help="the simulated device's launch and synchronisation time per dispatch (default 30)")
     sim.add_argument("--simulate-size", type=_sizes, metavar="H,I,L",
                      help="simulate a model of this hidden size, intermediate size and layer count (e.g. "
                           "768,3072,12 for bge-base) instead of the checkpoint's")
@@ -462,6 +491,19 @@ def _workers(text: str) -> int | str:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"must be auto or a whole number of at least 1, not {text!r}")
     return int(text)
+
+
+def _port(text: str) -> int:
+    if not text.isdecimal() or int(text) > 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number, 0 to 65535, not {text!r}")
+    return int(text)
+
+
+def _seqlens(text: str) -> tuple[int, ...]:
+    parts = [p.strip() for p in text.split(",")]
+    if not all(p.isdecimal() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"must be positive whole numbers, comma-separated, not {text!r}")
+    return tuple(int(p) for p in parts)
 
 
 def _sizes(text: str) -> list[int]:
@@ -491,23 +533,27 @@ def _keep_artifacts_arg(p: argparse.ArgumentParser) -> None:
                         f"older ones (stale after an upgrade or a flag change; default {KEEP})")
 
 
-def _table_args(p: argparse.ArgumentParser) -> None:
+def _table_args(p: argparse.ArgumentParser, timed: bool = True) -> None:
+    """The table flags; `timed=False` (`jaxserve buckets`: an untimed table) leaves out the knee: it needs times."""
     from jaxserve.runtime.buckets import LADDERS, LAYOUTS
     from jaxserve.runtime.device import DEFAULT_HEADROOM
 
     p.add_argument("--buckets", default="auto", metavar="FILE|auto", help="a bucket table JSON file, or auto (derive)")
     p.add_argument("--ladder", default="default", choices=LADDERS, help="seqlen ladder to derive")
     p.add_argument("--layout", default="packed", choices=LAYOUTS, help="one document per row, or several packed")
-    p.add_argument("--seqlens", help="explicit seqlen ladder, comma-separated (overrides --ladder's)")
+    p.add_argument("--seqlens", type=_seqlens, help="explicit seqlen ladder, comma-separated (overrides --ladder's)")
     p.add_argument("--device-memory", type=int, metavar="BYTES", help="derive for a device of this memory (default: this device's)")
     p.add_argument("--headroom", type=float, help=f"fraction of device memory the buckets may use (default {DEFAULT_HEADROOM})")
     p.add_argument("--max-batch-tokens", type=int, help="cap on batch*seqlen per dispatch (default: the device's)")
     p.add_argument("--max-batch", type=int, help="cap on rows per dispatch (default: 256 on CPU, none on GPU)")
     p.add_argument("--batch-ladder", default="on", choices=["on", "off"],
                    help="also compile batches 1, 4, 16, ... below each seqlen's largest")
-    p.add_argument("--throughput-knee", default="on", choices=["on", "off"],
-                   help="derived tables, once timed: keep each seqlen's batches up to where a 4x larger batch "
-                        "is no longer 5%% faster per token")
+    if timed:
+        p.add_argument("--throughput-knee", default="on", choices=["on", "off"],
+                       help="derived tables, once timed: keep each seqlen's batches up to where a 4x larger batch "
+                            "is no longer 5%% faster per token")
+    else:
+        p.set_defaults(throughput_knee="on")
     p.add_argument("--batch-multiple", type=int, help="round batches down to a multiple of this (default: 8 on GPU, 1 on CPU)")
 
 

@@ -121,3 +121,56 @@ def test_keep_artifacts_on_serve_and_warmup(monkeypatch):
     configs = []
     monkeypatch.setattr(server, "serve", lambda config, host, port: configs.append(config))
     assert main(["serve", "--keep-artifacts", "5"]) == 0 and configs[0].keep_artifacts == 5
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--port", "99999"], "argument --port: must be a port number, 0 to 65535"),
+    (["--seqlens", "16,abc"], "argument --seqlens: must be positive whole numbers"),
+    (["--seqlens", "0,16"], "argument --seqlens: must be positive whole numbers"),
+    (["--max-queue-tokens", "0"], "jaxserve: max_queue_tokens must be positive, not 0"),
+    (["--api-keys-file", "/nonexistent/keys"], "jaxserve: --api-keys-file /nonexistent/keys: No such file"),
+    (["--simulate-device", "0"], "jaxserve: a simulated device's tflops must be a finite number above 0"),
+    (["--simulate-overhead-us", "5"], "they need --simulate-device"),
+    (["--simulate-size", "768,3072,12"], "they need --simulate-device"),
+    (["--api-key", ""], "jaxserve: an API key is empty"),
+    (["--api-key", "=bulk"], "jaxserve: an API key is empty"),
+])
+def test_bad_serve_options_end_in_one_line_and_status_2_before_anything_starts(flags, message, monkeypatch, capsys):
+    """A value no server can take is refused as the command line refuses the rest (`jaxserve: ...` or argparse's
+    usage, status 2), never a traceback, a crash after loading, or a server on another port. An empty API key
+    would let `Authorization: Bearer` with no key in."""
+    from jaxserve.cli import main
+    from jaxserve.http import server
+
+    monkeypatch.setattr(server, "serve", lambda config, host, port: pytest.fail("the server was started"))
+    monkeypatch.delenv("JAXSERVE_API_KEY", raising=False)
+    try:
+        status = main(["serve", "--workers", "1", *flags])
+    except SystemExit as exc:  # argparse's refusals
+        status = exc.code
+    err = capsys.readouterr().err
+    assert status == 2 and message in err.splitlines()[-1] and "Traceback" not in err, err
+
+
+def test_empty_api_key_refused_in_a_keys_file_and_by_the_config(tmp_path, monkeypatch, capsys):
+    from jaxserve.cli import main
+    from jaxserve.http import server
+    from jaxserve.http.state import ServerConfig
+
+    monkeypatch.setattr(server, "serve", lambda config, host, port: pytest.fail("the server was started"))
+    keys = tmp_path / "keys.txt"
+    keys.write_text("good-key\n=bulk\n")
+    assert main(["serve", "--workers", "1", "--api-keys-file", str(keys)]) == 2
+    assert "an API key is empty" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="an API key is empty"):
+        ServerConfig(api_keys=(("ok", None), (" ", "bulk")))
+    assert ServerConfig(api_key="").keys == ()  # an unset JAXSERVE_API_KEY: no key, not an empty one
+
+
+def test_buckets_has_no_throughput_knee_it_could_not_apply():
+    """`jaxserve buckets` prints an untimed table, and the knee needs timings: the flag is not offered there."""
+    from jaxserve.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["buckets", "--throughput-knee", "off"])
+    assert build_parser().parse_args(["warmup", "--throughput-knee", "off"]).throughput_knee == "off"

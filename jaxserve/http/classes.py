@@ -157,9 +157,10 @@ def likely_interactive(ask: Ask, inputs: int, policy: Policy = DEFAULT_POLICY, *
 
 def parse_key(text: str) -> tuple[str, str | None]:
     """`KEY` or `KEY=CLASS` (--api-key, --api-keys-file) -> (key, class or None). Only a class name after the
-    last `=` is split off, so keys that themselves end in `=` (base64) stay whole."""
+    last `=` is split off, so keys that themselves end in `=` (base64) stay whole; `=CLASS` is an empty key
+    (`ServerConfig` refuses it)."""
     key, sep, cls = text.strip().rpartition("=")
-    if sep and key and cls.strip().lower() in CLASSES:
+    if sep and cls.strip().lower() in CLASSES:
         return key, cls.strip().lower()
     return text.strip(), None
 

@@ -125,6 +125,9 @@ class ServerConfig:
                 [(f"route {r}", c) for r, c in self.route_priority]:
             if cls not in CLASSES:
                 raise ValueError(f"{what}: class must be one of {', '.join(CLASSES)}, not {cls!r}")
+        if any(not key.strip() for key, _ in self.api_keys):  # `Authorization: Bearer` with no key would match it
+            raise ValueError("an API key is empty (an --api-key \"$KEY\" of an unset variable, or a line of "
+                             "--api-keys-file with only =CLASS?)")
         if self.keep_artifacts < 1:
             raise ValueError(f"keep_artifacts must be at least 1, not {self.keep_artifacts}")
         if self.max_queue_tokens is not None and self.max_queue_tokens < 1:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -55,6 +56,14 @@ class SimSpec:
     d2h_gbps: float = 25.0  # device-to-host copy
     # (hidden, intermediate, layers) of another model's size; None: the checkpoint's
     sizes: tuple[int, int, int] | None = None
+
+    def __post_init__(self):
+        for name, value in (("tflops", self.tflops), ("d2h_gbps", self.d2h_gbps)):  # each divides a step's work
+            if not 0 < value < math.inf:
+                raise ValueError(f"a simulated device's {name} must be a finite number above 0, not {value}")
+        if not 0 <= self.step_overhead_us < math.inf:
+            raise ValueError(f"a simulated device's step_overhead_us must be a finite number, 0 or more, "
+                             f"not {self.step_overhead_us}")
 
 
 def sim_dims(hidden: int, intermediate: int, layers: int, dtype_bytes: int = 4) -> ModelDims:
