@@ -102,6 +102,26 @@ def test_one_process_asked_for_an_allocator_it_was_not_started_with_says_how():
     assert out.returncode != 0 and "LD_PRELOAD=libjemalloc.so.2 jaxserve serve" in out.stderr, out.stderr
 
 
+def test_a_model_the_first_engine_cannot_load_ends_the_server_as_one_process_does(files, tmp_path):
+    """A wrong path, or a task the checkpoint has no adapter for: with two workers as with one, the server exits
+    with status 2 and the same one line, not a server answering 503 forever."""
+    path, table = files
+    for flags in (["--model", str(tmp_path / "not-there")], ["--model", str(path), "--task", "retrieval.query"]):
+        said = []
+        for workers in ("1", "2"):
+            proc = subprocess.Popen([sys.executable, "-m", "jaxserve.cli", "serve", "--port", str(free_port()),
+                                     "--buckets", str(table), "--no-cache", "--workers", workers, *flags],
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            try:
+                _, err = proc.communicate(timeout=BOUND_S)
+            except subprocess.TimeoutExpired:
+                stop(proc)  # the supervisor stops its children
+                raise AssertionError(f"--workers {workers} {flags}: still serving after {BOUND_S:.0f} s") from None
+            assert proc.returncode == 2, err
+            said.append(err.strip().splitlines()[-1])
+        assert said[0] == said[1] and said[0].startswith("jaxserve: "), said
+
+
 def test_two_front_ends_serve_as_one_process_does(files):
     """Same vectors as the model in this process; one engine (the batcher sees every front-end's rows); /metrics
     one view over all processes; errors, explain and /info as a single process gives them."""

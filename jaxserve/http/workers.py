@@ -16,7 +16,9 @@ Faults: a front-end that dies is restarted (only its own in-flight requests
 fail: their connections close); an engine that dies fails every waiting
 request with 503, /health says 503 on every front-end until a restarted engine
 is warm again (`engine_restarts` times, then it stays 503 for the orchestrator
-to act). Every child asks the kernel for SIGTERM when the supervisor dies
+to act). A model that the first engine cannot load (a wrong path, a task or
+prompt the checkpoint lacks) ends the server at once, as `--workers 1` does:
+one line, exit status 2. Every child asks the kernel for SIGTERM when the supervisor dies
 (PR_SET_PDEATHSIG) and checks its parent once more after asking: SIGKILL of
 the supervisor leaves no process behind. SIGTERM drains the front-ends first,
 then stops the engine.
@@ -43,11 +45,14 @@ import tempfile
 import time
 from pathlib import Path
 
+from jaxserve.errors import JaxserveError
+
 log = logging.getLogger("jaxserve.http.workers")
 
 RESTART_BACKOFF_S = (0.5, 5.0)  # a child that died young waits this long (doubling up to the second) to restart
 YOUNG_S = 10.0  # a child that lived less than this died young
 PROCESSES_FILE = "processes.json"  # the supervisor's list of pids by role, read by /info
+LOAD_FAILED_FILE = "load-failed.txt"  # why the first engine could not load the model: the supervisor says it and exits
 
 
 def frontend_config(config, workers: int):
@@ -78,8 +83,10 @@ def _logging(role: str) -> None:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s {role}[%(process)d] %(name)s: %(message)s")
 
 
-def engine_main(config, path: str, run_dir: str, parent: int) -> None:
-    """The engine process: load, warm (from the warm artifact when it matches), serve the pipeline on `path`."""
+def engine_main(config, path: str, run_dir: str, first: bool, parent: int) -> None:
+    """The engine process: load, warm (from the warm artifact when it matches), serve the pipeline on `path`.
+    The `first` engine exits (status 2, the reason in LOAD_FAILED_FILE) if the model does not load: the
+    supervisor ends the server with it. A restarted one stays, saying why on /health (503)."""
     _follow_parent(parent)
     _logging("engine")
     from jaxserve.http.server import new_loop
@@ -87,11 +94,13 @@ def engine_main(config, path: str, run_dir: str, parent: int) -> None:
 
     host.keep_freed_memory()
 
-    asyncio.run(_engine(config, path, run_dir), loop_factory=new_loop)
+    if not asyncio.run(_engine(config, path, run_dir, first), loop_factory=new_loop):
+        sys.exit(2)
 
 
-async def _engine(config, path: str, run_dir: str) -> None:
-    from jaxserve.http.loading import load_encoder, make_pipeline, start_engine
+async def _engine(config, path: str, run_dir: str, first: bool) -> bool:
+    """Serve until SIGTERM (-> True); False when the first engine could not load the model."""
+    from jaxserve.http.loading import check_prompt, load_encoder, make_pipeline, start_engine
     from jaxserve.http.metrics import EngineMetrics
     from jaxserve.http.server import DRAIN_TIMEOUT_S
     from jaxserve.http.tally import combined
@@ -118,10 +127,12 @@ async def _engine(config, path: str, run_dir: str) -> None:
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    pipeline = None
+    pipeline, loaded = None, False
     try:
         with started.phase("weights", "loading weights"):
             enc = await loop.run_in_executor(None, load_encoder, config)
+        check_prompt(config, enc)
+        loaded = True
         table = await loop.run_in_executor(None, start_engine, config, enc, started)
         pipeline = make_pipeline(config, enc, table, metrics)
         await pipeline.start()
@@ -136,6 +147,12 @@ async def _engine(config, path: str, run_dir: str) -> None:
         host.settle_heap()
         log.info("ready: %d buckets; %s", len(table.buckets), started.summary())
     except Exception as exc:
+        if first and not loaded:  # the one-process server's message (cli.main's), for the supervisor to say
+            why = str(exc) if isinstance(exc, JaxserveError) else f"{type(exc).__name__}: {exc}"
+            log.error("the model did not load: %s", why, exc_info=not isinstance(exc, JaxserveError))
+            Path(run_dir, LOAD_FAILED_FILE).write_text(why)
+            await link.stop()
+            return False
         held["failed"] = f"warmup failed: {type(exc).__name__}: {exc}"
         log.exception(held["failed"])
     await stop.wait()
@@ -143,6 +160,7 @@ async def _engine(config, path: str, run_dir: str) -> None:
         await pipeline.drain(DRAIN_TIMEOUT_S)
         await pipeline.stop()
     await link.stop()
+    return True
 
 
 @dataclasses.dataclass
@@ -218,7 +236,8 @@ class Supervisor:
         return proc
 
     def start_engine(self) -> None:
-        self.engine = self._start(engine_main, (self.config, self.path, self.run_dir), "jaxserve-engine")
+        self.engine = self._start(engine_main, (self.config, self.path, self.run_dir, self.engine_restarts == 0),
+                                  "jaxserve-engine")
         self._write_processes()
 
     def start_frontend(self, i: int) -> None:
@@ -256,6 +275,9 @@ class Supervisor:
         if self.stopping:
             return
         role = "engine" if proc is self.engine else "frontend"
+        failed = Path(self.run_dir, LOAD_FAILED_FILE)
+        if role == "engine" and failed.exists():
+            raise JaxserveError(failed.read_text())
         log.error("the %s process %d exited with %s", role, proc.pid, proc.exitcode)
         young = time.monotonic() - self.started_at.pop(proc.pid, 0.0) < YOUNG_S
         delay = min(RESTART_BACKOFF_S[1], 2 * self.backoff.get(role, RESTART_BACKOFF_S[0] / 2)) if young \
