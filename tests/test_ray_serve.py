@@ -135,3 +135,18 @@ def test_build_app_reads_serve_run_arguments():
     assert (auto.autoscaling_config.max_replicas, auto.autoscaling_config.target_ongoing_requests) == (4, AUTOSCALE_TARGET)
     with pytest.raises(ValueError, match="unknown jaxserve options \\['modle'\\]"):
         build_app({"modle": "/m"})
+
+
+async def test_a_replica_whose_warmup_failed_says_why_at_once(aiohttp_client, tmp_path):
+    """A replica waits for its server's /health (`wait_ready`, for up to WARMUP_TIMEOUT_S): a warm-up that failed
+    (here a default prompt the checkpoint lacks, found at warm-up) ends the wait with its reason, not a bare
+    TimeoutError half an hour later. No Ray needed: the replica's server and wait, on loopback."""
+    from jaxserve.http.server import create_app
+    from jaxserve.integrations.launch import wait_ready
+
+    TINY_TABLE.save(tmp_path / "t.json")
+    config = ServerConfig(model=str(tiny.write_checkpoint(tmp_path / "ckpt")), buckets=str(tmp_path / "t.json"),
+                          use_cache=False, default_prompt_name="nope")
+    client = await aiohttp_client(create_app(config))
+    with pytest.raises(RuntimeError, match="will not be ready: warmup failed: InputError: unknown prompt_name 'nope'"):
+        await wait_ready(client.session, str(client.make_url("")).rstrip("/"), timeout_s=120)

@@ -40,6 +40,7 @@ from jaxserve.http.state import (  # noqa: F401
     STATE,
     AppState,
     ServerConfig,
+    warmup_failed,
 )
 from jaxserve.runtime import compiles, startup
 from jaxserve.runtime.host import (
@@ -76,7 +77,7 @@ async def lifecycle(app: web.Application):
                 state.encoder = await loop.run_in_executor(None, load_encoder, cfg)
             state.table = await loop.run_in_executor(None, start_engine, cfg, state.encoder, state.startup)
         except Exception as exc:
-            state.failed = f"warmup failed: {type(exc).__name__}: {exc}"
+            state.failed = warmup_failed(exc)
             log.error(state.failed)
             return
         state.service = make_pipeline(cfg, state.encoder, state.table, state.engine_metrics)

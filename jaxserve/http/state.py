@@ -48,6 +48,12 @@ INLINE_BODY_BYTES = 2048
 OFFLOAD_FLOATS = 16_384  # responses with more floats than this are encoded on a thread
 DICT_FLOATS = 32  # building one result object (a label's or a text's score) costs about as much as this many floats
 TOKEN_ID_MODES = ("openai", "model")  # whose ids /v1/embeddings' token-id inputs are
+WARMUP_FAILED = "warmup failed"  # how /health's status starts when the warm-up failed: no retry will make it ready
+
+
+def warmup_failed(exc: Exception) -> str:
+    """/health's status (503) after the warm-up raised `exc`."""
+    return f"{WARMUP_FAILED}: {type(exc).__name__}: {exc}"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -103,6 +103,7 @@ async def _engine(config, path: str, run_dir: str, first: bool) -> bool:
     from jaxserve.http.loading import check_prompt, load_encoder, make_pipeline, start_engine
     from jaxserve.http.metrics import EngineMetrics
     from jaxserve.http.server import DRAIN_TIMEOUT_S
+    from jaxserve.http.state import warmup_failed
     from jaxserve.http.tally import combined
     from jaxserve.runtime import compiles, device, host, startup
     from jaxserve.runtime.simulated import described
@@ -153,7 +154,7 @@ async def _engine(config, path: str, run_dir: str, first: bool) -> bool:
             Path(run_dir, LOAD_FAILED_FILE).write_text(why)
             await link.stop()
             return False
-        held["failed"] = f"warmup failed: {type(exc).__name__}: {exc}"
+        held["failed"] = warmup_failed(exc)
         log.exception(held["failed"])
     await stop.wait()
     if pipeline is not None:

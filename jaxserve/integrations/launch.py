@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import socket
 import subprocess
 import sys
 
 import aiohttp
+
+from jaxserve.http.state import WARMUP_FAILED
 
 
 def free_port() -> int:
@@ -48,7 +51,8 @@ def stop(proc: subprocess.Popen, timeout_s: float = STOP_S) -> None:
 
 async def wait_ready(session: aiohttp.ClientSession, url: str, timeout_s: float = 120.0, poll_s: float = 0.1,
                      proc: subprocess.Popen | None = None) -> None:
-    """Poll /health until it answers 200 (the server warms up first); fail at once if `proc` exits."""
+    """Poll /health until it answers 200 (the server warms up first); fail at once if `proc` exits, or if /health
+    says the warm-up failed (no wait will make that server ready)."""
     for _ in range(int(timeout_s / poll_s)):
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"jaxserve serve exited with {proc.returncode}")
@@ -56,7 +60,19 @@ async def wait_ready(session: aiohttp.ClientSession, url: str, timeout_s: float 
             async with session.get(url + "/health") as r:
                 if r.status == 200:
                     return
+                body = await r.read()
         except aiohttp.ClientError:
-            pass
+            body = b""
+        if (failed := _warmup_failed(body)) is not None:
+            raise RuntimeError(f"{url} will not be ready: {failed}")
         await asyncio.sleep(poll_s)
     raise TimeoutError(f"{url} was not ready within {timeout_s:.0f} s")
+
+
+def _warmup_failed(body: bytes) -> str | None:
+    """The status of a /health body saying the warm-up failed, else None (warming, draining, or not jaxserve's)."""
+    try:
+        status = json.loads(body).get("status")
+    except (ValueError, AttributeError):
+        return None
+    return status if isinstance(status, str) and status.startswith(WARMUP_FAILED) else None
