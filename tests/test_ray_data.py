@@ -276,3 +276,19 @@ def test_killed_driver_resumes_without_redoing_finished_ranges_or_duplicating_ro
     again = subprocess.run([sys.executable, "-m", "jaxserve.cli", "embed", *map(str, args)], capture_output=True,
                            text=True, timeout=300, check=False, cwd=tmp_path)
     assert again.returncode == 0 and f"v.parquet is already complete: {ROWS} rows" in again.stdout
+
+
+def test_embedder_refuses_a_null_text_naming_its_row(tmp_path):
+    """A null (None from Arrow, NaN from pandas) is not embedded as the word "None" (or "nan"): the batch fails
+    naming the column and the row, as `jaxserve embed` refuses nulls. Called as map_batches calls it, no cluster."""
+    from jaxserve.errors import JaxserveError
+    from jaxserve.integrations.ray_data import Embedder
+
+    embedder = Embedder(model=str(tiny.write_checkpoint(tmp_path / "ckpt")), column="body", table=TINY_TABLE,
+                        cache_dir=str(tmp_path / "cache"))
+    out = embedder({"body": np.array(["a", "b"], dtype=object), "id": np.array([7, 8])})
+    assert out["embedding"].shape[0] == 2 and out["id"].tolist() == [7, 8]
+    for null in (None, float("nan")):
+        with pytest.raises(JaxserveError, match=r"column 'body' is (None|nan), not text, in row 1 of this batch "
+                                                r"\(its other columns: id=8\)"):
+            embedder({"body": np.array(["a", null, "c"], dtype=object), "id": np.array([7, 8, 9])})

@@ -53,7 +53,8 @@ def started_encoder(model: str | None, dtype: str, attention: str, table, cache_
 
 class Embedder:
     """A callable class for `Dataset.map_batches`: each batch's `column` of texts gets an `embedding` column
-    (float32 [rows, dim], the checkpoint's normalisation); the other columns pass through.
+    (float32 [rows, dim], the checkpoint's normalisation); the other columns pass through. A text that is not a
+    string (a null) fails the batch, naming its row.
 
         ds = ray.data.read_parquet("/data/corpus/").map_batches(
             Embedder, fn_constructor_kwargs={"model": "/models/minilm", "column": "body"},
@@ -76,7 +77,14 @@ class Embedder:
         return self.stages.run(self.stages.prepare(texts))
 
     def __call__(self, batch: dict) -> dict:
-        vectors, _, _ = self.embed([str(t) for t in batch[self.column]])
+        texts = batch[self.column]
+        # a null (None; NaN where pandas made the column) is refused, as `jaxserve embed` refuses it: str() of it
+        # would embed the word "None"
+        if (row := next((i for i, t in enumerate(texts) if not isinstance(t, str)), None)) is not None:
+            others = ", ".join(f"{k}={v[row]}" for k, v in batch.items() if k != self.column)
+            raise JaxserveError(f"column {self.column!r} is {texts[row]!r}, not text, in row {row} of this batch "
+                                f"(its other columns: {others or 'none'})")
+        vectors, _, _ = self.embed([str(t) for t in texts])
         return {**batch, "embedding": vectors}
 
 
