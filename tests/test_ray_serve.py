@@ -137,6 +137,22 @@ def test_build_app_reads_serve_run_arguments():
         build_app({"modle": "/m"})
 
 
+def test_options_a_replica_cannot_apply_are_refused_not_dropped():
+    """A replica is one in-process server: the process layout of `jaxserve serve` (workers, their allocator, the
+    engine's restarts) cannot apply, and max_replicas bounds only the autoscaler; each was taken and dropped."""
+    auto = build_app({"num_replicas": "auto"})._bound_deployment._deployment_config.autoscaling_config
+    assert auto.max_replicas == 8
+    for args, message in (({"workers": "4"}, "workers: not for a Ray Serve replica"),
+                          ({"malloc": "jemalloc", "engine_restarts": "0"}, "malloc, engine_restarts: not for a Ray"),
+                          ({"num_replicas": "2", "max_replicas": "4"}, "max_replicas bounds the autoscaler"),
+                          ({"max_replicas": "4"}, "it needs num_replicas=auto, not 1")):
+        with pytest.raises(ValueError, match=message):
+            build_app(args)
+    with pytest.raises(ValueError, match="workers: not for a Ray Serve replica"):
+        deployment(ServerConfig(workers=2))
+    assert build_app({"access_log": "true"})._bound_deployment.init_args == (ServerConfig(access_log=True),)
+
+
 async def test_a_replica_whose_warmup_failed_says_why_at_once(aiohttp_client, tmp_path):
     """A replica waits for its server's /health (`wait_ready`, for up to WARMUP_TIMEOUT_S): a warm-up that failed
     (here a default prompt the checkpoint lacks, found at warm-up) ends the wait with its reason, not a bare

@@ -29,7 +29,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from jaxserve.http.loading import load_encoder
-from jaxserve.http.server import ServerConfig, create_app
+from jaxserve.http.server import ServerConfig, access_logger, create_app
 from jaxserve.integrations.launch import wait_ready
 
 log = logging.getLogger("jaxserve.integrations.ray_serve")
@@ -47,13 +47,17 @@ RESPONSE_DROPPED = HOP_BY_HOP | {"content-encoding"}
 # The key the handle uses when its caller names none: the least any key grants (a bulk key, else an unclassed
 # one), so a Ray caller without a key gets no more than every HTTP client with one.
 DEFAULT_KEY_ORDER = {"bulk": 0, None: 1, "interactive": 2}
+# `jaxserve serve`'s process layout: a replica is one in-process server (Ray scales and restarts replicas instead)
+NOT_IN_A_REPLICA = ("workers", "malloc", "engine_restarts")
+MAX_REPLICAS = 8  # with num_replicas="auto", unless given
 
 
 class JaxserveReplica:
     """One jaxserve server on the replica's loopback, behind Ray Serve's proxy."""
 
     async def __init__(self, config: ServerConfig):
-        self.runner = web.AppRunner(create_app(config, load_encoder(config)), handler_cancellation=True)
+        self.runner = web.AppRunner(create_app(config, load_encoder(config)), handler_cancellation=True,
+                                    access_log=access_logger(config))
         await self.runner.setup()
         await web.TCPSite(self.runner, "127.0.0.1", 0).start()
         self.url = "http://127.0.0.1:%d" % self.runner.addresses[0][1]
@@ -101,13 +105,21 @@ class JaxserveReplica:
 
 
 def deployment(config: ServerConfig, num_replicas: int | str = 1, num_gpus: float = 0, num_cpus: float = 1,
-               max_replicas: int = 8, max_ongoing_requests: int = MAX_ONGOING_REQUESTS):
-    """The bound Ray Serve application: `num_replicas` jaxserve servers, or "auto" (1 to `max_replicas`)."""
+               max_replicas: int | None = None, max_ongoing_requests: int = MAX_ONGOING_REQUESTS):
+    """The bound Ray Serve application: `num_replicas` jaxserve servers, or "auto" (1 to `max_replicas`, default
+    MAX_REPLICAS). Options that cannot apply to a replica are refused (ValueError), not dropped."""
+    defaults = ServerConfig()
+    if unused := [f for f in NOT_IN_A_REPLICA if getattr(config, f) != getattr(defaults, f)]:
+        raise ValueError(f"{', '.join(unused)}: not for a Ray Serve replica, which is one in-process jaxserve "
+                         "server (num_replicas scales it, and Ray restarts it)")
+    if max_replicas is not None and num_replicas != "auto":
+        raise ValueError(f"max_replicas bounds the autoscaler: it needs num_replicas=auto, not {num_replicas!r}")
     autoscaling = None
     if num_replicas == "auto":
         # Ray's default target (2 requests per replica) would add a replica for every two requests;
         # a replica's batcher is at its best with many requests in flight.
-        autoscaling = {"min_replicas": 1, "max_replicas": max_replicas, "target_ongoing_requests": AUTOSCALE_TARGET}
+        autoscaling = {"min_replicas": 1, "max_replicas": max_replicas or MAX_REPLICAS,
+                       "target_ongoing_requests": AUTOSCALE_TARGET}
     return serve.deployment(
         JaxserveReplica, name="jaxserve", num_replicas=num_replicas, autoscaling_config=autoscaling,
         ray_actor_options={"num_gpus": num_gpus, "num_cpus": num_cpus},
@@ -117,9 +129,9 @@ def deployment(config: ServerConfig, num_replicas: int | str = 1, num_gpus: floa
 
 
 def build_app(args: dict):
-    """`serve run jaxserve.integrations.ray_serve:build_app key=value ...`: any ServerConfig field, plus
-    num_replicas (a number or auto), max_replicas (with auto), num_gpus (per replica; 1 on a GPU
-    cluster) and num_cpus."""
+    """`serve run jaxserve.integrations.ray_serve:build_app key=value ...`: any scalar ServerConfig field but
+    NOT_IN_A_REPLICA's, plus num_replicas (a number or auto), max_replicas (with auto), num_gpus (per replica;
+    1 on a GPU cluster) and num_cpus."""
     args = dict(args)
     placement = {k: float(args.pop(k)) for k in ("num_gpus", "num_cpus") if k in args}
     if "max_replicas" in args:
