@@ -132,9 +132,8 @@ def _route_priority(text: str) -> tuple[str, str]:
 
 def api_keys(args) -> tuple[tuple[str, str | None], ...]:
     """--api-key flags, then the lines of --api-keys-file, each KEY or KEY=CLASS."""
-    from jaxserve.http.classes import parse_key
-
     from jaxserve.errors import JaxserveError
+    from jaxserve.http.classes import parse_key
 
     lines = list(args.api_key)
     if args.api_keys_file:

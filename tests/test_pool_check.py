@@ -74,7 +74,7 @@ def test_a_climb_for_device_memory_above_the_live_pool_refuses_a_bucket_over_it_
     time_bucket = warm.time_bucket
     monkeypatch.setattr(warm, "time_bucket", lambda engine, bucket, output: ran.append(bucket.batch) or
                         time_bucket(engine, bucket, output))
-    options = dict(seqlens=(64,), max_batch=4, max_batch_tokens=10**6, knee=False)
+    options = {"seqlens": (64,), "max_batch": 4, "max_batch_tokens": 10**6, "knee": False}
     with pytest.raises(TableTooLarge, match=rf"batch 4 x seqlen 64 needs {large}.*--device-memory"):
         enc.warmup(TableOptions(device_memory=100 * large, **options))
     assert ran == [1]

@@ -257,7 +257,7 @@ def test_do_lower_case_puts_a_lowercase_in_front_of_another_normalizer(norm):
     from jaxserve.checkpoint.tokenize import _lowercasing
 
     got = _lowercasing(norm)
-    assert type(got) is normalizers.Sequence and type(list(got)[0]) is normalizers.Lowercase
+    assert type(got) is normalizers.Sequence and type(next(iter(got))) is normalizers.Lowercase
     assert got.normalize_str("ÉMILE Zola") == (norm.normalize_str("émile zola") if norm else "émile zola")
     assert _lowercasing(got) is got
     bert = normalizers.BertNormalizer()  # lowercases (and strips accents) already

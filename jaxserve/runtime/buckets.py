@@ -16,6 +16,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import functools
+import itertools
 import json
 import math
 from pathlib import Path
@@ -85,7 +86,7 @@ class BucketTable:
             if len({b.slots for b in self.at(s)}) != 1:
                 raise TableError(f"buckets at seqlen {s} disagree on slots")
         slots = self.slots_by_seqlen
-        if any(a > b for a, b in zip(slots, slots[1:])):
+        if any(a > b for a, b in itertools.pairwise(slots)):
             raise TableError(f"slots must not decrease as the seqlen grows (a longer row holds as many sequences "
                              f"as a shorter one: routing relies on it), got {dict(zip(self.seqlens, slots))}")
 
