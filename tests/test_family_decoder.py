@@ -200,6 +200,7 @@ def test_config_defaults_and_refusals():
         ({"layer_types": ["sliding_attention"] * 28}, "no sliding window is set"),
         ({"hidden_act": "tanh"}, "unsupported hidden_act"),
         ({"use_sliding_window": True, "sliding_window": 0}, "positive integer"),
+        ({"is_causal": False}, "unsupported is_causal=false"),  # transformers' bidirectional decoder
     ]
     for change, message in refused:
         with pytest.raises(CheckpointError, match=message):

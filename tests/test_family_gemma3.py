@@ -202,6 +202,7 @@ def test_config_refusals():
         ({"sliding_window": None}, "sliding_window is null"),
         ({"hidden_activation": "tanh"}, "unsupported hidden_activation"),
         ({"head_dim": 255}, "odd"),
+        ({"is_causal": False, "use_bidirectional_attention": False}, "unsupported is_causal=false"),
     ]
     for change, message in refused:
         with pytest.raises(CheckpointError, match=message):

@@ -75,6 +75,9 @@ class Config:
         layers.require_ints(raw, "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                             "intermediate_size", "max_position_embeddings")
         layers.check_activation(raw.get("hidden_act", "silu"))
+        if raw.get("is_causal", True) is False:
+            raise CheckpointError("unsupported is_causal=false: transformers then runs the decoder bidirectional; "
+                                  "jaxserve runs these families causal only")
         heads, hidden = raw["num_attention_heads"], raw["hidden_size"]
         kv_heads = raw.get("num_key_value_heads") or heads
         if heads % kv_heads:

@@ -112,6 +112,9 @@ class Config:
         layers.require_ints(raw, "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                             "intermediate_size", "max_position_embeddings")
         act = layers.check_activation(raw.get("hidden_activation") or "gelu_pytorch_tanh", "hidden_activation")
+        if raw.get("is_causal", True) is False and not raw.get("use_bidirectional_attention"):
+            raise CheckpointError("unsupported is_causal=false without use_bidirectional_attention: transformers then "
+                                  "runs its own bidirectional masks, which jaxserve does not implement")
         if raw.get("attn_logit_softcapping") is not None:
             raise CheckpointError(f"unsupported attn_logit_softcapping {raw['attn_logit_softcapping']!r}; "
                                   "only null (Gemma 3 has none)")
