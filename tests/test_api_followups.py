@@ -116,7 +116,7 @@ def test_input_type_reaches_the_served_tasks_prompt_and_not_another_tasks():
 def test_predict_holds_a_plain_text_to_the_input_limit():
     """/predict checked the length of a pair's texts only: a plain text of any length was accepted."""
     for inputs in ("x" * 1001, ["x" * 1001], [["x" * 1001]], ["ok", "x" * 1001, "ok"]):
-        with pytest.raises(ApiError, match="over 1000 characters") as err:
+        with pytest.raises(ApiError, match="has 1001 characters; at most 1000") as err:
             api.parse_predict({"inputs": inputs}, LIMITS, True)
         assert err.value.status == 413 and err.value.tei() == (422, {"error": err.value.message, "error_type": "Validation"})
     assert api.parse_predict({"inputs": ["x" * 1000, "y"]}, LIMITS, True).inputs == [("x" * 1000, "y")]
@@ -144,3 +144,20 @@ def test_vllms_truncate_prompt_tokens_and_add_special_tokens_are_served_or_refus
     assert api.vllm_long({"truncate_prompt_tokens": -1}, "error") == "truncate"  # /v1/score, /score, /v1/rerank
     with pytest.raises(ApiError, match="`truncate_prompt_tokens` 0"):
         api.vllm_long({"truncate_prompt_tokens": 0}, "truncate")
+
+
+def test_a_nan_score_fails_its_request_as_teis_backend_error():
+    """A logit past float range gives NaN probabilities: TEI answers 424 `score is NaN`; the scores were served
+    as `null` and sorted anywhere."""
+    logits = np.array([[np.inf, 0.0, -np.inf]], np.float32)
+    for raw in (False, True):
+        bad = np.array([[np.nan, 1.0, 0.0]], np.float32) if raw else logits
+        with pytest.raises(ApiError, match="score is NaN") as err:
+            api.scores(bad, raw)
+        assert err.value.tei() == (424, {"error": "score is NaN", "error_type": "Backend"})
+    np.testing.assert_allclose(api.scores(np.array([[40.0, 0.0]], np.float32), False), [[1.0, 0.0]], atol=1e-12)
+
+
+def test_tei_orders_equal_scores_highest_index_first():
+    """TEI's /rerank and /predict sort ascending (stable) and reverse: best first, equal scores from the last."""
+    assert api.tei_order(np.array([0.5, 0.9, 0.5, 0.1, 0.5], np.float32)) == [1, 4, 2, 0, 3]

@@ -38,7 +38,7 @@ def test_predictions_add_up_bucket_times():
     for entry in e["batches"]:
         assert entry["memory"]["budget_bytes"] == 1000 and entry["memory"]["compiled_bytes"] in (100, 120, 150, 300)
     report = format_report(e, {"run_s": e["predicted_s"] * 1.1})
-    assert "sequential (one call per document, 6 dispatches)" in report and "+10.0%" in report
+    assert "sequential (one call per sequence, 6 dispatches)" in report and "+10.0%" in report
 
 
 def test_live_timings_refresh_the_estimate():

@@ -46,11 +46,15 @@ async def test_root_embeds_or_compares_for_an_embedding_model(make_server, embed
 
 async def test_similarity_route(make_server, embedder):
     _, enc = embedder
-    client = await make_server(enc)
+    client = await make_server(enc, max_input_chars=40)
     body = {"inputs": {"source_sentence": "the query", "sentences": TEXTS}, "parameters": {"truncate": True}}
     got = await (await client.post("/similarity", json=body)).json()
     want = cosine_rows(enc.embed(TEXTS), np.broadcast_to(enc.embed(["the query"]), (len(TEXTS), enc.dim)))
     np.testing.assert_allclose(got, want, atol=1e-5)
+    for inputs, field in (({"source_sentence": "q" * 41, "sentences": ["a"]}, "`inputs.source_sentence` has 41"),
+                          ({"source_sentence": "q", "sentences": ["a", "b" * 41]}, "`inputs.sentences[1]` has 41")):
+        resp = await client.post("/similarity", json={"inputs": inputs})
+        assert resp.status == 422 and field in (await resp.json())["error"]  # TEI: 413s are Validation
 
 
 async def test_embed_all_returns_every_tokens_hidden_state(make_server, embedder):
@@ -118,6 +122,10 @@ async def test_root_predicts_for_a_classifier_and_mixes_texts_and_pairs(make_ser
     # as TEI, a list of exactly two texts is one pair, answered unwrapped
     pair = await (await client.post("/predict", json={"inputs": ["a premise", "a hypothesis"], "raw_scores": True})).json()
     assert max(p["score"] for p in pair) == pytest.approx(want[1].max(), abs=1e-4)
+    # and a list of one text is that text, answered unwrapped (TEI's PredictInput::Single)
+    one = await (await client.post("/predict", json={"inputs": ["ab"], "raw_scores": True})).json()
+    assert [p["label"] for p in one] == [p["label"] for p in got[0]]
+    assert one[0]["score"] == pytest.approx(got[0][0]["score"], abs=1e-4)
     # huggingface_hub's `function_to_apply`: applied (test_clients.py), a value it does not name refused
     bad = await client.post("/predict", json={"inputs": "ab", "parameters": {"function_to_apply": "tanh"}})
     assert bad.status == 422 and "function_to_apply" in (await bad.json())["error"]
@@ -157,6 +165,8 @@ async def test_info_has_the_fields_tei_clients_read(make_server, embedder):
     ("/embed_all", {"inputs": ["x"], "normalize": False}, 422, "Validation"),  # per-token states: refused,
     ("/embed_all", {"inputs": ["x"], "dimensions": 4}, 422, "Validation"),  # not dropped
     ("/", {"inputs": 5}, 422, "Validation"),
+    # TEI's sentences are a Vec<String>: a string is refused, not read as a list without the source
+    ("/similarity", {"inputs": {"source_sentence": "a", "sentences": "a"}}, 422, "Validation"),
 ])
 async def test_tei_errors_have_teis_shape_and_codes(make_server, embedder, route, body, status, kind):
     _, enc = embedder

@@ -114,10 +114,16 @@ def _inputs(value, field: str, limits: Limits, allow_tokens: bool) -> tuple[list
     for i, x in enumerate(value):
         if not isinstance(x, str):
             raise ApiError(400, f"`{field}[{i}]` must be a string, not {type(x).__name__}")
-        if len(x) > limits.max_input_chars:
-            raise ApiError(413, f"`{field}[{i}]` has {len(x)} characters; at most {limits.max_input_chars}",
-                           "request_too_large")
+        within_limit(x, f"{field}[{i}]", limits)
     return value, None
+
+
+def within_limit(text: str, field: str, limits: Limits) -> str:
+    """`text` if it is within `--max-input-chars`, else the request's 413 naming `field`."""
+    if len(text) > limits.max_input_chars:
+        raise ApiError(413, f"`{field}` has {len(text)} characters; at most {limits.max_input_chars}",
+                       "request_too_large")
+    return text
 
 
 def _token_ids(ids: list, where: str) -> np.ndarray:
@@ -178,8 +184,8 @@ def _prompt(body: dict, limits: Limits) -> tuple[str | None, str | None]:
             raise ApiError(400, f"`{key}` must be a string, not {type(value).__name__}")
     if name is not None and text is not None:
         raise ApiError(400, "give `prompt_name` or `prompt`, not both")
-    if text is not None and len(text) > limits.max_input_chars:
-        raise ApiError(413, f"`prompt` has {len(text)} characters; at most {limits.max_input_chars}", "request_too_large")
+    if text is not None:
+        within_limit(text, "prompt", limits)
     return name, text
 
 
@@ -293,10 +299,13 @@ def parse_similarity(body, limits: Limits, default_long: str) -> tuple[EmbedRequ
     source, sentences = inputs.get("source_sentence"), inputs.get("sentences")
     if not isinstance(source, str):
         raise ApiError(400, "`inputs.source_sentence` must be a string")
-    if isinstance(sentences, list) and not sentences:
-        raise empty("inputs.sentences")
-    texts, _ = _inputs([source] + sentences if isinstance(sentences, list) else sentences, "inputs.sentences",
-                       limits, allow_tokens=False)
+    if not isinstance(sentences, list):  # TEI: a Vec<String>, so a string is refused, not read as a list of one
+        raise ApiError(400, f"`inputs.sentences` must be a list of strings, not {type(sentences).__name__}")
+    if len(sentences) + 1 > limits.max_client_batch:
+        raise ApiError(413, f"`inputs.sentences` has {len(sentences)} inputs; at most {limits.max_client_batch - 1} "
+                            "besides `source_sentence`", "request_too_large")
+    sentences, _ = _inputs(sentences, "inputs.sentences", limits, allow_tokens=False)
+    texts = [within_limit(source, "inputs.source_sentence", limits), *sentences]
     params = body.get("parameters") or {}
     if not isinstance(params, dict):
         raise ApiError(400, "`parameters` must be an object")
@@ -410,8 +419,8 @@ def _pair_or_text(x, field: str, limits: Limits):
     """A /predict input, a text or a [text, text] pair, each text within `--max-input-chars`."""
     texts = [x] if isinstance(x, str) else x
     if isinstance(texts, list) and len(texts) in (1, 2) and all(isinstance(s, str) for s in texts):
-        if any(len(s) > limits.max_input_chars for s in texts):
-            raise ApiError(413, f"`{field}` has over {limits.max_input_chars} characters", "request_too_large")
+        for i, s in enumerate(texts):
+            within_limit(s, field if isinstance(x, str) else f"{field}[{i}]", limits)
         return x if isinstance(x, str) else texts[0] if len(texts) == 1 else (texts[0], texts[1])
     raise ApiError(400, f"`{field}` must be a string or a [text, text] pair")
 
@@ -421,12 +430,14 @@ FUNCTIONS = ("sigmoid", "softmax", "none")  # a classifier's scores, as huggingf
 
 def parse_predict(body, limits: Limits, default_truncate: bool) -> ClassifyRequest:
     """TEI /predict: `inputs` is one input (a text, or a [text, text] pair) or a list of inputs, texts and
-    pairs mixed. As in TEI, a list of exactly two texts is one pair; a batch of two texts is [[a], [b]]."""
+    pairs mixed. As in TEI, a list of one text is that text and a list of exactly two texts is one pair (each
+    answered flat); a batch of two texts is [[a], [b]]."""
     body = _object(body)
     if "inputs" not in body:
         raise ApiError(400, "missing required field `inputs`")
     raw = body["inputs"]
-    single = isinstance(raw, str) or (isinstance(raw, list) and len(raw) == 2 and all(isinstance(x, str) for x in raw))
+    single = isinstance(raw, str) or (isinstance(raw, list) and len(raw) in (1, 2)
+                                      and all(isinstance(x, str) for x in raw))
     if single:
         items = [raw]
     elif isinstance(raw, list):
@@ -463,8 +474,7 @@ def parse_rerank(body, limits: Limits, default_truncate: bool) -> tuple[str, lis
     query = body["query"]
     if not isinstance(query, str) or not query:
         raise ApiError(400, "`query` must be a non-empty string")
-    if len(query) > limits.max_input_chars:
-        raise ApiError(413, f"`query` has {len(query)} characters; at most {limits.max_input_chars}", "request_too_large")
+    within_limit(query, "query", limits)
     texts, _ = _inputs(body["texts"], "texts", limits, allow_tokens=False)
     return (query, texts, _bool(body, "raw_scores", False), _bool(body, "return_text", False),
             _bool(body, "truncate", default_truncate), _direction(body))
@@ -481,13 +491,24 @@ def parse_classify(body, limits: Limits) -> list[str]:
 
 def scores(logits: np.ndarray, raw: bool, function: str | None = None) -> np.ndarray:
     """Logits -> probabilities: sigmoid for one logit (cross-encoders), softmax otherwise, unless `function` (one
-    of FUNCTIONS) names one; `raw`, or `function` "none": the logits."""
+    of FUNCTIONS) names one; `raw`, or `function` "none": the logits. A NaN (a logit past float range) is the
+    batch's failure, as TEI answers it (424 Backend there), never a `null` score sorted anywhere."""
     if raw or function == "none":
-        return logits
-    if function == "sigmoid" or (function is None and logits.shape[-1] == 1):
-        return 1 / (1 + np.exp(-logits))
-    e = np.exp(logits - logits.max(-1, keepdims=True))
-    return e / e.sum(-1, keepdims=True)
+        out = logits
+    elif function == "sigmoid" or (function is None and logits.shape[-1] == 1):
+        out = 1 / (1 + np.exp(-logits))
+    else:
+        e = np.exp(logits - logits.max(-1, keepdims=True))
+        out = e / e.sum(-1, keepdims=True)
+    if np.isnan(out).any():
+        raise ApiError(500, "score is NaN", "server_error")
+    return out
+
+
+def tei_order(scores) -> list[int]:
+    """Indices best first as TEI's /rerank and /predict order them: a stable ascending sort reversed, so equal
+    scores come highest index first."""
+    return np.argsort(np.asarray(scores), kind="stable")[::-1].tolist()
 
 
 # ---- Cohere's v2 API: /v2/embed and /v2/rerank ----
@@ -595,8 +616,7 @@ def parse_cohere_rerank(body, limits: Limits, max_tokens: int) -> CohereRerank:
     query = body["query"]
     if not isinstance(query, str) or not query.strip():
         raise ApiError(400, "`query` must be a non-empty string")
-    if len(query) > limits.max_input_chars:
-        raise ApiError(413, f"`query` has {len(query)} characters; at most {limits.max_input_chars}", "request_too_large")
+    within_limit(query, "query", limits)
     documents, _ = _inputs(body["documents"], "documents", limits, allow_tokens=False)
     top_n = body.get("top_n")
     if top_n is not None and (not isinstance(top_n, int) or isinstance(top_n, bool) or top_n < 1):

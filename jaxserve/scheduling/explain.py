@@ -149,7 +149,7 @@ def format_report(e: dict, measured: dict | None = None) -> str:
     om = e["one_max_batch"]
     lines += [
         "",
-        f"predicted: jaxserve {ms(e['predicted_s'])} | sequential (one call per document, "
+        f"predicted: jaxserve {ms(e['predicted_s'])} | sequential (one call per sequence, "
         f"{e['sequential_dispatches']} dispatches) {ms(e['predicted_sequential_s'])} | one padded max-shape batch "
         f"({om['dispatches']} x {om['shape']}) {ms(om['predicted_s'])}",
         f"queueing: {e['queueing']['rows_ahead']} rows waiting and {e['queueing']['batches_in_flight']} batches in "

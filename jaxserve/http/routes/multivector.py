@@ -77,10 +77,9 @@ async def rerank(state: AppState, body, ask: Ask = NO_ASK) -> web.Response:
     def ranked() -> bytes:
         scores = multivector.maxsim_flat(token_outputs(state, q, "query")[0], *token_outputs(state, docs, "document"),
                                          mean=state.encoder.colbert.similarity == "meanmaxsim")
-        order = np.argsort(-scores, kind="stable").tolist()
-        best = scores[order].tolist()
-        return orjson.dumps([{"index": i, "score": s, **({"text": texts[i]} if return_text else {})}
-                             for i, s in zip(order, best)])
+        best = scores.tolist()
+        return orjson.dumps([{"index": i, "score": best[i], **({"text": texts[i]} if return_text else {})}
+                             for i in api.tei_order(scores)])
 
     encoded, _ = await respond(state, ranked, q.floats + docs.floats)
     return bytes_response(encoded)

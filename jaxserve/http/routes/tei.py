@@ -126,8 +126,8 @@ async def _predict(state: AppState, body, ask: Ask = NO_ASK) -> web.Response:
     def predictions() -> bytes:
         results = []
         for row in api.scores(ran.out, req.raw_scores, req.function):
-            ranked = sorted(zip(labels, row.tolist()), key=lambda t: -t[1])[: req.top_k]
-            results.append([{"label": label, "score": score} for label, score in ranked])
+            values = row.tolist()
+            results.append([{"label": labels[i], "score": values[i]} for i in api.tei_order(row)[: req.top_k]])
         return orjson.dumps(results[0] if req.single else results)
 
     encoded, _ = await respond(state, predictions, ran.floats * DICT_FLOATS)
@@ -145,8 +145,10 @@ async def _rerank(state: AppState, body, ask: Ask = NO_ASK) -> web.Response:
     scores, _ = await pair_scores(state, [(query, t) for t in texts], ask, truncate, direction, raw, instruction)
 
     def ranked() -> bytes:
-        order = sorted(enumerate(scores().tolist()), key=lambda t: -t[1])
-        return orjson.dumps([{"index": i, "score": s, **({"text": texts[i]} if return_text else {})} for i, s in order])
+        values = scores()
+        best = values.tolist()
+        return orjson.dumps([{"index": i, "score": best[i], **({"text": texts[i]} if return_text else {})}
+                             for i in api.tei_order(values)])
 
     encoded, _ = await respond(state, ranked, len(texts) * DICT_FLOATS)
     return bytes_response(encoded)
@@ -165,9 +167,8 @@ def instruction_of(state: AppState, body) -> str | None:
     in the prompt's instruction slot, at most an input's length; a model without that slot refuses one
     (`llm_reranker.with_instruction`), before anything is tokenized."""
     instruction = body.get("instruction") if isinstance(body, dict) else None
-    if isinstance(instruction, str) and len(instruction) > state.limits.max_input_chars:
-        raise ApiError(413, f"`instruction` has {len(instruction)} characters; at most {state.limits.max_input_chars}",
-                       "request_too_large")
+    if isinstance(instruction, str):
+        api.within_limit(instruction, "instruction", state.limits)
     try:
         llm_reranker.with_instruction(state.encoder.pair_template, instruction)
     except InputError as err:
