@@ -375,7 +375,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help=".npy ([rows, dim] float32) or .parquet (columns row, embedding[, id]), rows in input "
                             "order; a sparse (SPLADE) model: .jsonl, per row its [{index, value}] list; a summary "
                             "(documents, tokens, seconds, docs/s, tokens/s, padding, and the arguments a rerun must "
-                            "match) lands in FILE.summary.json")
+                            "match) lands in OUTPUT.summary.json")
     embed.add_argument("--chunk", type=_at_least_one, default=1024,
                        help="documents per step (and per progress checkpoint; with --ray, per range)")
     embed.add_argument("--long", default="truncate", choices=["truncate", "chunk", "error"])

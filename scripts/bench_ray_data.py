@@ -6,7 +6,7 @@ corpus, one after the other, alternating the order each round.
 
 Both read the same JSONL (`scripts/corpus.py`'s documents), write .parquet and
 use the same bucket table; the warm artifact the Ray actors load is built
-first, as the single process compiles its table before its timed loop. Per run: the command's wall time, and from FILE.summary.json
+first, as the single process compiles its table before its timed loop. Per run: the command's wall time, and from OUTPUT.summary.json
 the job's seconds (the single process: its embedding loop; Ray: connecting,
 the warm-up task, the actors' start and every range) and, for Ray, the
 seconds the actors spent inside ranges (reading, embedding, writing a part).
@@ -64,7 +64,7 @@ def main() -> None:
                 extra = ["--ray", "local", "--ray-actors", str(args.actors)] if name == "ray" else []
                 wall = run([*jaxserve, "embed", "--input", str(corpus), "--output", str(out), "--buckets",
                             args.buckets, "--chunk", str(args.chunk), *extra], env)
-                summary = json.loads(out.with_suffix(".summary.json").read_text())
+                summary = json.loads(out.with_name(out.name + ".summary.json").read_text())
                 runs[name].append({"wall_s": round(wall, 2), **summary})
                 print(name, r, runs[name][-1], flush=True)
     ranges = -(-args.n // args.chunk)

@@ -82,7 +82,7 @@ def test_embed_streams_in_order_and_resumes_after_kill_with_ids(tmp_path, suffix
     resumed = run(args)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert f"resuming at row {resumes_at} of 600" in resumed.stdout
-    extra = ["vectors.summary.json"] + (["vectors.ids.jsonl"] if suffix == ".npy" else [])
+    extra = [f"{out.name}.summary.json"] + (["vectors.ids.jsonl"] if suffix == ".npy" else [])
     assert sorted(os.listdir(tmp_path)) == sorted(["ckpt", "t.json", "corpus.jsonl", out.name] + extra)  # no leftovers
     if suffix == ".npy":
         got_ids = [json.loads(line) for line in (tmp_path / "vectors.ids.jsonl").read_text().splitlines()]
@@ -91,7 +91,7 @@ def test_embed_streams_in_order_and_resumes_after_kill_with_ids(tmp_path, suffix
 
         got_ids = pq.read_table(out)["id"].to_pylist()
     assert got_ids == [f"k{i}" for i in range(600)]  # each id once, in row order, across the kill
-    summary = json.loads((tmp_path / "vectors.summary.json").read_text())
+    summary = json.loads((tmp_path / f"{out.name}.summary.json").read_text())
     assert summary["documents"] == 600 - resumes_at and summary["output"] == out.name
     got = load(out)
     want = warm_encoder(path, TINY_TABLE).embed(docs)
@@ -101,7 +101,7 @@ def test_embed_streams_in_order_and_resumes_after_kill_with_ids(tmp_path, suffix
     again = run(args)
     assert again.returncode == 0, again.stderr
     assert f"{out} is already complete: 600 rows" in again.stdout
-    assert out.read_bytes() == written and json.loads((tmp_path / "vectors.summary.json").read_text()) == summary
+    assert out.read_bytes() == written and json.loads((tmp_path / f"{out.name}.summary.json").read_text()) == summary
 
 
 def test_resume_refuses_another_model_dtype_long_or_prompt_and_never_mixes(tmp_path, capsys):
@@ -178,7 +178,7 @@ def test_sparse_jsonl_output_has_ids_resumes_after_kill_and_survives_reruns(spla
         assert [e["index"] for e in line["weights"]] == [e["index"] for e in w]
         np.testing.assert_allclose([e["value"] for e in line["weights"]], [e["value"] for e in w], rtol=1e-4,
                                    atol=1e-6)
-    assert sorted(os.listdir(tmp_path)) == ["c.jsonl", "t.json", "w.jsonl", "w.summary.json"]  # no leftovers
+    assert sorted(os.listdir(tmp_path)) == ["c.jsonl", "t.json", "w.jsonl", "w.jsonl.summary.json"]  # no leftovers
     written = out.read_bytes()
 
     again = run(args + ["--id-field", "key"])
@@ -198,9 +198,35 @@ def test_an_output_no_recorded_run_wrote_is_refused_not_overwritten(tmp_path):
     for name in ("v.npy", "v.parquet", "v.jsonl"):
         out = tmp_path / name
         out.write_bytes(b"someone's data\n")
-        with pytest.raises(JaxserveError, match="and no .*v.summary.json records the run that wrote it"):
+        with pytest.raises(JaxserveError, match=f"and no .*{name}.summary.json records the run that wrote it"):
             open_sink(str(out), {"input": "x", "rows": 2, "dim": 2}).resume()
         assert out.read_bytes() == b"someone's data\n"
+
+
+def test_outputs_of_one_stem_keep_their_own_summaries(tmp_path):
+    """v.npy, v.parquet and v.jsonl finished one after another: a rerun of each finds it finished (they shared
+    v.summary.json, so only the last one written was; the others were "written by no recorded run"). An output
+    finished when the summary was named by the stem is still recognised by that file, while it names the output."""
+    from jaxserve.errors import JaxserveError
+    from jaxserve.offline.job import embed_corpus
+    from jaxserve.offline.sinks import open_sink
+
+    state = {"input": "x", "rows": 3, "dim": 2}
+    for name in ("v.npy", "v.parquet", "v.jsonl"):
+        rows = (lambda n: [[]] * n) if name.endswith(".jsonl") else (lambda n: np.ones((n, 2), np.float32))
+        sink = open_sink(str(tmp_path / name), state)
+        embed_corpus(((None, f"doc {i}") for i in range(3)), lambda texts: (rows(len(texts)), 1, 1), sink,
+                     sink.resume(), 2)
+    for name in ("v.npy", "v.parquet", "v.jsonl"):
+        sink = open_sink(str(tmp_path / name), state)
+        assert sink.check() and sink.summary_path == str(tmp_path / f"{name}.summary.json")
+
+    (tmp_path / "v.npy.summary.json").rename(tmp_path / "v.summary.json")  # as the stem-named version wrote it
+    sink = open_sink(str(tmp_path / "v.npy"), state)
+    assert sink.check() and sink.summary_path == str(tmp_path / "v.summary.json")
+    (tmp_path / "v.jsonl.summary.json").unlink()  # v.summary.json names v.npy, not v.jsonl
+    with pytest.raises(JaxserveError, match="v.jsonl exists, and no .*v.jsonl.summary.json records the run"):
+        open_sink(str(tmp_path / "v.jsonl"), state).check()
 
 
 def test_embed_refuses_an_unknown_output_format(tmp_path):
@@ -293,7 +319,7 @@ def test_embed_parquet_round_trip_with_ids_and_summary(tmp_path, capsys):
     assert got["id"].to_pylist() == ids
     want = warm_encoder(path, TINY_TABLE).embed(docs)
     np.testing.assert_allclose(load(out), want, atol=1e-5)
-    summary = json.loads((tmp_path / "v.summary.json").read_text())
+    summary = json.loads((tmp_path / "v.parquet.summary.json").read_text())
     assert summary["documents"] == 50 and summary["tokens"] > 50 and 0 <= summary["padding"] < 1
     assert set(summary) == {"documents", "tokens", "seconds", "docs_per_s", "tokens_per_s", "padding", "output",
                             "state"}
@@ -401,7 +427,7 @@ def test_an_input_that_changes_during_the_run_is_never_recorded_finished(tmp_pat
         sink = open_sink(str(out), {"input": "x", "rows": 5, "dim": 2})
         with pytest.raises(InputError, match="changed during the run"):
             embed_corpus(((None, f"doc {i}") for i in range(n)), run, sink, sink.resume(), 2)
-        assert not (tmp_path / f"{out.stem}.summary.json").exists()
+        assert not (tmp_path / f"{out.name}.summary.json").exists()
 
 
 def test_corpus_checks_ids_of_one_type_a_bom_and_empty_shards(tmp_path):

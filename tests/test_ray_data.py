@@ -196,7 +196,7 @@ def assert_same_as_single(out, single) -> None:
     assert got["id"].to_pylist() == single["id"].to_pylist() == [f"k{i}" for i in range(ROWS)]
     np.testing.assert_allclose(np.stack(got["embedding"].to_numpy(zero_copy_only=False)),
                                np.stack(single["embedding"].to_numpy(zero_copy_only=False)), atol=1e-6)
-    assert sorted(os.listdir(out.parent)) == sorted([out.name, out.stem + ".summary.json"])  # no parts left
+    assert sorted(os.listdir(out.parent)) == sorted([out.name, out.name + ".summary.json"])  # no parts left
 
 
 def test_embedder_in_a_users_pipeline_adds_the_embedding_column(cluster):
@@ -243,7 +243,7 @@ def test_a_dead_actor_is_replaced_and_its_range_written_once(cluster, single, tm
     # files of 130, 100 and 70 rows in ranges of 40: 4 + 3 + 2; the retried range came back once
     assert (run.ranges, run.actors, run.summary.documents) == (9, 2, ROWS)
     assert_same_as_single(out, single)
-    summary = json.loads((out.parent / "v.summary.json").read_text())
+    summary = json.loads((out.parent / "v.parquet.summary.json").read_text())
     assert summary["documents"] == ROWS and summary["ray"]["ranges"] == 9 and summary["state"] == sink.state
 
 
@@ -269,7 +269,7 @@ def test_killed_driver_resumes_without_redoing_finished_ranges_or_duplicating_ro
     skipped = int(resumed.stdout.split("resuming: ")[1].split(" of ")[0])
     on_disk = sum(int(p.split("-")[2].split(".")[0]) for p in parts if p.endswith(".parquet"))
     assert skipped >= on_disk > 0  # (a killed job's actor may finish a range before Ray stops it)
-    summary = json.loads((tmp_path / "v.summary.json").read_text())
+    summary = json.loads((tmp_path / "v.parquet.summary.json").read_text())
     gap_rows = int(gap.split("-")[2].split(".")[0])
     assert gap_rows <= summary["documents"] == ROWS - skipped  # the gap was filled; finished ranges were not redone
     assert_same_as_single(out, single)

@@ -24,7 +24,7 @@ from jaxserve.offline.sinks import Sink
 
 @dataclass
 class Summary:
-    """What a run did: printed at the end and written beside the output as FILE.summary.json (by `Sink.finish`,
+    """What a run did: printed at the end and written beside the output as OUTPUT.summary.json (by `Sink.finish`,
     with the run's state)."""
 
     documents: int = 0

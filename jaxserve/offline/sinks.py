@@ -4,11 +4,12 @@ Every sink keeps only one chunk in memory and records progress only after a
 chunk is safely on disk, so a killed run resumes at the first chunk that was
 not finished. A run's state (input, fields, rows, the model's digest, dtype,
 `--long`, prompt) is recorded with its progress and, once complete, in
-FILE.summary.json: a partial or finished output left by other arguments is
-refused (`check`, before any compile), naming what differs, never silently
-mixed or overwritten; a finished one with the same arguments is left as it is.
-Ids, when asked for, go in an `id` column (Parquet), in each line (JSONL) or in
-a sidecar FILE.ids.jsonl beside the .npy, one JSON value per row.
+OUTPUT.summary.json (v.npy.summary.json: each output its own): a partial or
+finished output left by other arguments is refused (`check`, before any
+compile), naming what differs, never silently mixed or overwritten; a finished
+one with the same arguments is left as it is. Ids, when asked for, go in an
+`id` column (Parquet), in each line (JSONL) or in a sidecar FILE.ids.jsonl
+beside FILE.npy, one JSON value per row.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ class Sink:
     def __init__(self, path: str, state: dict, ids: bool):
         self.path, self.state, self.ids = path, state, ids
         self.rows, self.dim = state["rows"], state["dim"]
-        self.summary_path = os.path.splitext(path)[0] + ".summary.json"
+        self.summary_path = f"{path}.summary.json"
         self.complete = False
 
     def saved_state(self) -> dict | None:
@@ -73,16 +74,20 @@ class Sink:
                             f"or delete {leftovers} to start over")
 
     def _finished_state(self) -> dict | None:
-        """The state FILE.summary.json records for this output; None when it records none for it."""
-        try:
-            with open(self.summary_path) as f:
-                summary = json.load(f)
-        except (OSError, ValueError):
-            return None
-        if not isinstance(summary, dict) or summary.get("output") != os.path.basename(self.path):
-            return None
-        state = summary.get("state")
-        return state if isinstance(state, dict) else None
+        """The state OUTPUT.summary.json records for this output; None when it records none for it. An output
+        finished by a jaxserve that named the summary by the stem (v.summary.json, shared by v.npy and v.parquet)
+        is recognised by that file while it names this output; `summary_path` then points at it."""
+        for path in (self.summary_path, os.path.splitext(self.path)[0] + ".summary.json"):
+            try:
+                with open(path) as f:
+                    summary = json.load(f)
+            except (OSError, ValueError):
+                continue
+            if (isinstance(summary, dict) and summary.get("output") == os.path.basename(self.path)
+                    and isinstance(summary.get("state"), dict)):
+                self.summary_path = path
+                return summary["state"]
+        return None
 
     def resume(self) -> int:
         """Rows already written by an earlier run with the same arguments (0 when starting fresh)."""
