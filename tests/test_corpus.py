@@ -1,5 +1,7 @@
 """jaxserve.offline.corpus without JAX: formats, field lookup, and the errors the checking pass names."""
 
+import re
+
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -47,3 +49,26 @@ def test_parquet_reads_every_row_group_in_order_and_names_nulls(tmp_path):
         Corpus(str(path), "t").check()
     with pytest.raises(CorpusError, match="needs --field NAME"):
         Corpus(str(path)).check()
+
+
+def test_parquet_ids_every_output_can_write_and_only_those(tmp_path):
+    """A date or decimal id column passed the check and failed the .npy's ids file after warm-up, a uint64 one past
+    int64 the .parquet's id column: refused by the check, naming the column or the row. A categorical (dictionary)
+    column of strings is read as its strings."""
+    import datetime
+    import decimal
+
+    path = tmp_path / "c.parquet"
+    for ids in (pa.array([datetime.date(2024, 1, 1)] * 2), pa.array([decimal.Decimal("1.5")] * 2),
+                pa.array([b"a", b"b"])):
+        pq.write_table(pa.table({"t": ["a", "b"], "k": ids}), path)
+        with pytest.raises(CorpusError, match=re.escape(f"id column 'k' is {ids.type}: ids are strings or numbers")):
+            Corpus(str(path), "t", "k").check()
+    pq.write_table(pa.table({"t": ["a", "b", "c"], "k": pa.array([1, 2**63, 3], pa.uint64())}), path, row_group_size=2)
+    with pytest.raises(CorpusError, match=f"c.parquet: row 1: its id {2**63} is outside int64"):
+        Corpus(str(path), "t", "k").check()
+    pq.write_table(pa.table({"t": ["a", "b"], "k": pa.array([2**63 - 1, 0], pa.uint64())}), path)
+    assert Corpus(str(path), "t", "k").check() == 2
+    pq.write_table(pa.table({"t": ["a", "b"], "k": pa.array(["x", "y"]).dictionary_encode()}), path)
+    assert Corpus(str(path), "t", "k").check() == 2 and list(Corpus(str(path), "t", "k").records()) == [
+        ("x", "a"), ("y", "b")]

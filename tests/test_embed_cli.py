@@ -215,7 +215,7 @@ def test_outputs_of_one_stem_keep_their_own_summaries(tmp_path):
     for name in ("v.npy", "v.parquet", "v.jsonl"):
         rows = (lambda n: [[]] * n) if name.endswith(".jsonl") else (lambda n: np.ones((n, 2), np.float32))
         sink = open_sink(str(tmp_path / name), state)
-        embed_corpus(((None, f"doc {i}") for i in range(3)), lambda texts: (rows(len(texts)), 1, 1), sink,
+        embed_corpus(((None, f"doc {i}") for i in range(3)), lambda texts, rows=rows: (rows(len(texts)), 1, 1), sink,
                      sink.resume(), 2)
     for name in ("v.npy", "v.parquet", "v.jsonl"):
         sink = open_sink(str(tmp_path / name), state)
@@ -251,25 +251,32 @@ def in_process(argv, capsys):
     return code, capsys.readouterr().err, xla_compiles_total() - before
 
 
-BAD_INPUTS = {
-    "missing": (None, "does not exist"),
-    "empty": ("\n\n", "has no documents"),
-    "not_json": ('{"text": "a"}\n{"text": \n', "c.jsonl:2: not JSON"),
-    "no_field": ('{"text": "a"}\n{"content": "b", "n": 1}\n', "c.jsonl:2: no field 'text' or 'input' (it has 'content', 'n')"),
-    "not_utf8": (b"caf\xe9\n", "c.jsonl:1: not UTF-8"),
+BAD_INPUTS = {  # case: (the file, the message, more arguments)
+    "missing": (None, "does not exist", []),
+    "empty": ("\n\n", "has no documents", []),
+    "not_json": ('{"text": "a"}\n{"text": \n', "c.jsonl:2: not JSON", []),
+    "no_field": ('{"text": "a"}\n{"content": "b", "n": 1}\n', "c.jsonl:2: no field 'text' or 'input' (it has 'content', 'n')",
+                 []),
+    "not_utf8": (b"caf\xe9\n", "c.jsonl:1: not UTF-8", []),
+    "lone_surrogate": ('{"text": "a"}\n{"text": "bad \\ud800 x"}\n', "c.jsonl:2: field 'text' holds a lone surrogate",
+                       []),
+    "lone_surrogate_id": ('{"text": "a", "id": "a\\udc00"}\n', "c.jsonl:1: its id holds a lone surrogate (U+DC00",
+                          ["--id-field", "id"]),
+    "id_past_int64": ('{"text": "a", "id": 18446744073709551616}\n',
+                      "c.jsonl:1: its id 18446744073709551616 is outside int64", ["--id-field", "id"]),
 }
 
 
 @pytest.mark.parametrize("case", sorted(BAD_INPUTS))
 def test_embed_bad_input_fails_before_any_compile(tmp_path, capsys, case):
-    text, message = BAD_INPUTS[case]
+    text, message, more = BAD_INPUTS[case]
     corpus = tmp_path / "c.jsonl"
     if isinstance(text, bytes):
         corpus.write_bytes(text)
     elif text is not None:
         corpus.write_text(text)
     code, err, compiles = in_process(["embed", "--input", str(corpus), "--output", str(tmp_path / "v.npy"),
-                                      "--model", str(tmp_path / "no-model")], capsys)
+                                      "--model", str(tmp_path / "no-model"), *more], capsys)
     assert code == 2
     assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
     assert compiles == 0

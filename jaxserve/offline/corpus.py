@@ -27,12 +27,30 @@ class CorpusError(JaxserveError):
     """An input file that cannot be embedded as given."""
 
 
-def _id_kind(value, where: str) -> str:
-    """An id's JSON type; an object or array is refused (an id column holds scalars)."""
-    kinds = {bool: "boolean", int: "integer", float: "number", str: "string", type(None): "null"}
-    if type(value) not in kinds:
+ID_KINDS = {bool: "boolean", int: "integer", float: "number", str: "string", type(None): "null"}  # JSON's scalars
+INT64 = range(-2**63, 2**63)  # a Parquet output's integer id column
+
+
+def _unicode(value: str, what: str) -> None:
+    """Refuse a lone surrogate: JSON can escape one ("\\ud800"), UTF-8 cannot hold it, so neither the tokenizer
+    nor any sink takes it."""
+    try:
+        value.encode()
+    except UnicodeEncodeError as exc:
+        raise CorpusError(f"{what} holds a lone surrogate (U+{ord(value[exc.start]):04X} at character {exc.start}), "
+                          "which UTF-8 cannot hold: fix that text in the file") from None
+
+
+def _check_id(value, where: str) -> None:
+    """An id every sink can write (an `id` column, a JSON line): a JSON scalar, an integer in int64, a string
+    UTF-8 can hold."""
+    if type(value) not in ID_KINDS:
         raise CorpusError(f"{where}: its id is a JSON {type(value).__name__}: ids are strings or numbers")
-    return kinds[type(value)]
+    if type(value) is int and value not in INT64:
+        raise CorpusError(f"{where}: its id {value} is outside int64 (what an output's integer id column holds): "
+                          "give the ids as strings")
+    if type(value) is str:
+        _unicode(value, f"{where}: its id")
 
 
 @dataclass(frozen=True)
@@ -86,10 +104,10 @@ class Corpus:
         if self.parquet:
             return self._check_parquet()
         count, kinds = 0, set()
-        for number, (ident, _) in enumerate(self.records(), 1):
+        for ident, _ in self.records():  # each JSON record's id and text checked as it is read (`_json_record`)
             count += 1
             if self.id_field is not None:
-                kinds.add(_id_kind(ident, f"{self.path}: document {number}"))
+                kinds.add(ID_KINDS[type(ident)])
         return count, kinds
 
     def records(self) -> Iterator[tuple[object, str]]:
@@ -182,9 +200,13 @@ class Corpus:
                               "name the text field with --field")
         if not isinstance(obj[name], str):
             raise CorpusError(f"{where}: field {name!r} is a {type(obj[name]).__name__}, not text")
-        if self.id_field is not None and self.id_field not in obj:
+        _unicode(obj[name], f"{where}: field {name!r}")
+        if self.id_field is None:
+            return None, obj[name]
+        if self.id_field not in obj:
             raise CorpusError(f"{where}: no id field {self.id_field!r} (it has {has})")
-        return (obj[self.id_field] if self.id_field else None), obj[name]
+        _check_id(obj[self.id_field], where)
+        return obj[self.id_field], obj[name]
 
     def _parquet_file(self):
         try:
@@ -213,6 +235,7 @@ class Corpus:
         kind = schema.field(self.field).type
         if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
             raise CorpusError(f"{self.path}: column {self.field!r} is {kind}, not text")
+        ids = self._parquet_id_kind(schema)
         start = 0
         for group in range(pf.num_row_groups):
             table = pf.read_row_group(group, columns=self._columns())
@@ -220,13 +243,28 @@ class Corpus:
                 if table[name].null_count:
                     row = start + table[name].to_pylist().index(None)
                     raise CorpusError(f"{self.path}: row {row}: column {name!r} is null")
+            if ids == "integer" and pa.types.is_uint64(schema.field(self.id_field).type):  # may pass int64's
+                for row, value in enumerate(table[self.id_field].to_pylist()):
+                    _check_id(value, f"{self.path}: row {start + row}")
             start += table.num_rows
+        return pf.metadata.num_rows, {ids} if ids else set()
+
+    def _parquet_id_kind(self, schema) -> str | None:
+        """The id column's type as `ID_KINDS` names it; one no sink writes every value of (a date, a decimal, bytes,
+        a list) is refused."""
+        import pyarrow as pa
+
         if self.id_field is None:
-            return pf.metadata.num_rows, set()
+            return None
         kind = schema.field(self.id_field).type
-        name = ("integer" if pa.types.is_integer(kind) else "number" if pa.types.is_floating(kind) else
-                "string" if pa.types.is_string(kind) or pa.types.is_large_string(kind) else str(kind))
-        return pf.metadata.num_rows, {name}
+        value = kind.value_type if pa.types.is_dictionary(kind) else kind  # a categorical column: its values
+        for test, name in ((pa.types.is_integer, "integer"), (pa.types.is_floating, "number"),
+                           (pa.types.is_boolean, "boolean"), (pa.types.is_string, "string"),
+                           (pa.types.is_large_string, "string")):
+            if test(value):
+                return name
+        raise CorpusError(f"{self.path}: id column {self.id_field!r} is {kind}: ids are strings or numbers (what every "
+                          "output can write); cast the column, e.g. to string")
 
     def _parquet_records(self, first_group: int = 0) -> Iterator[tuple[object, str]]:
         pf = self._parquet_file()
