@@ -72,3 +72,19 @@ def test_parquet_ids_every_output_can_write_and_only_those(tmp_path):
     pq.write_table(pa.table({"t": ["a", "b"], "k": pa.array(["x", "y"]).dictionary_encode()}), path)
     assert Corpus(str(path), "t", "k").check() == 2 and list(Corpus(str(path), "t", "k").records()) == [
         ("x", "a"), ("y", "b")]
+
+
+def test_a_line_holding_only_a_byte_order_mark_is_no_row_to_any_reader(tmp_path):
+    """The records skipped a first line of only a BOM while `boundaries` and `seek` counted it as a row: a Ray
+    job's ranges then started a row late (their rows got other rows' text and id)."""
+    directory = tmp_path / "in"
+    directory.mkdir()
+    (directory / "a.txt").write_text("\ufeff\nfirst doc\nsecond doc\n")
+    (directory / "b.txt").write_text("third doc\nfourth doc\n")
+    corpus = Corpus(str(directory))
+    want = list(corpus.records())
+    assert corpus.check() == 4 and [text for _, text in want] == ["first doc", "second doc", "third doc", "fourth doc"]
+    assert corpus.boundaries() == [2]
+    seek = corpus.seek(set(range(4)))
+    for row in range(4):
+        assert corpus.records_from(row, 1, seek[row]) == want[row : row + 1]

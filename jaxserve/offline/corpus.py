@@ -120,14 +120,13 @@ class Corpus:
 
     def boundaries(self) -> list[int]:
         """The row each file after the first starts at (a range read by `records_from` stays in one file): from
-        Parquet metadata, or a count of a line file's documents (no parsing)."""
+        Parquet metadata, or a count of a line file's documents (`_lines`: no JSON parsing)."""
         rows, starts = 0, []
         for one in self._each()[:-1]:
             if one.parquet:
                 rows += one._parquet_file().metadata.num_rows
             else:
-                with open(one.path, "rb") as f:
-                    rows += sum(1 for raw in f if raw.decode("utf-8", "replace").strip())
+                rows += sum(1 for _ in one._lines())
             starts.append(rows)
         return starts
 
@@ -145,14 +144,10 @@ class Corpus:
                     found.update((s, (one.path, group, row)) for s in starts if row <= s < row + rows)
                     row += rows
                 continue
-            with open(one.path, "rb") as f:
-                offset = 0
-                for number, raw in enumerate(f):
-                    if raw.decode("utf-8", "replace").strip():  # what `_line_records` counts as a document
-                        if row in starts:
-                            found[row] = (one.path, offset, number)
-                        row += 1
-                    offset += len(raw)
+            for number, offset, _ in one._lines():
+                if row in starts:
+                    found[row] = (one.path, offset, number - 1)
+                row += 1
         return found
 
     def records_from(self, start: int, count: int, at: tuple[str, int, int]) -> list[tuple[object, str]]:
@@ -164,8 +159,11 @@ class Corpus:
             return list(itertools.islice(one._parquet_records(a), start - b, start - b + count))
         return list(itertools.islice(one._line_records(a, b), count))
 
-    def _line_records(self, offset: int = 0, lines_before: int = 0) -> Iterator[tuple[object, str]]:
-        jsonl = self.path.endswith(JSONL_SUFFIXES) or self.field is not None or self.id_field is not None
+    def _lines(self, offset: int = 0, lines_before: int = 0) -> Iterator[tuple[int, int, str]]:
+        """(line number, byte offset, text) of each line of this file that holds a document, from `offset`: UTF-8
+        without its line end and, on the file's first line, a byte-order mark (Windows' editors write one); blank
+        lines skipped. The one rule of what a row is: `_line_records` reads these, `boundaries` and `seek` count
+        them."""
         with open(self.path, "rb") as f:
             f.seek(offset)
             for number, raw in enumerate(f, lines_before + 1):
@@ -174,14 +172,19 @@ class Corpus:
                 except UnicodeDecodeError as exc:
                     raise CorpusError(f"{self.path}:{number}: not UTF-8 (byte {exc.start}); re-encode the file "
                                       "as UTF-8, e.g. iconv -f latin1 -t utf-8") from None
-                if number == 1 and offset == 0:
-                    line = line.removeprefix("\ufeff")  # a UTF-8 byte-order mark (Windows' editors write one)
-                if not line.strip():
-                    continue
-                if jsonl or line.lstrip().startswith("{"):
-                    yield self._json_record(number, line)
-                else:
-                    yield None, line
+                if offset == 0:
+                    line = line.removeprefix("\ufeff")
+                if line.strip():
+                    yield number, offset, line
+                offset += len(raw)
+
+    def _line_records(self, offset: int = 0, lines_before: int = 0) -> Iterator[tuple[object, str]]:
+        jsonl = self.path.endswith(JSONL_SUFFIXES) or self.field is not None or self.id_field is not None
+        for number, _, line in self._lines(offset, lines_before):
+            if jsonl or line.lstrip().startswith("{"):
+                yield self._json_record(number, line)
+            else:
+                yield None, line
 
     def _json_record(self, number: int, line: str) -> tuple[object, str]:
         where = f"{self.path}:{number}"
