@@ -392,9 +392,12 @@ def test_embed_corpus_tokenizes_the_next_chunk_while_this_one_runs_in_order(tmp_
     np.testing.assert_array_equal(np.load(out2)[:, 0], [0, 0, 0, 0, 4, 5, 6, 7, 8, 9])
 
 
-def test_a_bad_document_names_its_chunk_and_leaves_a_resumable_run(tmp_path):
-    """A tokenizer's "input N" counts from the chunk's first row: the message says which row that is."""
-    from jaxserve.errors import InputError
+def test_a_bad_document_names_its_chunk_and_says_what_lets_the_job_go_on(tmp_path):
+    """A tokenizer's "input N" counts from the chunk's first row: the message says which row that is. The rows
+    before it stay written, but a rerun with the same arguments stops there again and one with another --long is
+    refused as a partial run with other arguments, so the message names what to delete to start over (it said
+    "a rerun resumes there")."""
+    from jaxserve.errors import InputError, JaxserveError
     from jaxserve.offline.job import Stages, embed_corpus
     from jaxserve.offline.sinks import open_sink
 
@@ -404,12 +407,17 @@ def test_a_bad_document_names_its_chunk_and_leaves_a_resumable_run(tmp_path):
         return len(texts)
 
     texts = ["a"] * 5 + ["bad"] + ["a"] * 3
-    state, out = {"input": "x", "rows": 9, "dim": 2}, str(tmp_path / "v.npy")
-    sink = open_sink(out, state)
-    with pytest.raises(InputError, match=r"^in the chunk from row 3: input 2 has 402 tokens; the rows before it"):
-        embed_corpus(enumerate(texts), Stages(prepare, lambda n: (np.ones((n, 2), np.float32), n, n)), sink,
-                     sink.resume(), 3)
+    state, out = {"input": "x", "rows": 9, "dim": 2, "long": "error"}, str(tmp_path / "v.npy")
+    stages = Stages(prepare, lambda n: (np.ones((n, 2), np.float32), n, n))
+    for _ in range(2):  # the first run, then its rerun
+        sink = open_sink(out, state)
+        with pytest.raises(InputError, match=r"^in the chunk from row 3: input 2 has 402 tokens; the rows before it "
+                           r"are written, but a rerun with these arguments stops here again .* delete "
+                           f"{re.escape(out)} and {re.escape(out)}.progress and start over with --long truncate"):
+            embed_corpus(enumerate(texts), stages, sink, sink.resume(), 3)
     assert open_sink(out, state).resume() == 3
+    with pytest.raises(JaxserveError, match="partial run with other arguments: long 'error' \\(now 'truncate'\\)"):
+        open_sink(out, {**state, "long": "truncate"}).resume()
 
 
 def test_a_chunk_of_no_documents_is_refused(tmp_path, capsys):

@@ -83,8 +83,10 @@ def embed_corpus(records: Iterable[tuple[object, str]],
                 upcoming = ahead.submit(read_and_prepare)  # chunk i+1 tokenizes while chunk i runs and is written
                 rows, tokens, compiled = stages.run(prepared)
             except InputError as exc:  # its "input N" counts from the chunk's first row
-                raise InputError(f"in the chunk from row {done}: {exc}; the rows before it are written, a rerun "
-                                 "resumes there") from None
+                raise InputError(f"in the chunk from row {done}: {exc}; the rows before it are written, but a rerun "
+                                 "with these arguments stops here again and one with others is refused: delete "
+                                 f"{sink.leftovers()} and start over with --long truncate or chunk (a document over "
+                                 "the model's limit) or without that document") from None
             if done + len(batch) > sink.rows:
                 raise InputError(f"the input has more than the {sink.rows} documents it had when the run began: it "
                                  "changed during the run; rerun it whole")
