@@ -71,6 +71,7 @@ class Encoder(ModelView):
     def __post_init__(self):
         """Every pooled table the engine installs fits this view's limits to it (`fit_to`): derived, given or a
         warm artifact's, through `warmup`, `start` or a server; an engine that comes warm (a simulated one) now."""
+        super().__post_init__()
         if self.engine.table is not None:
             self.fit_to(self.engine.table)
         if hasattr(self.engine, "on_install"):  # one that installs tables (a simulated one never does)
@@ -228,9 +229,9 @@ class Encoder(ModelView):
         table's descriptive fields."""
         info = device.describe(o.device_memory)
         label = info.kind if o.device_memory is None else f"{info.kind} compiler, {o.device_memory} bytes given"
-        seqlens = list(o.seqlens) if o.seqlens else buckets.ladder(o.ladder, self.embedding_config.max_seq_length)
+        seqlens = list(o.seqlens) if o.seqlens else buckets.ladder(o.ladder, self.limits.max_seq_length)
         if self.colbert is not None:  # a query expansion past the seqlens is refused before anything compiles
-            multivector.within(self.colbert, seqlens[-1])
+            multivector.within(self.limits.colbert, seqlens[-1])
         bounds = dict(
             seqlens=seqlens,
             budget_bytes=device.budget_bytes(info.memory_bytes, o.headroom),
@@ -245,11 +246,9 @@ class Encoder(ModelView):
         each seqlen's ladder to its throughput knee; `TableOptions` say how, default: the device's)."""
         if not isinstance(table, BucketTable):
             return self.climb_table(table or TableOptions(), progress)
-        if table.max_seqlen < self.embedding_config.max_seq_length:
-            raise TableError(
-                f"bucket table stops at seqlen {table.max_seqlen}, below the model's "
-                f"max_seq_length {self.embedding_config.max_seq_length}"
-            )
+        if table.max_seqlen < self.limits.max_seq_length:
+            raise TableError(f"bucket table stops at seqlen {table.max_seqlen}, below the model's "
+                             f"max_seq_length {self.limits.max_seq_length}")
         return warm.given(self.engine, table, progress=progress, check=self._fits_check())
 
     def _fits_check(self, headroom: float | None = None, remedy: str = buckets.GIVEN_REMEDY):

@@ -44,6 +44,20 @@ class Architecture:
         return cls(family, cfg.model_type, cfg.vocab_size, cfg.hidden_size)
 
 
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """A checkpoint's own limits, as loaded: what `ModelView.fit_to` cuts to each table from, whatever an earlier
+    table cut them to."""
+
+    max_length: int  # the tokenizer's, special tokens included
+    max_seq_length: int  # the embedding config's (a multi-vector model's: its longer kind's length)
+    colbert: multivector.MultiVectorConfig | None
+
+    @classmethod
+    def of(cls, view: ModelView) -> Limits:
+        return cls(view.tokenizer.max_length, view.embedding_config.max_seq_length, view.colbert)
+
+
 @dataclasses.dataclass
 class ModelView:
     """A model's configs, tokenizer and heads, and its engine's tables: what tokenizing, pairing and reading
@@ -62,6 +76,11 @@ class ModelView:
     # an LLM reranker's chat template or prompt for (query, document) pairs (jaxserve.checkpoint.llm_reranker)
     pair_template: llm_reranker.PairTemplate | llm_reranker.Qwen3RerankerPrompt | None = None
     m3: bge_m3.M3Config | None = None  # a BGE-M3 checkpoint's sparse and multi-vector heads (jaxserve.heads.bge_m3)
+    limits: Limits | None = None  # the checkpoint's own (None: the fields above as given, at construction)
+
+    def __post_init__(self):
+        if self.limits is None:
+            self.limits = Limits.of(self)
 
     def view(self, engine: object) -> ModelView:
         """This model's host side alone, with `engine` in place of its own (a front-end process's)."""
@@ -91,15 +110,18 @@ class ModelView:
         """Sequences no longer than the table's longest seqlen: a table derived at fewer seqlens than the model
         takes (`--seqlens 32,128` for a model of 256) makes its largest seqlen the limit that inputs are
         truncated to (or refused at, `long="error"`), where they would otherwise fit no bucket; a multi-vector
-        model's query and document lengths with them (`multivector.within`). An `Encoder` calls it for every
-        pooled table its engine installs."""
-        longest = table.max_seqlen
-        if self.colbert is not None:
-            self.colbert = multivector.within(self.colbert, longest)
+        model's query and document lengths with them (`multivector.within`). Fitted from the checkpoint's own
+        `limits`, so a longer table installed after a shorter one raises them again. An `Encoder` calls it for
+        every pooled table its engine installs."""
+        longest, own = table.max_seqlen, self.limits
+        if own.colbert is not None:
+            self.colbert = multivector.within(own.colbert, longest)
             self.__dict__.pop("_kind_tokenizers", None)  # made again from the lengths cut
-        if longest < self.tokenizer.max_length:
-            self.tokenizer = dataclasses.replace(self.tokenizer, max_length=longest)
-            self.embedding_config = dataclasses.replace(self.embedding_config, max_seq_length=longest)
+        if self.tokenizer.max_length != min(own.max_length, longest):
+            self.tokenizer = dataclasses.replace(self.tokenizer, max_length=min(own.max_length, longest))
+        if self.embedding_config.max_seq_length != min(own.max_seq_length, longest):
+            self.embedding_config = dataclasses.replace(self.embedding_config,
+                                                        max_seq_length=min(own.max_seq_length, longest))
 
     def multivector_pieces(self, texts: list[str], kind: str, long: str = "truncate",
                            prompt: str | None = None) -> Pieces:

@@ -81,6 +81,23 @@ def test_a_derived_table_shorter_than_the_model_truncates_however_it_is_installe
             enc.embed([long], long="error")
 
 
+def test_a_longer_table_after_a_shorter_one_raises_the_limits_again(tiny_checkpoint):
+    """The limits are the checkpoint's cut to each table (before: only ever lowered, so a text of 40 tokens stayed
+    cut at 16 after a table reaching 64 was installed)."""
+    from jaxserve.runtime.derivation import TableOptions
+
+    path = tiny_checkpoint()
+    table = fixed([(4, 16), (4, 64)])
+    text = [texts_of_length(40)]
+    enc = Encoder.from_pretrained(str(path))
+    enc.warmup(TableOptions(seqlens=(16,), max_batch=4, batch_ladder=False))
+    assert enc.tokenizer.max_length == enc.embedding_config.max_seq_length == 16
+    enc.warmup(table)
+    assert enc.tokenizer.max_length == enc.embedding_config.max_seq_length == 64
+    np.testing.assert_allclose(enc.embed(text), Encoder.from_pretrained(str(path), buckets=table).embed(text),
+                               atol=1e-5)
+
+
 def test_derived_table_uses_xla_memory_analysis(tiny_checkpoint):
     enc = Encoder.from_pretrained(str(tiny_checkpoint()))
     weights = enc.engine.weights_bytes
