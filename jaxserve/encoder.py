@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import dataclasses
+import threading
 from functools import partial
 from pathlib import Path
 
@@ -67,6 +68,8 @@ class Encoder(ModelView):
     family: Family = dataclasses.field(kw_only=True)
     model_config: ArchConfig = dataclasses.field(kw_only=True)
     last_dispatches: list = dataclasses.field(default_factory=list, repr=False, kw_only=True)  # the last `run`'s batches
+    # held while a first use warms a table: a second caller waits, then runs on the table it installed
+    _warming: threading.RLock = dataclasses.field(default_factory=threading.RLock, init=False, repr=False)
 
     def __post_init__(self):
         """Every pooled table the engine installs fits this view's limits to it (`fit_to`): derived, given or a
@@ -274,10 +277,12 @@ class Encoder(ModelView):
                              keep=artifact.KEEP if keep is None else keep)
 
     def warm_table(self) -> BucketTable:
-        """The table batches run at: the warm one, or (first use) one derived for this device and warmed now."""
-        if self.engine.table is None:
-            self.warmup()
-        return self.engine.table
+        """The table batches run at: the warm one, or (first use) one derived for this device and warmed now, once
+        (two threads' warm-ups would each install a table dropping the other's executables)."""
+        with self._warming:
+            if self.engine.table is None:
+                self.warmup()
+            return self.engine.table
 
     def warmup_tokens(self, progress: bool = False) -> BucketTable:
         """Compile and time token outputs at each seqlen's smallest batch of the warm table (/embed_all), or at
@@ -289,10 +294,11 @@ class Encoder(ModelView):
                           check=self._fits_check())
 
     def warm_token_table(self) -> BucketTable:
-        """The token outputs' table (/embed_all, multi-vector): the warm one, or warmed now (first use)."""
-        if "tokens" not in self.engine.tables:
-            self.warmup_tokens()
-        return self.engine.tables["tokens"]
+        """The token outputs' table (/embed_all, multi-vector): the warm one, or warmed now (first use), once."""
+        with self._warming:
+            if "tokens" not in self.engine.tables:
+                self.warmup_tokens()
+            return self.engine.tables["tokens"]
 
     def prepare(self, texts: list[str], long: str = "truncate", prompt: str | None = None) -> tuple[Pieces, Rows]:
         """Tokenize (with `prompt` in front of each text) and pack (no device work): the sequences and their rows."""

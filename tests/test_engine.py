@@ -98,6 +98,30 @@ def test_a_longer_table_after_a_shorter_one_raises_the_limits_again(tiny_checkpo
                                atol=1e-5)
 
 
+def test_two_threads_first_use_warms_once(tiny_checkpoint):
+    """Two threads' first `embed` on a cold Encoder: the second waits for the first's warm-up and runs on its
+    table (before: both climbed, and one's install dropped the other's executables: ShapeError)."""
+    import threading
+
+    enc = Encoder.from_pretrained(str(tiny_checkpoint()))
+    texts = ["the model is jax", "a", "the " * 20, "the " * 50]
+    start, got = threading.Barrier(2), {}
+
+    def first_use(k):
+        start.wait()
+        got[k] = enc.embed(texts)
+
+    threads = [threading.Thread(target=first_use, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    want = enc.embed(texts)
+    assert sorted(got) == [0, 1]
+    for out in got.values():
+        np.testing.assert_array_equal(out, want)
+
+
 def test_derived_table_uses_xla_memory_analysis(tiny_checkpoint):
     enc = Encoder.from_pretrained(str(tiny_checkpoint()))
     weights = enc.engine.weights_bytes
