@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from collections.abc import Callable, Iterable
 from functools import partial
 from pathlib import Path
 
@@ -48,6 +49,32 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 CLIMB_REMEDY = ("It was derived for --device-memory above this device's pool: leave that out to serve here, or "
                 "derive for the larger device with `jaxserve buckets --device-memory BYTES --write FILE`, which runs "
                 "nothing.")
+
+
+def batch_of(inputs: str | Iterable, pairs: bool = False) -> tuple[list, Callable]:
+    """The Python API's inputs as a list, and what shapes its result: a str is one input answered as one
+    (`embed("x")` -> [dim], as sentence-transformers' `encode`, whose batch axis is a list's), any other iterable
+    a batch, read once here (a generator too). Each element must be a str (`pairs`: or a (str, str) pair), checked
+    before any tokenizing or warm-up: else InputError naming the first that is not."""
+    if isinstance(inputs, str):
+        return [inputs], _first
+    if not isinstance(inputs, Iterable):
+        raise InputError(f"inputs must be a str or an iterable of str, not {type(inputs).__name__}")
+    items = inputs if isinstance(inputs, list) else list(inputs)
+    for i, x in enumerate(items):
+        if not (isinstance(x, str) or pairs and isinstance(x, (list, tuple)) and len(x) == 2
+                and all(isinstance(t, str) for t in x)):
+            raise InputError(f"input {i} is {type(x).__name__}, not a str{' or a (str, str) pair' if pairs else ''}")
+    return items, _batch
+
+
+def _first(out):
+    """A batch of one's result as one input's: its row (of each output, for a dict of them)."""
+    return {k: None if v is None else v[0] for k, v in out.items()} if isinstance(out, dict) else out[0]
+
+
+def _batch(out):
+    return out
 
 
 def resolve_dtype(dtype: str) -> str:
@@ -326,7 +353,7 @@ class Encoder(ModelView):
         self.last_dispatches = run_jobs(self.engine, table, [job])
         return [job.token_vectors(p) for p in range(pieces.count)]
 
-    def embed(self, texts: list[str], normalize: bool | None = None, long: str = "truncate",
+    def embed(self, texts: str | Iterable[str], normalize: bool | None = None, long: str = "truncate",
               prompt_name: str | None = None, prompt: str | None = None) -> np.ndarray:
         """Texts -> [N, out_dim] float32 embeddings in input order, as sentence-transformers' `encode`.
 
@@ -336,10 +363,12 @@ class Encoder(ModelView):
         mean), or `error` (raise `InputError` naming its token count).
         `prompt_name` (one of the checkpoint's `prompts`) or `prompt` (a text) goes in
         front of every text; neither: the checkpoint's `default_prompt_name`, if any.
+        A str is one text: its [out_dim] vector (`batch_of`).
         """
+        texts, shaped = batch_of(texts)
         self._require("embedding")
         pieces, rows = self.prepare(texts, long, self.embedding_config.prompt(prompt_name, prompt))
-        return self.embed_prepared(pieces, rows, len(texts), normalize)
+        return shaped(self.embed_prepared(pieces, rows, len(texts), normalize))
 
     def embed_prepared(self, pieces: Pieces, rows: Rows, documents: int, normalize: bool | None = None) -> np.ndarray:
         """`embed` after `prepare`: run the sequences, combine each document's, normalise as the checkpoint says
@@ -348,44 +377,50 @@ class Encoder(ModelView):
         normalize = self.embedding_config.normalize if normalize is None else normalize
         return normalize_rows(out) if normalize else out
 
-    def embed_all(self, texts: list[str], prompt_name: str | None = None, prompt: str | None = None) -> list[np.ndarray]:
+    def embed_all(self, texts: str | Iterable[str], prompt_name: str | None = None,
+                  prompt: str | None = None) -> list[np.ndarray]:
         """Texts -> per text its [tokens, hidden] last hidden states, special tokens included (truncated to the
-        model's length), as TEI's /embed_all."""
+        model's length), as TEI's /embed_all; a str's alone."""
+        texts, shaped = batch_of(texts)
         self._require("embedding")
         if self.m3 is not None:
             raise InputError("a BGE-M3 model's token outputs are its heads' (embed_m3), not its hidden states")
-        pieces = self.tokenizer.documents(list(texts), "truncate", prompt=self.embedding_config.prompt(prompt_name, prompt))
-        return self.run_tokens(pieces)
+        pieces = self.tokenizer.documents(texts, "truncate", prompt=self.embedding_config.prompt(prompt_name, prompt))
+        return shaped(self.run_tokens(pieces))
 
-    def embed_sparse(self, texts: list[str], long: str = "truncate", prompt_name: str | None = None,
+    def embed_sparse(self, texts: str | Iterable[str], long: str = "truncate", prompt_name: str | None = None,
                      prompt: str | None = None) -> list[list[dict]]:
         """Texts -> per text its non-zero weights [{"index", "value"}] in index order, as SparseEncoder's
-        `encode` (a SPLADE checkpoint; `long`: truncate or error), or a BGE-M3 checkpoint's lexical weights."""
+        `encode` (a SPLADE checkpoint; `long`: truncate or error), or a BGE-M3 checkpoint's lexical weights; a
+        str's alone."""
+        texts, shaped = batch_of(texts)
         if self.m3 is not None:
-            return bge_m3.index_values(self.m3_outputs(texts, ("sparse",), long, prompt_name, prompt)["sparse"])
+            return shaped(bge_m3.index_values(self.m3_outputs(texts, ("sparse",), long, prompt_name, prompt)["sparse"]))
         self._require("sparse")
         if long == "chunk":
             raise InputError("sparse embeddings are per sequence: `long: chunk` does not apply")
         pieces, rows = self.prepare(texts, long, self.embedding_config.prompt(prompt_name, prompt))
-        return sparse.decode(self.run(pieces, rows), self.splade)
+        return shaped(sparse.decode(self.run(pieces, rows), self.splade))
 
-    def embed_multivector(self, texts: list[str], kind: str = "document", long: str = "truncate",
+    def embed_multivector(self, texts: str | Iterable[str], kind: str = "document", long: str = "truncate",
                           prompt: str | None = None) -> list[np.ndarray]:
         """Texts -> per text its [tokens, dim] float32 token vectors, as MultiVectorEncoder's `encode_query`
         (kind="query") / `encode_document` (kind="document") and PyLate's `encode(is_query=...)` give them; a
-        BGE-M3 checkpoint's ColBERT vectors (the same for either kind, as FlagEmbedding's)."""
+        BGE-M3 checkpoint's ColBERT vectors (the same for either kind, as FlagEmbedding's); a str's alone."""
+        texts, shaped = batch_of(texts)
         if self.m3 is not None:
             if kind not in multivector.KINDS:
                 raise InputError(f"kind must be one of {', '.join(multivector.KINDS)}, not {kind!r}")
-            return self.m3_outputs(texts, ("multivector",), long, prompt=prompt)["multivector"]
+            return shaped(self.m3_outputs(texts, ("multivector",), long, prompt=prompt)["multivector"])
         pieces = self.multivector_pieces(texts, kind, long, prompt)
-        return multivector.outputs(self.colbert, kind, pieces.seqs, self.run_tokens(pieces))
+        return shaped(multivector.outputs(self.colbert, kind, pieces.seqs, self.run_tokens(pieces)))
 
-    def m3_outputs(self, texts: list[str], outputs: tuple[str, ...] = bge_m3.OUTPUTS, long: str = "truncate",
-                   prompt_name: str | None = None, prompt: str | None = None) -> dict:
+    def m3_outputs(self, texts: str | Iterable[str], outputs: tuple[str, ...] = bge_m3.OUTPUTS,
+                   long: str = "truncate", prompt_name: str | None = None, prompt: str | None = None) -> dict:
         """A BGE-M3 checkpoint's `outputs` (any of dense, sparse, multivector) of texts, from one forward: dense
         [N, hidden] (not normalised), sparse per text (token ids, weights), multivector per text [tokens - 1, dim]
-        (`bge_m3.outputs`). `long`: truncate or error."""
+        (`bge_m3.outputs`). `long`: truncate or error. A str's: its row of each."""
+        texts, shaped = batch_of(texts)
         if self.m3 is None:
             raise InputError(f"{self.path.name} is not a BGE-M3 model (no {bge_m3.COLBERT_FILE} and "
                              f"{bge_m3.SPARSE_FILE} beside it)")
@@ -394,32 +429,41 @@ class Encoder(ModelView):
             raise InputError(f"outputs must be some of {', '.join(bge_m3.OUTPUTS)}, not {list(outputs)}")
         if long == "chunk":
             raise InputError("BGE-M3's outputs are per sequence: `long: chunk` does not apply")
-        pieces = self.tokenizer.documents(list(texts), long, prompt=self.embedding_config.prompt(prompt_name, prompt))
-        return bge_m3.outputs(self.m3, pieces.ids, pieces.offsets, self.run_tokens(pieces), tuple(outputs))
+        pieces = self.tokenizer.documents(texts, long, prompt=self.embedding_config.prompt(prompt_name, prompt))
+        return shaped(bge_m3.outputs(self.m3, pieces.ids, pieces.offsets, self.run_tokens(pieces), tuple(outputs)))
 
-    def embed_m3(self, texts: list[str], return_dense: bool = True, return_sparse: bool = True,
+    def embed_m3(self, texts: str | Iterable[str], return_dense: bool = True, return_sparse: bool = True,
                  return_colbert_vecs: bool = True, long: str = "truncate", prompt_name: str | None = None,
                  prompt: str | None = None) -> dict:
         """Texts -> FlagEmbedding's `BGEM3FlagModel.encode` result, every output asked for from one forward:
         {"dense_vecs": [N, hidden] normalised, "lexical_weights": per text {str(token id): weight},
         "colbert_vecs": per text its [tokens - 1, dim] normalised vectors}, None for an output not asked for.
-        Unlike FlagEmbedding's, every flag defaults to true."""
+        Unlike FlagEmbedding's, every flag defaults to true; a str's outputs alone, as its."""
+        texts, shaped = batch_of(texts)
         wanted = tuple(o for o, on in zip(bge_m3.OUTPUTS, (return_dense, return_sparse, return_colbert_vecs)) if on)
         if not wanted:
             raise InputError("ask for at least one of return_dense, return_sparse, return_colbert_vecs")
         got = self.m3_outputs(texts, wanted, long, prompt_name, prompt)
-        return {"dense_vecs": normalize_rows(got["dense"]) if "dense" in got else None,
-                "lexical_weights": bge_m3.lexical_weights(got["sparse"]) if "sparse" in got else None,
-                "colbert_vecs": got.get("multivector")}
+        return shaped({"dense_vecs": normalize_rows(got["dense"]) if "dense" in got else None,
+                       "lexical_weights": bge_m3.lexical_weights(got["sparse"]) if "sparse" in got else None,
+                       "colbert_vecs": got.get("multivector")})
 
-    def classify(self, inputs: list, truncate: bool = True) -> np.ndarray:
-        """Texts, or (text, text) pairs, mixed -> [N, num_labels] logits (a classifier checkpoint)."""
+    def classify(self, inputs: str | Iterable, truncate: bool = True) -> np.ndarray:
+        """Texts, or (text, text) pairs, mixed -> [N, num_labels] logits (a classifier checkpoint). A str is one
+        text: its [num_labels] row; a pair is one input inside a list (`[(a, b)]`: a bare tuple is a batch)."""
+        inputs, shaped = batch_of(inputs, pairs=True)
         self._require("classifier")
-        return self.run(self.prepare_pairs(inputs, truncate))
+        return shaped(self.run(self.prepare_pairs(inputs, truncate)))
 
-    def rerank(self, query: str, texts: list[str], truncate: bool = True, instruction: str | None = None) -> np.ndarray:
+    def rerank(self, query: str, texts: str | Iterable[str], truncate: bool = True,
+               instruction: str | None = None) -> np.ndarray:
         """Cross-encoder relevance logits [N] of (query, text) pairs, in input order (an LLM reranker's: the
         true token's logit minus the false one's at the last position, as LogitScore). `instruction`: the task in
-        a Qwen3-Reranker's prompt (default its model card's); a model without that slot refuses one."""
+        a Qwen3-Reranker's prompt (default its model card's); a model without that slot refuses one. A str in
+        `texts` is one text: its score alone, as CrossEncoder's `predict` of one pair."""
+        texts, shaped = batch_of(texts)
+        if not isinstance(query, str):
+            raise InputError(f"the query is {type(query).__name__}, not a str")
         self._require("classifier")
-        return self.run(self.prepare_pairs([(query, t) for t in texts], truncate, instruction=instruction))[:, 0]
+        scores = self.run(self.prepare_pairs([(query, t) for t in texts], truncate, instruction=instruction))[:, 0]
+        return shaped(scores)

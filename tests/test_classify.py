@@ -129,3 +129,24 @@ async def test_rerank_route_sorts_by_score(make_server, cross_encoder):
     assert (await client.post("/rerank", json={"query": "", "texts": ["x"]})).status == 422
     assert (await client.post("/v1/embeddings", json={"input": ["x"]})).status == 400
     assert (await client.post("/rerank", json={"query": "q", "texts": ["x"]})).status == 200
+
+
+def test_a_str_is_one_input_a_pair_one_score(classifier, cross_encoder):
+    """`classify("x")` is one text's [num_labels] row and `rerank(q, "doc")` one pair's score, as CrossEncoder's
+    `predict` of one pair (before: one row per character); an element neither a str nor a (str, str) pair is
+    refused by its index."""
+    _, clf = classifier
+    row = clf.classify(TEXTS[0])
+    assert row.shape == (3,)
+    np.testing.assert_array_equal(row, clf.classify([TEXTS[0]])[0])
+    _, ce = cross_encoder
+    score = ce.rerank("the query", "the model")
+    assert np.ndim(score) == 0
+    assert score == ce.rerank("the query", ["the model"])[0]
+    np.testing.assert_array_equal(ce.rerank("the query", (t for t in TEXTS)), ce.rerank("the query", TEXTS))
+    for bad, name in (([TEXTS[0], ("a",)], "input 1 is tuple"), ([("a", None)], "input 0 is tuple"),
+                      ([None], "input 0 is NoneType")):
+        with pytest.raises(InputError, match=f"{name}, not a str or a \\(str, str\\) pair"):
+            clf.classify(bad)
+    with pytest.raises(InputError, match="input 1 is NoneType, not a str$"):
+        ce.rerank("the query", ["a", None])

@@ -261,3 +261,36 @@ def test_a_plain_causal_lm_gets_last_token_pooling(tmp_path):
     config = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**config, "is_causal": False}))
     assert plain_pooling(tmp_path) == "mean"
+
+
+def test_a_str_is_one_text_and_any_iterable_a_batch_as_sentence_transformers(full):
+    """`embed("x")` is one text's [dim] vector, as `encode("x")` (before: the str's characters, one vector each,
+    [len, dim]); a generator or tuple is a batch, read once (before: a generator was tokenized, then `len` of it
+    raised TypeError)."""
+    _, enc, st = full
+    one, want = enc.embed(TEXTS[1]), st.encode(TEXTS[1])
+    assert one.shape == want.shape == (24,)
+    np.testing.assert_allclose(one, want, atol=1e-5)
+    np.testing.assert_array_equal(one, enc.embed([TEXTS[1]])[0])
+    batch = enc.embed(TEXTS)
+    np.testing.assert_array_equal(enc.embed(t for t in TEXTS), batch)
+    np.testing.assert_array_equal(enc.embed(tuple(TEXTS)), batch)
+    tokens, want_tokens = enc.embed_all(TEXTS[1]), st.encode(TEXTS[1], output_value="token_embeddings")
+    assert tokens.shape == tuple(want_tokens.shape)
+    np.testing.assert_array_equal(tokens, enc.embed_all([TEXTS[1]])[0])
+
+
+def test_an_input_not_a_str_is_refused_by_its_index_before_any_warm_up(full):
+    """Before: `[None]` reached the tokenizer (TypeError: 'NoneType' object is not iterable), after the table's
+    warm-up on first use."""
+    path, _, _ = full
+    from jaxserve import Encoder
+
+    cold = Encoder.from_pretrained(str(path))
+    for bad, name in ((lambda: [TEXTS[0], None], "input 1 is NoneType"),
+                      (lambda: iter(["a", "b", 3]), "input 2 is int"), (lambda: [b"bytes"], "input 0 is bytes"),
+                      (lambda: 5, "a str or an iterable of str, not int")):
+        for method in (cold.embed, cold.embed_all):
+            with pytest.raises(InputError, match=name):
+                method(bad())
+    assert not cold.engine.tables  # nothing warmed

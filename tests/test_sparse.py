@@ -89,6 +89,15 @@ def test_matches_sparse_encoder(splade):
     assert_same_sparse(got, reference(path, TEXTS))
 
 
+def test_a_str_is_one_text_as_sparse_encoder(splade):
+    """`embed_sparse("x")` is one text's weights, as SparseEncoder's `encode("x")` is one 1-D vector (before: a
+    list per character)."""
+    path, enc = splade
+    got, want = enc.embed_sparse(TEXTS[2]), reference(path, TEXTS[2])
+    assert np.ndim(want) == 1 and all(isinstance(e, dict) for e in got)
+    assert_same_sparse([got], [want])
+
+
 @pytest.mark.parametrize("model, strategy, activation", [("distilbert", "max", "relu"), ("bert", "sum", "log1p_relu")])
 def test_other_heads_and_poolings(tmp_path, model, strategy, activation):
     path = splade_checkpoint(tmp_path, model, strategy, activation)
