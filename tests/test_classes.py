@@ -102,6 +102,43 @@ def test_bulk_cannot_fill_the_queue_against_interactive():
     assert b.waiting() == {"interactive": 30 * 64, "bulk": 70 * 64}
 
 
+def test_a_lone_bulk_request_the_size_of_the_queue_leaves_the_quarter_to_queries():
+    """A bulk request larger than the bulk limit (up to the whole queue: a request of the most inputs at the largest
+    seqlen may be that large) is admitted when no bulk waits; it used to take the queries' quarter too, and every
+    query got 429 until it had drained. Queries now still have their quarter beside it."""
+    b = Batcher(TABLE, max_wait_s=0.005, max_queued=6400, classes=Classes(bulk_share=0.75))  # 100 rows of 64
+    submit(b, 0, [64] * 100, now=0.0, cls=BULK)  # alone: admitted
+    for job in range(1, 26):  # the reserved quarter: 25 rows of 64
+        submit(b, job, [64], now=0.0, cls=INTERACTIVE)
+    with pytest.raises(QueueFull):
+        submit(b, 26, [64], now=0.0, cls=INTERACTIVE)
+    assert b.waiting() == {"interactive": 25 * 64, "bulk": 100 * 64}  # the worst case: max_queued + its quarter
+    b = Batcher(TABLE, max_wait_s=0.005, max_queued=6400, classes=Classes(bulk_share=0.75))
+    submit(b, 0, [64], now=0.0, cls=BULK)
+    with pytest.raises(QueueFull, match="waits only alone: split it"):  # said, as it may wait long for that
+        submit(b, 1, [64] * 80, now=0.0, cls=BULK)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([INTERACTIVE, BULK]), st.integers(1, 100), st.booleans()), max_size=40))
+def test_admission_keeps_the_interactive_quarter_property(jobs):
+    """Whatever arrives and leaves: a job of interactive tokens that fit in the quarter beside those waiting is
+    admitted; bulk tokens pass the bulk limit only as one job alone; at most max_queued plus the quarter wait."""
+    b = Batcher(TABLE, max_wait_s=0.005, max_queued=6400, classes=Classes(bulk_share=0.75))
+    limit, reserve = b.bulk_limit(), 6400 - b.bulk_limit()
+    for jid, (cls, rows, dispatch) in enumerate(jobs):
+        before = dict(b.waiting())
+        try:
+            submit(b, jid, [64] * rows, 0.0, cls)
+        except QueueFull:
+            assert not (cls == INTERACTIVE and before["interactive"] + 64 * rows <= reserve)
+        else:
+            assert cls == INTERACTIVE or b.queued_by[BULK] <= limit or before["bulk"] == 0
+        assert b.queued <= 6400 + reserve
+        if dispatch:
+            b.next_dispatch(0.0, device_idle=True)
+
+
 def test_no_interactive_is_fifo_as_before():
     b = Batcher(TABLE, max_wait_s=1.0, max_queued=100_000)
     submit(b, 0, [16, 16, 16, 16], now=0.0, cls=BULK)

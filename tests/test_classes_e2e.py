@@ -10,7 +10,7 @@ import threading
 
 import pytest
 import tiny
-from conftest import TINY_TABLE, SlowEngine, warm_encoder
+from conftest import TINY_TABLE, SlowEngine, until, warm_encoder
 from prometheus_client.parser import text_string_to_metric_families
 
 from jaxserve.http.classes import ask_of, decide
@@ -184,3 +184,27 @@ async def test_a_large_request_claiming_interactive_is_not_tokenized_on_the_quer
     finally:
         release.set()
     assert held.result()
+
+
+async def test_a_query_is_admitted_beside_a_bulk_request_that_fills_the_queue(make_server, tiny_enc):
+    """A lone bulk request may fill the whole queue (else the largest requests could never be served); a query
+    beside it is still admitted, into the quarter kept for queries, where it used to get 429 until the bulk
+    request had drained."""
+    enc = dataclasses.replace(tiny_enc, engine=SlowEngine(tiny_enc.engine, gate=threading.Event()))
+    client = await make_server(enc, max_wait_ms=0, max_inflight=1, max_queue_tokens=1280)
+    service = client.app[STATE].service
+    try:  # two queries first: one held on the device, one prepared behind it, so no bulk row is prepared
+        first = [asyncio.create_task(client.post("/v1/embeddings", json={"input": "first"}))]
+        await until(lambda: enc.engine.held, "the first query held on the device")
+        first.append(asyncio.create_task(client.post("/v1/embeddings", json={"input": "second"})))
+        await until(lambda: len(enc.engine.seen) == 2, "the second query prepared")
+        bulk = asyncio.create_task(client.post("/v1/embeddings", json={"input": BULK_DOCS}))
+        await until(lambda: service.batcher.waiting()["bulk"] or bulk.done(), "the bulk request queued")
+        assert service.batcher.waiting() == {"interactive": 0, "bulk": 1280}  # the whole queue, past the bulk limit
+        query = asyncio.create_task(client.post("/v1/embeddings", json={"input": "query"}))
+        await until(lambda: query.done() or service.batcher.waiting()["interactive"] or len(enc.engine.seen) > 2,
+                    "the query queued or refused")
+        assert not query.done(), "the query was refused"
+    finally:
+        enc.engine.gate.set()
+    assert [r.status for r in await asyncio.gather(*first, bulk, query)] == [200] * 4

@@ -150,7 +150,7 @@ class TooLarge(Exception):
 
 QUEUE_DEVICE_S = 2.0  # the default queue: this many seconds of device work at the table's best measured rate
 MIN_QUEUE_TOKENS = 2**18  # ... but at least this many tokens (a full request of 1024 inputs of 256 tokens) ...
-MAX_QUEUE_TOKENS = 2**24  # ... and at most this many (16 bytes of inputs each: 256 MiB waiting)
+MAX_QUEUE_TOKENS = 2**24  # ... and at most this many (16 bytes each: 256 MiB, 5/4 with queries: `_admit`)
 
 
 def queue_tokens(table: BucketTable, device_s: float = QUEUE_DEVICE_S) -> int:
@@ -247,11 +247,7 @@ class Batcher:
         if n > self.max_queued:
             raise TooLarge(f"the request needs {n} tokens (its rows at their seqlens); the queue holds at most "
                            f"{self.max_queued}")
-        if self.queued + n > self.max_queued:
-            raise QueueFull(f"{self.queued} tokens are waiting; {n} more would pass the limit of {self.max_queued}")
-        if cls == BULK and self.queued_by[BULK] + n > self.bulk_limit() and self.queued_by[BULK] > 0:
-            raise QueueFull(f"{self.queued_by[BULK]} bulk tokens are waiting; {n} more would pass the bulk "
-                            f"limit of {self.bulk_limit()} (the rest of the queue is kept for interactive requests)")
+        self._admit(n, cls)
         if cls == INTERACTIVE:
             self.last_interactive = now
         for s, rows, run_docs in runs:
@@ -263,6 +259,23 @@ class Batcher:
         self.queued_by[cls] += n
         if cls == BULK:
             self._age_at = min(self._age_at, now + self.classes.max_bulk_wait_s)
+
+    def _admit(self, n: int, cls: int) -> None:
+        """Raise QueueFull unless `n` more tokens of class `cls` may wait. Bulk tokens may fill `bulk_limit`, and a
+        bulk job larger than that (up to the whole queue: a request of the most inputs at the largest seqlen may be
+        that large) may wait alone, with no other bulk tokens; interactive tokens may fill the rest of the queue,
+        and the reserved part (`max_queued - bulk_limit`) always, however many bulk tokens wait. So queries are never
+        refused for room a bulk job holds, and at most `max_queued + max_queued - bulk_limit` tokens wait."""
+        reserve = self.max_queued - self.bulk_limit()
+        if cls == INTERACTIVE and self.queued_by[INTERACTIVE] + n <= reserve:
+            return
+        if self.queued + n > self.max_queued:
+            raise QueueFull(f"{self.queued} tokens are waiting; {n} more would pass the limit of {self.max_queued}")
+        if cls == BULK and self.queued_by[BULK] + n > self.bulk_limit() and self.queued_by[BULK] > 0:
+            alone = "; a request over the bulk limit waits only alone: split it to wait with others" \
+                if n > self.bulk_limit() else ""
+            raise QueueFull(f"{self.queued_by[BULK]} bulk tokens are waiting; {n} more would pass the bulk limit of "
+                            f"{self.bulk_limit()} (the rest of the queue is kept for interactive requests){alone}")
 
     def cancel(self, job: int) -> int:
         """Drop a job's waiting rows (its client went away); returns how many sequences were dropped."""
