@@ -23,6 +23,7 @@ from jaxserve.http.classes import (
 )
 from jaxserve.runtime.buckets import dispatch_s, fixed
 from jaxserve.scheduling.batcher import BULK, INTERACTIVE, Batcher, Classes, QueueFull, bulk_caps
+from jaxserve.scheduling.pipeline import Pipeline
 
 TABLE = fixed([(1, 16), (4, 16), (1, 64), (4, 64)], layout="packed")
 
@@ -175,6 +176,33 @@ def test_short_bulk_batches_while_a_query_is_likely():
     d = b.next_dispatch(0.02, device_idle=True)  # a query is likely for 1 s: bulk batches of <= 100 ms
     assert d.bucket.shape == (32, 64) and dispatch_s(d.bucket, TIMED.host_dispatch_s) <= 0.1
     assert b.next_dispatch(1.5, device_idle=True).bucket.shape == (128, 64)  # none for 1 s: large again
+
+
+class TwoOutputs:
+    """The part of an engine a pipeline's batchers are made from: a table per output (pooled, token vectors)."""
+
+    def __init__(self):
+        self.tables = {"pooled": TIMED, "tokens": TIMED}
+
+
+@pytest.mark.parametrize("query_on, bulk_on", [("pooled", "tokens"), ("tokens", "pooled"), ("pooled", "pooled")])
+def test_a_query_on_one_output_cuts_every_outputs_bulk_batches(query_on, bulk_on):
+    """One device runs both outputs' batches, so a query on one waits behind the other's bulk batches too: a
+    BGE-M3 server indexing through /embed_m3 (token vectors) ran full-size bulk batches while queries on
+    /v1/embeddings (pooled) waited, each batcher watching only its own queries."""
+    pipeline = Pipeline(TwoOutputs(), TIMED, 0.005, 10_000_000, classes=Classes(bulk_dispatch_s=0.1))
+    query, bulk = pipeline.batchers[query_on], pipeline.batchers[bulk_on]
+    submit(bulk, 0, [64] * 500, now=0.0, cls=BULK)
+    assert bulk.next_dispatch(0.0, device_idle=True).bucket.shape == (128, 64)  # no query yet: the largest batch
+    submit(query, 1, [16], now=0.01, cls=INTERACTIVE)
+    assert query.next_dispatch(0.01, device_idle=True).jobs == [1]
+    assert bulk.next_dispatch(0.02, device_idle=True).bucket.shape == (32, 64)  # one arrived within 1 s: cut
+    assert bulk.next_dispatch(1.5, device_idle=True).bucket.shape == (128, 64)  # none for 1 s: large again
+    submit(query, 2, [16], now=1.6, cls=INTERACTIVE)
+    if query is not bulk:  # a query waiting (for longer than 1 s) on the other output cuts them too
+        assert bulk.next_dispatch(3.0, device_idle=True).bucket.shape == (32, 64)
+    assert query.next_dispatch(3.0, device_idle=True).jobs == [2]
+    assert bulk.next_dispatch(3.0, device_idle=True).bucket.shape == (128, 64)
 
 
 @settings(max_examples=150, deadline=None)

@@ -205,8 +205,22 @@ def bulk_caps(table: BucketTable, dispatch_limit_s: float, efficiency: float) ->
     return caps
 
 
+class Interactive:
+    """Interactive work on one device, which several batchers may feed (a server's pooled and token outputs): when
+    an interactive job last arrived at any of them, and the batchers whose waiting interactive rows count. A query
+    on one output waits behind the bulk batches of every output, so it cuts them all short (`Classes.likely_s`)."""
+
+    def __init__(self):
+        self.last = -math.inf  # when an interactive job last arrived
+        self.batchers: list[Batcher] = []
+
+    def likely(self, now: float, likely_s: float) -> bool:
+        return now - self.last < likely_s or any(b.has_interactive() for b in self.batchers)
+
+
 class Batcher:
-    def __init__(self, table: BucketTable, max_wait_s: float, max_queued: int, classes: Classes = Classes()):
+    def __init__(self, table: BucketTable, max_wait_s: float, max_queued: int, classes: Classes = Classes(),
+                 interactive: Interactive | None = None):
         self.table = table
         self.max_wait_s = max_wait_s
         # tokens waiting, counted as the device will run them: each row at its seqlen (padding in the row included),
@@ -224,7 +238,9 @@ class Batcher:
         self.plan = plans(table)  # per seqlen: (covers, their costs); replaced when the host's time is measured
         self.queued = 0  # tokens waiting
         self.queued_by = [0, 0]  # tokens waiting per class (a promoted bulk row still counts as bulk)
-        self.last_interactive = -math.inf  # when an interactive job last arrived
+        # shared with the other batchers of its device (None: a device of its own)
+        self.interactive = Interactive() if interactive is None else interactive
+        self.interactive.batchers.append(self)
         self._aged_turn = False  # an interactive-led batch left while aged bulk rows waited: theirs is next
         self._age_at = math.inf  # no waiting bulk row ages before this (`_age`)
 
@@ -249,7 +265,7 @@ class Batcher:
                            f"{self.max_queued}")
         self._admit(n, cls)
         if cls == INTERACTIVE:
-            self.last_interactive = now
+            self.interactive.last = now
         for s, rows, run_docs in runs:
             run = Run(job, rows, run_docs, now, cls, deadline)
             bisect.insort(self._queues[cls][s], run, key=lambda r: r.key)
@@ -338,7 +354,8 @@ class Batcher:
         return any(self._rows[INTERACTIVE].values())
 
     def interactive_likely(self, now: float) -> bool:
-        return self.has_interactive() or now - self.last_interactive < self.classes.likely_s
+        """Interactive rows wait, or one arrived within `likely_s`, at this batcher or another of its device."""
+        return self.interactive.likely(now, self.classes.likely_s)
 
     def _age(self, now: float) -> None:
         """Bulk rows that waited `max_bulk_wait_s` go first among bulk rows, oldest first, and take turns with

@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from jaxserve.runtime.buckets import BucketTable
-from jaxserve.scheduling.batcher import BULK, CLASSES, Batcher, Classes, Dispatch, plans, queue_tokens
+from jaxserve.scheduling.batcher import BULK, CLASSES, Batcher, Classes, Dispatch, Interactive, plans, queue_tokens
 from jaxserve.scheduling.explain import LiveTimings, explain
 from jaxserve.scheduling.host_cost import HostCost
 from jaxserve.scheduling.jobs import Job, assemble, keep, most_per_row, scatter, spanned
@@ -160,9 +160,11 @@ class Pipeline:
         self.engine = engine
         # One batcher per output: pooled vectors, and token vectors (/embed_all) where the engine has them;
         # each queue holds `max_queued` tokens (None: `queue_tokens` of its table, a few seconds of device work).
+        # They share one device, so a query on either cuts both outputs' bulk batches (`Interactive`).
         tables = {"pooled": table, **({"tokens": engine.tables["tokens"]} if "tokens" in engine.tables else {})}
-        self.batchers = {lane: Batcher(t, max_wait_s, queue_tokens(t) if max_queued is None else max_queued, classes)
-                         for lane, t in tables.items()}
+        interactive = Interactive()
+        self.batchers = {lane: Batcher(t, max_wait_s, queue_tokens(t) if max_queued is None else max_queued, classes,
+                                       interactive) for lane, t in tables.items()}
         # per output, device time per bucket, refreshed from every device step (a token-output bucket of the same
         # shape as a pooled one runs a different executable)
         self.timings = {lane: LiveTimings(t) for lane, t in tables.items()}
