@@ -1,6 +1,7 @@
 """`jaxserve buckets` and `jaxserve warmup` as a user runs them (subprocesses, tiny model)."""
 
 import json
+import math
 import re
 import subprocess
 import sys
@@ -128,6 +129,9 @@ def test_keep_artifacts_on_serve_and_warmup(monkeypatch):
     (["--seqlens", "16,abc"], "argument --seqlens: must be positive whole numbers"),
     (["--seqlens", "0,16"], "argument --seqlens: must be positive whole numbers"),
     (["--max-queue-tokens", "0"], "jaxserve: max_queue_tokens must be positive, not 0"),
+    (["--max-concurrent-requests", "0"], "jaxserve: max_concurrent must be at least 1, not 0"),
+    (["--max-client-batch", "-1"], "jaxserve: max_client_batch must be at least 1, not -1"),
+    (["--max-wait-ms", "nan"], "jaxserve: max_wait_ms must be a finite number of at least 0, not nan"),
     (["--api-keys-file", "/nonexistent/keys"], "jaxserve: --api-keys-file /nonexistent/keys: No such file"),
     (["--simulate-device", "0"], "jaxserve: a simulated device's tflops must be a finite number above 0"),
     (["--simulate-overhead-us", "5"], "they need --simulate-device"),
@@ -150,6 +154,24 @@ def test_bad_serve_options_end_in_one_line_and_status_2_before_anything_starts(f
         status = exc.code
     err = capsys.readouterr().err
     assert status == 2 and message in err.splitlines()[-1] and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("field, bad", [
+    ("max_concurrent", 0), ("max_concurrent", -3), ("max_client_batch", 0), ("max_input_chars", 0),
+    ("max_body_bytes", 0), ("max_inflight_bytes", 0), ("max_inflight", 0), ("streams", 0), ("tokenizer_threads", 0),
+    ("respond_threads", -1), ("workers", 0), ("engine_restarts", -1), ("interactive_max_sequences", -1),
+    ("interactive_max_tokens", -1), ("max_wait_ms", -1.0), ("max_wait_ms", math.inf), ("host_dispatch_us", math.nan),
+    ("bulk_dispatch_ms", -5.0), ("bulk_dispatch_ms", math.nan),
+])
+def test_a_limit_no_server_can_serve_with_is_refused_by_the_config(field, bad):
+    """--max-concurrent-requests 0 started a server that answered every request with 429, for ever; the config
+    refuses each numeric limit that would leave it answering nothing (or, max_inflight 0, running no batch)."""
+    from jaxserve.http.state import ServerConfig
+
+    with pytest.raises(ValueError, match=f"^{field} must be"):
+        ServerConfig(**{field: bad})
+    ServerConfig(interactive_max_sequences=0, interactive_max_tokens=0, engine_restarts=0, max_wait_ms=0.0,
+                 bulk_dispatch_ms=math.inf)  # every request bulk, no restarts, no window, bulk never cut: choices
 
 
 def test_empty_api_key_refused_in_a_keys_file_and_by_the_config(tmp_path, monkeypatch, capsys):

@@ -138,6 +138,20 @@ class ServerConfig:
             raise ValueError(f"keep_artifacts must be at least 1, not {self.keep_artifacts}")
         if self.max_queue_tokens is not None and self.max_queue_tokens < 1:
             raise ValueError(f"max_queue_tokens must be positive, not {self.max_queue_tokens}")
+        # a limit below these refuses every request (max_inflight: runs no batch; max_inflight_bytes: takes one body
+        # at a time): a server that starts and then answers nothing; 0 interactive is a choice (every request bulk)
+        least = {"max_concurrent": 1, "max_client_batch": 1, "max_input_chars": 1, "max_body_bytes": 1,
+                 "max_inflight_bytes": 1, "max_inflight": 1, "streams": 1, "tokenizer_threads": 1,
+                 "respond_threads": 1, "workers": 1, "engine_restarts": 0, "interactive_max_sequences": 0,
+                 "interactive_max_tokens": 0}
+        for name, low in least.items():
+            if (value := getattr(self, name)) is not None and value < low:
+                raise ValueError(f"{name} must be at least {low}, not {value}")
+        for name in ("max_wait_ms", "host_dispatch_us"):  # a NaN compares false everywhere; an infinite window is
+            if (value := getattr(self, name)) is not None and not 0 <= value < math.inf:  # a timer that overflows
+                raise ValueError(f"{name} must be a finite number of at least 0, not {value}")
+        if not self.bulk_dispatch_ms >= 0:  # infinite: bulk batches are never cut
+            raise ValueError(f"bulk_dispatch_ms must be a number of at least 0, not {self.bulk_dispatch_ms}")
         if not 0 < self.request_timeout_s < math.inf:  # a NaN would never expire
             raise ValueError(f"request_timeout_s must be a finite number of seconds above 0, "
                              f"not {self.request_timeout_s}")
