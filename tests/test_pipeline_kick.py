@@ -9,11 +9,14 @@ import asyncio
 import threading
 
 import numpy as np
+import pytest
 from conftest import until
 
+from jaxserve.http.metrics import EngineMetrics, ServerMetrics
 from jaxserve.runtime.simulated import SimDevice, SimSpec, simulated_engine
+from jaxserve.scheduling.batcher import INTERACTIVE
 from jaxserve.scheduling.jobs import Job
-from jaxserve.scheduling.pipeline import Pipeline
+from jaxserve.scheduling.pipeline import BatchError, Pipeline
 from jaxserve.scheduling.planner import pack
 
 
@@ -108,3 +111,44 @@ async def test_rows_the_loops_batch_leaves_are_prepared_behind_it(tiny_checkpoin
         device.release.set()
         await pipeline.stop()
     assert pipeline.device_batches == 3
+
+
+async def test_every_deadline_request_counts_however_it_ends(tiny_checkpoint):
+    """`jaxserve_deadlines_total` counted only answered requests: one that timed out (503), was given up by its
+    client after its deadline, or failed in its batch was left out, so the share met was overstated. Every ending
+    passes through `Pipeline._end` now: missed unless answered within the deadline; one withdrawn before its
+    deadline is not counted. Deadlines of 0 s (past at once) and 10**6 s, not the clock, decide each outcome."""
+    device = HeldDevice()
+    sim, _ = _engine(tiny_checkpoint, device)
+    failing, put = [], sim.put
+
+    def faulty_put(*args, **kw):
+        if failing:
+            raise RuntimeError("injected device fault in put")
+        return put(*args, **kw)
+
+    sim.put = faulty_put
+    metrics = EngineMetrics()
+    pipeline = Pipeline(sim, sim.table, 0.001, None, metrics=metrics, max_inflight=1, streams=1)
+    await pipeline.start()
+    try:
+        _, answered, _ = pipeline.submit(_job(sim), INTERACTIVE, 10**6)
+        await until(lambda: pipeline.batches_in_flight, "the first job on the device (held)")
+        early, _, _ = pipeline.submit(_job(sim, 2), INTERACTIVE, 10**6)
+        pipeline.cancel(early)  # its client left while the server had time: no outcome
+        late, _, _ = pipeline.submit(_job(sim, 2), INTERACTIVE, 0.0)
+        pipeline.cancel(late)  # ... after its deadline: missed
+        with pytest.raises(TimeoutError):  # a timeout (the HTTP layer's 503), the job still waiting: missed
+            await pipeline.run(_job(sim, 2), INTERACTIVE, 0.0, timeout_s=0.01)
+        device.release.set()
+        await answered  # within its deadline: met
+        failing.append(True)
+        with pytest.raises(BatchError):  # failed in its batch, long before its deadline: missed
+            await pipeline.run(_job(sim), INTERACTIVE, 10**6)
+    finally:
+        device.release.set()
+        await pipeline.stop()
+    text = ServerMetrics().render(metrics.snapshot()).decode()
+    assert 'jaxserve_deadlines_total{class="interactive",outcome="met"} 1.0' in text
+    assert 'jaxserve_deadlines_total{class="interactive",outcome="missed"} 3.0' in text
+    assert 'jaxserve_class_request_seconds_count{class="interactive"} 1.0' in text  # latency: answered ones only

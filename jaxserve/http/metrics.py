@@ -35,7 +35,8 @@ CLASS_WAIT = _spec("jaxserve_class_queue_wait_seconds", "histogram", "Queue wait
 CLASS_LATENCY = _spec("jaxserve_class_request_seconds", "histogram", "Service latency (queued to answered) of a "
                       "request, by request class", ("class",), LATENCY_BUCKETS)
 DEADLINES = _spec("jaxserve_deadlines", "counter", "Requests that gave a deadline, by class and outcome (met, "
-                  "missed): the share met is met / (met + missed)", ("class", "outcome"))
+                  "missed: late, failed, or given up after it): the share met is met / (met + missed)",
+                  ("class", "outcome"))
 CLASS_SEQUENCES = _spec("jaxserve_class_sequences", "counter", "Sequences dispatched, by request class: rate() of "
                         "bulk is the indexing goodput", ("class",), zeros=tuple((c,) for c in CLASSES))
 DISPATCH_SECONDS = _spec("jaxserve_dispatch_seconds", "histogram", "Device time of one batch, by the class that "
@@ -137,12 +138,13 @@ class EngineMetrics(Metrics):
     def watch_queue(self, queued) -> None:
         self._queued = queued
 
-    def finished(self, timing) -> None:
+    def finished(self, timing, how: str = "answered") -> None:
         t, cls, n = self.tally, (CLASSES[timing.cls],), timing.requests
-        t.observe(CLASS_WAIT, timing.queue_s, cls, n)
-        t.observe(CLASS_LATENCY, timing.total_s, cls, n)
-        if timing.deadline_s is not None:
-            t.add(DEADLINES, n, (*cls, "met" if timing.total_s <= timing.deadline_s else "missed"))
+        if how == "answered":
+            t.observe(CLASS_WAIT, timing.queue_s, cls, n)
+            t.observe(CLASS_LATENCY, timing.total_s, cls, n)
+        if (outcome := timing.deadline_outcome(how)) is not None:
+            t.add(DEADLINES, n, (*cls, outcome))
 
     def snapshot(self) -> dict:
         """Every value now (plain data, for `ServerMetrics.render`, across the engine's link when it has one), the

@@ -111,6 +111,14 @@ class RequestTiming:
     def total_s(self) -> float:
         return (self.done or self.submitted) - self.submitted
 
+    def deadline_outcome(self, how: str) -> str | None:
+        """Whether a request that ended `how` (answered, failed, withdrawn) met its deadline: met if answered within
+        it; missed if answered later, failed, or withdrawn (its client gone, its timeout) at or after it; None
+        without a deadline, or withdrawn before it (its client left while the server still had time)."""
+        if self.deadline_s is None or (how == "withdrawn" and self.total_s < self.deadline_s):
+            return None
+        return "met" if how == "answered" and self.total_s <= self.deadline_s else "missed"
+
 
 _timing_fields = operator.attrgetter(*(f.name for f in dataclasses.fields(RequestTiming)))  # -> __init__'s args
 
@@ -138,8 +146,9 @@ class Metrics:
     def dispatch_time(self, cls: int, seconds: float) -> None:
         """One batch's device time, by the class that led it (`Dispatch.lead`): what a query may wait behind."""
 
-    def finished(self, timing: RequestTiming) -> None:
-        """A request answered: its class's queue wait, latency and whether it met its deadline."""
+    def finished(self, timing: RequestTiming, how: str = "answered") -> None:
+        """A request ended `how` (answered, failed or withdrawn: `Pipeline._end`): if answered, its class's queue
+        wait and latency; whichever way, its deadline's outcome (`RequestTiming.deadline_outcome`)."""
 
 
 @dataclasses.dataclass
@@ -234,10 +243,8 @@ class Pipeline:
         loop = asyncio.get_running_loop()
         for t in self._threads:
             await loop.run_in_executor(None, t.join, 5.0)
-        for entry in list(self._entries.values()):
-            if not entry.future.done():
-                entry.future.set_exception(Draining("the server stopped before this request finished"))
-        self._entries.clear()
+        for jid in list(self._entries):
+            self._answer(jid, Draining("the server stopped before this request finished"))
 
     @property
     def draining(self) -> bool:
@@ -373,8 +380,10 @@ class Pipeline:
         rows of their batch), and their outputs are discarded when the batch returns."""
         with self._lock:
             dropped = self._drop_waiting((jid,))
-            self._entries.pop(jid, None)
+            entry = self._entries.pop(jid, None)
         self.metrics.sequences("dropped", dropped)
+        if entry is not None:
+            self._end(entry, "withdrawn")
         self._check_idle()
 
     def _drop_waiting(self, jids) -> int:
@@ -385,14 +394,23 @@ class Pipeline:
         """On the loop: resolve a finished (or failed) job's future."""
         with self._lock:
             entry = self._entries.pop(jid, None)
-        if entry is not None and not entry.future.done():
-            entry.timing.done = time.monotonic()
-            if exc is None:
+        if entry is not None:
+            if entry.future.done():  # its caller went away, or its timeout failed it, before this
+                self._end(entry, "withdrawn")
+            elif exc is None:
+                self._end(entry, "answered")
                 entry.future.set_result(None)
-                self.metrics.finished(entry.timing)
             else:
+                self._end(entry, "failed")
                 entry.future.set_exception(exc)
         self._check_idle()
+
+    def _end(self, entry: _Entry, how: str) -> None:
+        """The one end of every job taken out of `_entries` (by `_answer` or `cancel`): answered, failed (its
+        batch, a dead thread, the server stopping) or withdrawn (its caller gone or timed out), counted in the
+        metrics, so a deadline missed by a request that got no answer is counted too."""
+        entry.timing.done = time.monotonic()
+        self.metrics.finished(entry.timing, how)
 
     def _answer_all(self, jids: list[int]) -> None:
         for jid in jids:
