@@ -28,11 +28,12 @@ py = os.environ.get("PYTHON", str(here.parent.parent / ".venv" / "bin" / "python
 sys.path[:0] = [str(tree), str(tree / "scripts")]
 
 LAUNCH = """
-import os, sys
+import inspect, os, sys
 from jaxserve.cli import build_parser, serve_config
 from jaxserve.http.workers import engine_main
 args = build_parser().parse_args(["serve", "--simulate-device", "400", "--workers", "2", "--host-dispatch-us", "300"])
-engine_main(serve_config(args), sys.argv[1], sys.argv[2], os.getppid())
+first = {"first": False} if "first" in inspect.signature(engine_main).parameters else {}  # trees before 889d65d
+engine_main(serve_config(args), sys.argv[1], sys.argv[2], parent=os.getppid(), **first)
 """
 
 
