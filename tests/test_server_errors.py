@@ -127,7 +127,8 @@ async def test_overload_gives_429_with_retry_after_then_recovers(make_server, ti
     for where, state in zip(("on the device", "prepared next (prefetch depth 1)", "waiting in the queue"), states):
         accepted.append(asyncio.create_task(client.post("/v1/embeddings", json=batch)))
         await until(state, f"request {len(accepted)} {where}", show=show)  # the third: 8 short documents, 64 tokens
-    rejected = await client.post("/v1/embeddings", json=GOOD)
+    # a bulk request past the bulk limit (a query would be admitted into the quarter kept for queries)
+    rejected = await client.post("/v1/embeddings", json={**GOOD, "priority": "bulk"})
     assert rejected.status == 429 and rejected.headers["Retry-After"] == "1"
     assert (await rejected.json())["error"]["type"] == "rate_limit_error"
     engine.gate.set()
