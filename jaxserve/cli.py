@@ -498,18 +498,22 @@ def _port(text: str) -> int:
     return int(text)
 
 
-def _seqlens(text: str) -> tuple[int, ...]:
+def _positive_ints(text: str) -> list[int] | None:
+    """Comma-separated positive whole numbers; None if `text` is not that."""
     parts = [p.strip() for p in text.split(",")]
-    if not all(p.isdecimal() and int(p) > 0 for p in parts):
+    return [int(p) for p in parts] if all(p.isdecimal() and int(p) > 0 for p in parts) else None
+
+
+def _seqlens(text: str) -> tuple[int, ...]:
+    if (seqlens := _positive_ints(text)) is None:
         raise argparse.ArgumentTypeError(f"must be positive whole numbers, comma-separated, not {text!r}")
-    return tuple(int(p) for p in parts)
+    return tuple(seqlens)
 
 
 def _sizes(text: str) -> list[int]:
-    parts = text.split(",")
-    if len(parts) != 3 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+    if (sizes := _positive_ints(text)) is None or len(sizes) != 3:
         raise argparse.ArgumentTypeError(f"must be three positive whole numbers H,I,L, not {text!r}")
-    return [int(p) for p in parts]
+    return sizes
 
 
 def _devices_arg(p: argparse.ArgumentParser) -> None:

@@ -134,14 +134,12 @@ class ServerConfig:
         if any(not key.strip() for key, _ in self.api_keys):  # `Authorization: Bearer` with no key would match it
             raise ValueError("an API key is empty (an --api-key \"$KEY\" of an unset variable, or a line of "
                              "--api-keys-file with only =CLASS?)")
-        if self.keep_artifacts < 1:
-            raise ValueError(f"keep_artifacts must be at least 1, not {self.keep_artifacts}")
         if self.max_queue_tokens is not None and self.max_queue_tokens < 1:
             raise ValueError(f"max_queue_tokens must be positive, not {self.max_queue_tokens}")
         # a limit below these refuses every request (max_inflight: runs no batch; max_inflight_bytes: takes one body
         # at a time): a server that starts and then answers nothing; 0 interactive is a choice (every request bulk)
-        least = {"max_concurrent": 1, "max_client_batch": 1, "max_input_chars": 1, "max_body_bytes": 1,
-                 "max_inflight_bytes": 1, "max_inflight": 1, "streams": 1, "tokenizer_threads": 1,
+        least = {"keep_artifacts": 1, "max_concurrent": 1, "max_client_batch": 1, "max_input_chars": 1,
+                 "max_body_bytes": 1, "max_inflight_bytes": 1, "max_inflight": 1, "streams": 1, "tokenizer_threads": 1,
                  "respond_threads": 1, "workers": 1, "engine_restarts": 0, "interactive_max_sequences": 0,
                  "interactive_max_tokens": 0}
         for name, low in least.items():
