@@ -179,10 +179,14 @@ class EmbeddingConfig:
 def truncate_dim(st_config: dict) -> int | None:
     """config_sentence_transformers.json's `truncate_dim`: the width sentence-transformers' `encode` cuts the
     vectors to after its modules (None: none set)."""
-    dim = st_config.get("truncate_dim")
-    if dim is not None and (not isinstance(dim, int) or isinstance(dim, bool) or dim < 1):
-        raise CheckpointError(f"config_sentence_transformers.json's truncate_dim {dim!r} is not a positive integer")
-    return dim
+    return positive_or_none(st_config.get("truncate_dim"), "config_sentence_transformers.json's truncate_dim")
+
+
+def positive_or_none(value, what: str) -> int | None:
+    """A sentence-transformers setting that is a positive integer or unset (None); else CheckpointError."""
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise CheckpointError(f"{what} {value!r} is not a positive integer")
+    return value
 
 
 def plain_pooling(path: Path) -> str:

@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 import orjson
 
+from jaxserve.checkpoint.config import positive_or_none
 from jaxserve.errors import CheckpointError
 
 BLOCK = 4096  # vocabulary entries projected at a time
@@ -62,9 +63,7 @@ class SparseConfig:
     def from_module(cls, raw: dict, vocab_size: int, cap: int | None = None,
                     max_active_dims: int | None = None) -> "SparseConfig":
         """SpladePooling's config `raw`; `max_active_dims`: the SparseEncoder's (its non-zeros per text, at most)."""
-        if max_active_dims is not None and (not isinstance(max_active_dims, int) or isinstance(max_active_dims, bool)
-                                            or max_active_dims < 1):
-            raise CheckpointError(f"max_active_dims {max_active_dims!r} is not a positive integer")
+        max_active_dims = positive_or_none(max_active_dims, "max_active_dims")
         strategy = raw.get("pooling_strategy", "max")
         activation = raw.get("activation_function", "relu")
         if strategy not in STRATEGIES or activation not in ACTIVATIONS:
