@@ -41,6 +41,22 @@ def test_predictions_add_up_bucket_times():
     assert "sequential (one call per sequence, 6 dispatches)" in report and "+10.0%" in report
 
 
+def test_a_dispatch_is_predicted_at_the_batchers_cost_host_time_included():
+    """On a fast device the host's time per dispatch is the longer part: each dispatch is predicted at
+    max(run time, host time), as the batcher costs it, not at its device time alone."""
+    host = 0.005  # longer than the 16-token buckets' runs (1 and 3 ms), shorter than the 64-token ones' (4 and 12 ms)
+    table = dataclasses.replace(TIMED, host_dispatch_s=host)
+    e = explain(pack([5, 6], table), table, LiveTimings(table), backlog=[(16, 6), (64, 1)])
+    assert e["host_dispatch_s"] == host
+    [b] = e["batches"]
+    assert (b["bucket"]["seqlen"], b["device_s"]) == (16, 0.001)  # device time alone would read 1 ms
+    assert b["predicted_s"] == e["predicted_s"] == host
+    assert e["predicted_sequential_s"] == pytest.approx(2 * host)
+    assert e["one_max_batch"]["predicted_s"] == 0.012  # one [4, 64] dispatch: its run is the longer
+    assert e["queueing"]["predicted_wait_ahead_s"] == pytest.approx(2 * host + 0.012)  # two [4, 16] (3 ms), a [4, 64]
+    assert "the host's 5.0 ms per dispatch" in format_report(e)
+
+
 def test_live_timings_refresh_the_estimate():
     t = LiveTimings(TIMED)
     b = TIMED.buckets[0]

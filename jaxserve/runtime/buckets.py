@@ -397,9 +397,14 @@ THROUGHPUT_GAIN = 0.05  # a larger batch (4x the rows) must be this much faster 
 HOST_DISPATCH_S = 0.5e-3
 
 
+def host_time(host_s: float | None) -> float:
+    """The host's time per dispatch to plan with: a table's measured figure, or HOST_DISPATCH_S where it has none."""
+    return HOST_DISPATCH_S if host_s is None else host_s
+
+
 def dispatch_s(bucket: Bucket, host_s: float | None = None) -> float:
     """A timed bucket's time per dispatch in the pipeline: its run time, or the host's if that is longer."""
-    return max(bucket.run_s, HOST_DISPATCH_S if host_s is None else host_s)
+    return max(bucket.run_s, host_time(host_s))
 
 
 def pays(bigger: Bucket, smaller: Bucket, gain: float = THROUGHPUT_GAIN, host_s: float | None = None) -> bool:

@@ -3,7 +3,9 @@
 The batches are the batcher's own (`simulate` drains a private batcher with
 the request alone); a request that ran reports the batches that actually
 carried its rows beside this. Predictions come from per-bucket run times:
-measured at warmup, then refreshed from live device timings (`LiveTimings`).
+measured at warmup, then refreshed from live device timings (`LiveTimings`); a
+dispatch is predicted at the cost the batcher plans with, `max(its run time, the
+host's time per dispatch)`, since on a fast device the host's part is the longer.
 Pure Python and numpy: nothing here runs the model or compiles.
 """
 
@@ -14,7 +16,7 @@ import threading
 
 import numpy as np
 
-from jaxserve.runtime.buckets import Bucket, BucketTable
+from jaxserve.runtime.buckets import Bucket, BucketTable, host_time
 from jaxserve.scheduling.batcher import Batcher, Dispatch, covers
 from jaxserve.scheduling.jobs import ragged_arange
 from jaxserve.scheduling.planner import Rows, route
@@ -42,6 +44,12 @@ class LiveTimings:
     def live_runs(self, bucket: Bucket) -> int:
         return self._n.get(bucket.shape, 0)
 
+    def dispatch_s(self, bucket: Bucket, host_s: float | None) -> float | None:
+        """A dispatch's predicted time as the batcher costs it (`runtime.buckets.dispatch_s`), from the live run time
+        and the table's host time per dispatch (None: the bucket was never timed)."""
+        run = self.seconds(bucket)
+        return None if run is None else max(run, host_time(host_s))
+
 
 def simulate(rows: Rows, table: BucketTable) -> list[Dispatch]:
     """The dispatches the batcher forms for these rows alone, on an idle device (runs nothing)."""
@@ -62,6 +70,7 @@ def explain(rows: Rows, table: BucketTable, timings: LiveTimings, doc_of=None, b
     `backlog`: (seqlen, rows) waiting in front of this request, for the queueing term.
     """
     doc_of = np.arange(len(rows.lengths)) if doc_of is None else np.asarray(doc_of)
+    host = table.host_dispatch_s  # warm-up's, or the pipeline's live figure
     row_tokens = rows.tokens
     batches = []
     for d in simulate(rows, table):
@@ -74,7 +83,8 @@ def explain(rows: Rows, table: BucketTable, timings: LiveTimings, doc_of=None, b
             "documents": np.unique(doc_of[members]).tolist(),
             "real_tokens": int(row_tokens[r].sum()),
             "padded_tokens": b.tokens,
-            "predicted_s": timings.seconds(b),
+            "device_s": timings.seconds(b),
+            "predicted_s": timings.dispatch_s(b, host),
             "memory": {"compiled_bytes": b.compiled_bytes, "budget_bytes": table.budget_bytes,
                        "device_bytes": table.device_memory,
                        "share_of_budget": b.compiled_bytes / table.budget_bytes if table.budget_bytes else None},
@@ -90,6 +100,7 @@ def explain(rows: Rows, table: BucketTable, timings: LiveTimings, doc_of=None, b
         "padded_tokens": padded,
         "padding_ratio": 1 - rows.real_tokens / padded if padded else 0.0,
         "dispatches": len(batches),
+        "host_dispatch_s": host_time(host),
         "predicted_s": _sum_or_none(b["predicted_s"] for b in batches),
         "predicted_sequential_s": alone,
         "sequential_dispatches": len(rows.lengths),
@@ -98,7 +109,7 @@ def explain(rows: Rows, table: BucketTable, timings: LiveTimings, doc_of=None, b
             "rows_ahead": sum(n for _, n in (backlog or [])),
             "batches_in_flight": batches_in_flight,
             "predicted_wait_ahead_s": _sum_or_none(
-                None if timings.seconds(b) is None else k * timings.seconds(b) for b, k in ahead),
+                None if timings.seconds(b) is None else k * timings.dispatch_s(b, host) for b, k in ahead),
             "window_worst_case_s": max_wait_s,
         },
     }
@@ -108,7 +119,7 @@ def sequential(lengths: np.ndarray, table: BucketTable, timings: LiveTimings) ->
     """Predicted time of one dispatch per sequence, each at the cheapest bucket of its seqlen that holds one row."""
     seqlens = route(np.asarray(lengths), np.ones(len(lengths), np.int64), table)
     first = covers(table)
-    return _sum_or_none(timings.seconds(first[s][1]) for s in seqlens.tolist())
+    return _sum_or_none(timings.dispatch_s(first[s][1], table.host_dispatch_s) for s in seqlens.tolist())
 
 
 def one_max_batch(n: int, table: BucketTable, timings: LiveTimings) -> dict:
@@ -117,7 +128,7 @@ def one_max_batch(n: int, table: BucketTable, timings: LiveTimings) -> dict:
         return {"shape": None, "dispatches": 0, "predicted_s": 0.0}
     largest = table.at(table.max_seqlen)[-1]
     dispatches = math.ceil(n / largest.batch)
-    t = timings.seconds(largest)
+    t = timings.dispatch_s(largest, table.host_dispatch_s)
     return {"shape": list(largest.shape), "dispatches": dispatches,
             "padded_tokens": dispatches * largest.tokens, "predicted_s": None if t is None else dispatches * t}
 
@@ -155,6 +166,7 @@ def format_report(e: dict, measured: dict | None = None) -> str:
         f"queueing: {e['queueing']['rows_ahead']} rows waiting and {e['queueing']['batches_in_flight']} batches in "
         f"flight ahead, predicted {ms(e['queueing']['predicted_wait_ahead_s'])} for the waiting rows; "
         f"batch window adds at most {ms(e['queueing']['window_worst_case_s'])}",
+        f"each dispatch predicted at max(its device time, the host's {ms(e['host_dispatch_s'])} per dispatch)",
     ]
     if measured:
         lines.append("measured: " + ", ".join(f"{k} {ms(v)}" for k, v in measured.items()))
