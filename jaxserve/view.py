@@ -135,13 +135,17 @@ class ModelView:
         return multivector.tokenizers(self.colbert, self.tokenizer)
 
     def prepare_pairs(self, inputs: list, truncate: bool, direction: str = "right",
-                      instruction: str | None = None) -> Pieces:
-        """Texts (one sequence each) or pairs ([CLS] a [SEP] b [SEP]), mixed, as model sequences; an LLM
-        reranker with a chat template or a model card's prompt: each pair rendered through it, with `instruction`
-        in the prompt's slot (`llm_reranker.with_instruction`)."""
+                      instruction: str | None = None, limit: int | None = None) -> Pieces:
+        """Texts (one sequence each) or pairs ([CLS] a [SEP] b [SEP]), mixed, as model sequences, truncated at the
+        model's length or a request's own `limit`; an LLM reranker with a chat template or a model card's prompt:
+        each pair rendered through it, with `instruction` in the prompt's slot (`llm_reranker.with_instruction`),
+        at the model's length only (the template keeps its end where a cut would take it)."""
         template = llm_reranker.with_instruction(self.pair_template, instruction)
         if template is None:
-            return self.tokenizer.pairs(inputs, truncate, direction)
+            return self.tokenizer.pairs(inputs, truncate, direction, limit)
+        if limit is not None:
+            raise InputError(f"a cut to {limit} tokens is not served for an LLM reranker: its prompt template is cut "
+                             "at the model's length only, keeping the template's end")
         return self._templated_pairs(template, inputs, truncate, direction)
 
     def _templated_pairs(self, template, inputs: list, truncate: bool, direction: str) -> Pieces:

@@ -1,7 +1,8 @@
-"""Issue 38's follow-ups on the HTTP API, without a model: the OpenAPI document names every route the app
+"""Issue 38's follow-ups on the HTTP API, mostly without a model: the OpenAPI document names every route the app
 registers (/embed_m3 with its flags and response; `instruction` on the rerank and score bodies), OpenAI's
 `dimensions` refused by the parser itself outside the checkpoint's Matryoshka widths, and Cohere's `input_type`
-reaching Jina-embeddings-v3's task prompts (and refused where it names another task's adapter)."""
+reaching Jina-embeddings-v3's task prompts (and refused where it names another task's adapter); vLLM's
+`truncate_prompt_tokens` through a server on tiny models."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ import jsonschema
 import numpy as np
 import pytest
 from aiohttp import web
+
+import tiny
+from conftest import TINY_TABLE, warm_encoder
 
 from jaxserve.checkpoint.config import EmbeddingConfig
 from jaxserve.errors import InputError
@@ -73,7 +77,7 @@ def test_rerank_and_score_bodies_take_an_instruction(path):
 # ---- OpenAI's `dimensions` and the declared Matryoshka widths ----
 
 def parse(body, declared=()):
-    return api.parse_openai_embeddings(body, LIMITS, 32, "truncate", declared)
+    return api.parse_openai_embeddings(body, LIMITS, 32, "truncate", 512, declared)
 
 
 def test_openai_dimensions_follow_the_declared_widths():
@@ -131,19 +135,104 @@ def test_a_wrong_multivector_encoding_format_is_shown_cut_short():
 
 def test_vllms_truncate_prompt_tokens_and_add_special_tokens_are_served_or_refused():
     """vLLM's fields were ignored: a cut to N tokens, or no special tokens, answered 200 with the vectors of other
-    sequences. -1 (the model's limit) truncates there; anything else the server cannot do is a 400 naming it."""
-    parse = lambda **kw: api.parse_openai_embeddings({"input": "x", **kw}, LIMITS, 8, "error")
+    sequences. -1 (the model's limit) truncates there, N from 1 to the limit truncates at N (vLLM's range: past the
+    limit it refuses N, and 0 leaves no input); anything else is a 400 naming the field."""
+    parse = lambda **kw: api.parse_openai_embeddings({"input": "x", **kw}, LIMITS, 8, "error", 16)
     assert parse().long == "error" and parse(truncate_prompt_tokens=None, add_special_tokens=True).long == "error"
-    assert parse(truncate_prompt_tokens=-1).long == "truncate"
-    for kw, field in (({"truncate_prompt_tokens": 16}, "truncate_prompt_tokens"),
+    assert (parse(truncate_prompt_tokens=-1).long, parse(truncate_prompt_tokens=-1).cut) == ("truncate", None)
+    assert (parse(truncate_prompt_tokens=5).long, parse(truncate_prompt_tokens=5).cut) == ("truncate", 5)
+    assert parse(truncate_prompt_tokens=16).cut is None and parse().cut is None  # the limit: the model's own cut
+    for kw, field in (({"truncate_prompt_tokens": 17}, "truncate_prompt_tokens"),
+                      ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+                      ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
                       ({"truncate_prompt_tokens": True}, "truncate_prompt_tokens"),
+                      ({"truncate_prompt_tokens": "5"}, "truncate_prompt_tokens"),
+                      ({"truncate_prompt_tokens": 5, "long": "chunk"}, "truncate_prompt_tokens"),
                       ({"add_special_tokens": False}, "add_special_tokens")):
         with pytest.raises(ApiError, match=f"`{field}`") as err:
             parse(**kw)
         assert err.value.status == 400
-    assert api.vllm_long({"truncate_prompt_tokens": -1}, "error") == "truncate"  # /v1/score, /score, /v1/rerank
-    with pytest.raises(ApiError, match="`truncate_prompt_tokens` 0"):
-        api.vllm_long({"truncate_prompt_tokens": 0}, "truncate")
+    assert api.vllm_truncation({"truncate_prompt_tokens": -1}, "error", 16) == ("truncate", None)  # score, rerank
+    with pytest.raises(ApiError, match="`truncate_prompt_tokens` must be -1 .* from 1 to the model's limit of 16"):
+        api.vllm_truncation({"truncate_prompt_tokens": 0}, "truncate", 16)
+
+
+@pytest.fixture(scope="module")
+def embedder(tmp_path_factory):
+    return warm_encoder(tiny.write_checkpoint(tmp_path_factory.mktemp("vllm") / "emb"), TINY_TABLE)
+
+
+@pytest.fixture(scope="module")
+def cross_encoder(tmp_path_factory):
+    path = tiny.write_checkpoint(tmp_path_factory.mktemp("vllm") / "ce", model_type="roberta", num_labels=1)
+    return warm_encoder(path, TINY_TABLE)
+
+
+LONG = "the model is a document of the batch and the query to jax in a model " * 2  # 32 tokens, one a word
+N = 9
+
+
+def one_token_a_word(enc, text: str) -> list[str]:
+    words = text.split()
+    assert len(enc.tokenizer.encode_bodies([text])[0]) == len(words)
+    return words
+
+
+async def test_vllms_truncate_prompt_tokens_cuts_each_input_to_its_first_n_tokens(make_server, embedder):
+    """`truncate_prompt_tokens: N` embeds a text as vLLM does, the tokenizer truncating at N special tokens included
+    (its first N - 2 words here, a prompt's counted with them), and token ids cut to their first N (vLLM's renderer
+    cuts at the tokenizer's side, the right); usage counts the N. N past the model's limit, or 0, is a 400."""
+    words = one_token_a_word(embedder, LONG)
+    cut = " ".join(words[: N - 2])
+    for token_ids in ("openai", "model"):
+        client = await make_server(embedder, token_ids=token_ids)
+        post = lambda **kw: client.post("/v1/embeddings", json={"encoding_format": "float", **kw})
+        got = await (await post(input=[LONG, "jax"], truncate_prompt_tokens=N)).json()
+        want = await (await post(input=[cut, "jax"])).json()
+        np.testing.assert_allclose([d["embedding"] for d in got["data"]], [d["embedding"] for d in want["data"]],
+                                   atol=1e-6)
+        assert got["usage"]["prompt_tokens"] == N + 3
+        prompted = await (await post(input=LONG, prompt="jax query ", truncate_prompt_tokens=N)).json()
+        alone = await (await post(input=" ".join(["jax", "query", *words[: N - 4]]))).json()
+        np.testing.assert_allclose(prompted["data"][0]["embedding"], alone["data"][0]["embedding"], atol=1e-6)
+        assert prompted["usage"]["prompt_tokens"] == N
+        for bad in (embedder.tokenizer.max_length + 1, 0, -2):
+            resp = await post(input=LONG, truncate_prompt_tokens=bad)
+            assert resp.status == 400 and "`truncate_prompt_tokens`" in (await resp.json())["error"]["message"]
+    ids = [int(t) for t in embedder.tokenizer.encode([LONG])[0]]  # the model's own ids (--token-ids model)
+    got = await (await post(input=[ids], truncate_prompt_tokens=N)).json()
+    want = await (await post(input=[ids[:N]])).json()
+    np.testing.assert_allclose(got["data"][0]["embedding"], want["data"][0]["embedding"], atol=1e-6)
+    assert got["usage"]["prompt_tokens"] == N
+    resp = await post(input="jax", truncate_prompt_tokens=1)  # no room for [CLS] and [SEP]
+    assert resp.status == 400 and "special tokens" in (await resp.json())["error"]["message"]
+
+
+async def test_vllms_truncate_prompt_tokens_cuts_a_pair_longest_first(make_server, cross_encoder):
+    """On /score, /v1/score and /v1/rerank vLLM truncates each (query, document) pair at N tokens, special tokens
+    included, `longest_first` (the tokenizer's pair truncation): a long document loses its end, as if it had been
+    sent cut; usage counts N tokens a pair. /classify cuts its texts at N too."""
+    words = one_token_a_word(cross_encoder, LONG)
+    query = "the query"
+    cut = " ".join(words[: N - 4 - 2])  # <s> q </s></s> d </s>: four special tokens around the two-word query
+    client = await make_server(cross_encoder)
+    for path in ("/score", "/v1/score"):
+        got = await (await client.post(path, json={"text_1": query, "text_2": [LONG, "jax"],
+                                                   "truncate_prompt_tokens": N})).json()
+        want = await (await client.post(path, json={"text_1": query, "text_2": [cut, "jax"]})).json()
+        np.testing.assert_allclose([d["score"] for d in got["data"]], [d["score"] for d in want["data"]], atol=1e-6)
+        assert got["usage"]["prompt_tokens"] == N + 7
+    got = await (await client.post("/v1/rerank", json={"query": query, "documents": [LONG],
+                                                       "truncate_prompt_tokens": N})).json()
+    want = await (await client.post("/v1/rerank", json={"query": query, "documents": [cut]})).json()
+    assert got["results"][0]["relevance_score"] == pytest.approx(want["results"][0]["relevance_score"], abs=1e-6)
+    assert got["usage"]["total_tokens"] == N
+    resp = await client.post("/v1/rerank", json={"query": query, "documents": [LONG], "truncate_prompt_tokens": 0})
+    assert resp.status == 400 and "`truncate_prompt_tokens`" in (await resp.json())["error"]["message"]
+    got = await (await client.post("/classify", json={"input": LONG, "truncate_prompt_tokens": N})).json()
+    want = await (await client.post("/classify", json={"input": " ".join(words[: N - 2])})).json()
+    np.testing.assert_allclose(got["data"][0]["probs"], want["data"][0]["probs"], atol=1e-6)
+    assert got["usage"]["prompt_tokens"] == N
 
 
 def test_a_nan_score_fails_its_request_as_teis_backend_error():

@@ -184,6 +184,22 @@ async def test_rerank_routes_refuse_bad_bodies(reranker, make_server, path, body
     assert message in (await resp.json())["error"]["message"]
 
 
+async def test_a_chat_template_reranker_refuses_vllms_cut_to_n_tokens(reranker, make_server):
+    """vLLM cuts a score template's whole rendered prompt at `truncate_prompt_tokens`, the template's end included;
+    a chat template here is cut at the model's length only, keeping its end: N is a 400 naming the field, -1
+    served. Without a template, pairs are the tokenizer's and cut `longest_first` at N."""
+    kind, _, _, enc = reranker
+    client = await make_server(enc)
+    for path, body in (("/v1/rerank", {"query": "q", "documents": ["a"]}),
+                       ("/score", {"text_1": "q", "text_2": ["a"]})):
+        assert (await client.post(path, json={**body, "truncate_prompt_tokens": -1})).status == 200
+        resp = await client.post(path, json={**body, "truncate_prompt_tokens": 8})
+        if kind == "chat":
+            assert resp.status == 400 and "`truncate_prompt_tokens` 8" in (await resp.json())["error"]["message"]
+        else:
+            assert resp.status == 200
+
+
 async def test_rerank_routes_need_a_cross_encoder(make_server, minilm_warm):
     client = await make_server(minilm_warm)
     for path, body in (("/v1/rerank", {"query": "q", "documents": ["a"]}), ("/score", {"text_1": "a", "text_2": "b"})):

@@ -142,6 +142,41 @@ def test_ascii_pairs_give_the_checkpoints_own_ids_and_types(minilm_tokenizers, p
     assert [t.tolist() for t in pieces.type_seqs] == [e.type_ids for e in want]
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.one_of(ascii_text, any_text, st.tuples(ascii_text, any_text)), min_size=1, max_size=4),
+       st.integers(3, MAX_LEN), st.sampled_from(["right", "left"]))
+@example(["x " * 200, ("a question", "y " * 200)], 9, "right")
+def test_a_requests_own_length_cuts_as_the_checkpoints_tokenizer_truncating_there(minilm_tokenizers, items, limit,
+                                                                                     direction):
+    """`limit` (vLLM's `truncate_prompt_tokens`): texts and pairs truncated at it as the checkpoint's tokenizer does
+    with `truncation=True, max_length=limit` (`longest_first` for a pair, special tokens counted), on the ASCII path
+    and off it; token ids cut at the `direction` end."""
+    tok, _ = minilm_tokenizers
+    ref = Tokenizer.from_str(tok.tokenizer.to_str())
+    ref.enable_truncation(limit, direction=direction)
+    want = ref.encode_batch(items)
+    pieces = tok.pairs(items, direction=direction, limit=limit)
+    assert ids_of(pieces) == [e.ids for e in want]
+    assert [t.tolist() for t in pieces.type_seqs] == [e.type_ids for e in want]
+    texts = [x for x in items if isinstance(x, str)]
+    if texts:
+        want = [e.ids for e in ref.encode_batch(texts)]
+        assert ids_of(tok.documents(texts, direction=direction, limit=limit)) == want
+        ids = [np.asarray(e.ids, np.int32) for e in tok.tokenizer.encode_batch(texts)]
+        kept = [s[:limit] if direction == "right" else s[-limit:] for s in ids]
+        assert ids_of(tok.given(ids, direction=direction, limit=limit)) == [s.tolist() for s in kept]
+
+
+def test_a_requests_own_length_is_within_the_model_and_leaves_room_for_the_special_tokens(minilm_tokenizers):
+    tok, _ = minilm_tokenizers
+    for bad in (0, MAX_LEN + 1):
+        with pytest.raises(InputError, match=f"a cut to {bad} tokens is outside 1 to the model's limit of {MAX_LEN}"):
+            tok.documents(["x"], limit=bad)
+    with pytest.raises(InputError, match="a cut to 2 tokens leaves no room for the model's 3 special tokens around"):
+        tok.pairs([("a", "b")], limit=2)
+    assert ids_of(tok.documents(["x y z"], limit=2)) == [[*tok.prefix, *tok.suffix]]
+
+
 def test_flat_ids_lengths_and_offsets(minilm_tokenizers):
     tok, ref = minilm_tokenizers
     texts = ["one", "two words", "", "THREE, four; five."]

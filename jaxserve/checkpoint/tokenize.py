@@ -16,7 +16,7 @@ import threading
 from pathlib import Path
 
 import numpy as np
-from tokenizers import Regex, Tokenizer, normalizers, pre_tokenizers
+from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers
 
 from jaxserve.errors import CheckpointError, InputError, TooLongError
 
@@ -200,6 +200,34 @@ class TextTokenizer:
                 out[i] = e
         return out
 
+    def _limit(self, limit: int | None) -> int:
+        """A request's own length (None: the model's), at most the model's."""
+        if limit is None:
+            return self.max_length
+        if not 1 <= limit <= self.max_length:
+            raise InputError(f"a cut to {limit} tokens is outside 1 to the model's limit of {self.max_length}")
+        return limit
+
+    def _cut(self, items: list, limit: int, direction: str) -> list:
+        """Each text's (or pair's) encoding truncated to `limit` tokens, special tokens included, as the truncating
+        tokenizers cut at the model's length (`longest_first`, from the `direction` end): the texts encoded whole
+        without special tokens, then the tokenizer's last step (`post_process`: truncate, add the special tokens) by
+        a tokenizer that holds only the checkpoint's post-processor and truncation at `limit`, so that a request's own
+        length (vLLM's `truncate_prompt_tokens`) copies no vocabulary."""
+        limit = self._limit(limit)
+        post = self.tokenizer.post_processor
+        for pair in {not isinstance(x, str) for x in items}:
+            special = 0 if post is None else post.num_special_tokens_to_add(pair)
+            if limit < special:
+                raise InputError(f"a cut to {limit} tokens leaves no room for the model's {special} special tokens "
+                                 f"around a {'pair' if pair else 'text'}")
+        cut = Tokenizer(models.WordLevel({}, unk_token=None))
+        cut.post_processor = post
+        cut.enable_truncation(limit, strategy="longest_first", direction=direction)
+        sides = iter(self._encoded([s for x in items for s in ((x,) if isinstance(x, str) else x)], "whole",
+                                   special=False))
+        return [cut.post_process(next(sides), None if isinstance(x, str) else next(sides)) for x in items]
+
     def encode_bodies(self, texts: list[str]) -> list[np.ndarray]:
         """Token ids of each text, without special tokens and untruncated."""
         return [np.asarray(e.ids, dtype=np.int32) for e in self._encoded(texts, "whole", fast=False, special=False)]
@@ -214,19 +242,21 @@ class TextTokenizer:
         return self.documents(texts).seqs
 
     def documents(self, texts: list[str], long: str = "truncate", overlap: int = DEFAULT_CHUNK_OVERLAP,
-                  prompt: str | None = None, direction: str = "right") -> Pieces:
+                  prompt: str | None = None, direction: str = "right", limit: int | None = None) -> Pieces:
         """Texts -> model sequences: a long one truncated (one tokenizer call), split into windows, or refused.
 
         `prompt` goes in front of every text, as sentence-transformers and TEI put it: the
         strings joined before tokenizing, in every mode, so its tokens count toward the length
         limit and are the ids truncation gives. In chunk mode every window starts with the
-        prompt's tokens as they came out of the joined text. `direction`: which end truncation cuts."""
+        prompt's tokens as they came out of the joined text. `direction`: which end truncation cuts;
+        `limit`: a request's own length to truncate to (`_cut`), the model's when None."""
         if long not in LONG_MODES:
             raise InputError(f"unknown long-input mode {long!r}; choose from {', '.join(LONG_MODES)}")
         if prompt:
             texts = [prompt + t for t in texts]
         if long == "truncate":
-            ids, offsets, _ = flat_ids(self._encoded(texts, direction))
+            encodings = self._encoded(texts, direction) if limit is None else self._cut(texts, limit, direction)
+            ids, offsets, _ = flat_ids(encodings)
             n = len(texts)
             if n == 1:  # one text (a query's): its document and weight without four numpy calls
                 return Pieces(ids, offsets, FIRST_DOC, np.array([float(max(len(ids) - self.num_special, 1))]))
@@ -239,11 +269,12 @@ class TextTokenizer:
         heads = [sum(1 for _ in itertools.takewhile(within, e.offsets)) for e in encodings]
         return self.pieces([np.asarray(e.ids, np.int32) for e in encodings], long, overlap, direction, heads)
 
-    def pairs(self, inputs: list, truncate: bool = True, direction: str = "right") -> Pieces:
+    def pairs(self, inputs: list, truncate: bool = True, direction: str = "right", limit: int | None = None) -> Pieces:
         """Texts (one sequence each) and (text, text) pairs ([CLS] a [SEP] b [SEP], token types 0 then 1), mixed.
 
         Truncation is the tokenizer's `longest_first`, as transformers and
-        sentence-transformers' CrossEncoder do: the longer side loses tokens first.
+        sentence-transformers' CrossEncoder do: the longer side loses tokens first;
+        at `limit` tokens where a request gives its own length (`_cut`).
         """
         items = [x if isinstance(x, str) else tuple(x) for x in inputs]
         if not truncate:
@@ -251,7 +282,8 @@ class TextTokenizer:
                 if len(e.ids) > self.max_length:
                     raise TooLongError(f"input {i} has {len(e.ids)} tokens, over the model's limit of "
                                        f"{self.max_length} (allow truncation)")
-        ids, offsets, types = flat_ids(self._encoded(items, direction, fast=False), with_types=True)
+        encodings = self._encoded(items, direction, fast=False) if limit is None else self._cut(items, limit, direction)
+        ids, offsets, types = flat_ids(encodings, with_types=True)
         n = len(items)
         return Pieces(ids, offsets, np.arange(n), np.ones(n), types)
 
@@ -277,13 +309,15 @@ class TextTokenizer:
         return from_sequences(seqs, np.asarray(doc, np.int64), np.asarray(weight, np.float64))
 
     def given(self, inputs: list[np.ndarray], long: str = "truncate", overlap: int = DEFAULT_CHUNK_OVERLAP,
-              direction: str = "right") -> Pieces:
+              direction: str = "right", limit: int | None = None) -> Pieces:
         """Token-id inputs -> model sequences, the ids used as given, as TEI's /embed and vLLM use them: no special
-        tokens added, so ids from a /tokenize keep their own [CLS] ... [SEP], once. One over the model's limit is
-        cut at its `direction` end as TEI's tokenizer cuts it (a special token there goes too), refused, or
-        (chunk) windowed between the template's special tokens it starts and ends with, which every window keeps."""
+        tokens added, so ids from a /tokenize keep their own [CLS] ... [SEP], once. One over the model's limit (or a
+        request's own `limit`) is cut at its `direction` end as TEI's tokenizer and vLLM's renderer cut it (a special
+        token there goes too), refused, or (chunk) windowed between the template's special tokens it starts and
+        ends with, which every window keeps."""
         if long not in LONG_MODES:
             raise InputError(f"unknown long-input mode {long!r}; choose from {', '.join(LONG_MODES)}")
+        limit = self._limit(limit)
         seqs, doc, weight = [], [], []
         for i, ids in enumerate(inputs):
             n = len(ids)
@@ -291,8 +325,7 @@ class TextTokenizer:
             trail = len(self.suffix) if (long == "chunk" and n - lead >= len(self.suffix)
                                          and tuple(ids[n - len(self.suffix):]) == self.suffix) else 0
             head, body, tail = ids[:lead], ids[lead:n - trail], ids[n - trail:]
-            for s, e in _windows(len(body), self.max_length - lead - trail, long, overlap, direction, i, n,
-                                 self.max_length):
+            for s, e in _windows(len(body), limit - lead - trail, long, overlap, direction, i, n, limit):
                 seqs.append(np.concatenate([head, body[s:e], tail]))
                 doc.append(i)
                 weight.append(max(e - s, 1))

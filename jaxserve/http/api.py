@@ -90,6 +90,7 @@ class EmbedRequest:
     prompt: str | None = None  # ... or a prompt text, put in front of every input
     direction: str = "right"  # which end truncation cuts
     model: str | None = None  # the `model` field of an OpenAI request (names the tokenizer of its token ids)
+    cut: int | None = None  # tokens a sequence keeps (vLLM's `truncate_prompt_tokens`); None: the model's limit
 
     @property
     def count(self) -> int:
@@ -145,19 +146,25 @@ def _long_mode(body: dict, default: str) -> str:
     return long
 
 
-def vllm_long(body: dict, default: str) -> str:
-    """The long-input mode of a body with vLLM's `truncate_prompt_tokens` and `add_special_tokens` (its embeddings,
-    score and rerank requests): -1, the model's limit, truncates there, as this server truncates; any other cut
-    (vLLM keeps the first N tokens of a text and the last N of token ids) and `add_special_tokens: false` are
-    refused rather than dropped, which would answer 200 with the vectors of other sequences."""
+def vllm_truncation(body: dict, default: str, max_length: int) -> tuple[str, int | None]:
+    """(long-input mode, cut) of a body with vLLM's `truncate_prompt_tokens` and `add_special_tokens` (its embeddings,
+    classify, score and rerank requests), as vLLM's renderer applies them (`TokenizeParams`): N keeps N tokens of each
+    sequence, special tokens included (a text or pair truncated by the tokenizer at N, `longest_first` for a pair;
+    token ids cut at the same end, the first N kept), -1 truncates at the model's limit, `max_length`; absent, the
+    mode is `default`. The cut is None at the model's limit. vLLM refuses N past the model's limit, and a cut to no
+    tokens fails there too; `add_special_tokens: false` is refused rather than dropped, which would answer 200 with
+    the vectors of other sequences."""
     cut = body.get("truncate_prompt_tokens")
-    if cut is not None and (cut != -1 or isinstance(cut, bool)):
-        raise ApiError(400, f"`truncate_prompt_tokens` {_show(cut)} is not supported: this server cuts inputs at the "
-                            "model's limit only (-1, or absent with truncation on)")
+    if cut is not None and (not isinstance(cut, int) or isinstance(cut, bool)
+                            or not (cut == -1 or 1 <= cut <= max_length)):
+        raise ApiError(400, f"`truncate_prompt_tokens` must be -1 (the model's limit) or from 1 to the model's limit "
+                            f"of {max_length} tokens, not {_show(cut)}")
     if body.get("add_special_tokens") not in (None, True):
         raise ApiError(400, "`add_special_tokens` must be true: this server always adds the model's special tokens "
                             "to a text")
-    return "truncate" if cut == -1 else default
+    if cut is None:
+        return default, None
+    return "truncate", None if cut in (-1, max_length) else cut
 
 
 def _object(body) -> dict:
@@ -197,10 +204,11 @@ def _openai_body(body) -> dict:
     return body
 
 
-def parse_openai_embeddings(body, limits: Limits, dim: int, default_long: str,
+def parse_openai_embeddings(body, limits: Limits, dim: int, default_long: str, max_length: int,
                             declared: tuple[int, ...] = ()) -> EmbedRequest:
     """OpenAI's embeddings body; `dimensions` one of the checkpoint's Matryoshka widths `declared` (or the full
-    width) where it declares them, by the rule of Cohere's `output_dimension` (`_dimensions`)."""
+    width) where it declares them, by the rule of Cohere's `output_dimension` (`_dimensions`); vLLM's
+    `truncate_prompt_tokens` up to the model's `max_length` (`vllm_truncation`)."""
     body = _openai_body(body)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
@@ -209,8 +217,12 @@ def parse_openai_embeddings(body, limits: Limits, dim: int, default_long: str,
     fmt = body.get("encoding_format") or "float"
     if fmt not in ENCODING_FORMATS:
         raise ApiError(400, f"`encoding_format` must be one of {', '.join(ENCODING_FORMATS)}, not {_show(fmt)}")
-    return EmbedRequest(texts, ids, _long_mode(body, vllm_long(body, default_long)), True,
-                        _dimensions(body, dim, declared), fmt, *_prompt(body, limits), model=model)
+    long, cut = vllm_truncation(body, default_long, max_length)
+    long = _long_mode(body, long)
+    if cut is not None and long != "truncate":
+        raise ApiError(400, f"`truncate_prompt_tokens` truncates; `long` {_show(long)} does not")
+    return EmbedRequest(texts, ids, long, True, _dimensions(body, dim, declared), fmt, *_prompt(body, limits),
+                        model=model, cut=cut)
 
 
 def parse_multivector_embeddings(body, limits: Limits) -> tuple[list[str], str]:

@@ -297,9 +297,9 @@ def embedding_pieces(state: AppState, req: EmbedRequest, openai_ids: bool = Fals
             if ids.max() >= vocab:
                 raise InputError(f"input {i} has token id {int(ids.max())}, outside the vocabulary of {vocab}")
         if not prompt:
-            return tok.given(token_ids, req.long, direction=req.direction)
+            return tok.given(token_ids, req.long, direction=req.direction, limit=req.cut)
         texts = tok.tokenizer.decode_batch([ids.tolist() for ids in token_ids], skip_special_tokens=True)
-    return tok.documents(texts, req.long, prompt=prompt, direction=req.direction)
+    return tok.documents(texts, req.long, prompt=prompt, direction=req.direction, limit=req.cut)
 
 
 def vectors_of(ran: Ran, req: EmbedRequest) -> np.ndarray:

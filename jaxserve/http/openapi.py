@@ -18,6 +18,10 @@ DIRECTION = {"type": "string", "enum": ["Right", "Left", "right", "left"]}
 INSTRUCTION = {"instruction": {"type": "string", "description": "the task in the prompt's instruction slot (LLM "
                                "rerankers with one, as Qwen3-Reranker); others refuse it with a 4xx"}}
 
+VLLM_CUT = {"truncate_prompt_tokens": {"type": "integer", "minimum": -1, "description": "vLLM's: the tokens each "
+                                        "input (or pair) keeps, special tokens included, 1 to the model's limit; -1: "
+                                        "the model's limit"}}
+
 EMBED_BODY = {"type": "object", "required": ["inputs"], "properties": {
     "inputs": {"oneOf": [TEXTS, TOKEN_IDS]}, "normalize": {"type": "boolean"}, "truncate": {"type": "boolean"},
     "truncation_direction": DIRECTION, "dimensions": {"type": "integer", "minimum": 1}, "long": LONG, **PROMPT}}
@@ -46,6 +50,7 @@ EMBEDDINGS_BODY = {
         "dimensions": {"type": "integer", "minimum": 1},
         "user": {"type": "string"},
         "long": LONG,
+        **VLLM_CUT,
         "is_query": {"type": "boolean", "description": "multi-vector (ColBERT) models, as PyLate's server: "
                      "encode as queries (default) or documents"},
         **PROMPT,
@@ -178,17 +183,19 @@ def spec(version: str) -> dict:
             "/invocations": _tei("SageMaker's route: as POST /", {"type": "object"}, {"type": "array"}),
             "/ping": _get("health (SageMaker)"),
             "/classify": _post("vLLM-style /classify (classifier models)", {"type": "object", "required": ["input"],
-                               "properties": {"input": TEXTS, "model": {"type": "string"}}}, {"type": "object"}),
+                               "properties": {"input": TEXTS, "model": {"type": "string"}, **VLLM_CUT}},
+                               {"type": "object"}),
             "/v1/rerank": _post("vLLM's /v1/rerank (cross-encoder and LLM rerankers)", {
                 "type": "object", "required": ["query", "documents"], "properties": {
                     "query": {"type": "string", "minLength": 1}, "model": {"type": "string"},
                     "documents": {"type": "array", "items": {"type": "string"}, "minItems": 1},
                     "top_n": {"type": "integer", "minimum": 0}, "return_documents": {"type": "boolean"},
-                    **INSTRUCTION}},
+                    **INSTRUCTION, **VLLM_CUT}},
                 {"type": "object"}),
             **{path: _post("vLLM's /score: text_1 against each of text_2, or pairwise", {
                 "type": "object", "required": ["text_1", "text_2"], "properties": {
-                    "text_1": TEXTS, "text_2": TEXTS, "model": {"type": "string"}, **INSTRUCTION}}, {"type": "object"})
+                    "text_1": TEXTS, "text_2": TEXTS, "model": {"type": "string"}, **INSTRUCTION, **VLLM_CUT}},
+                {"type": "object"})
                for path in ("/score", "/v1/score")},
             **{path: _post(f"Cohere's {version} embed: float, int8, uint8, binary, ubinary and base64 embeddings", {
                 "type": "object", "required": ["texts"], "properties": {

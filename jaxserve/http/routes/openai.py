@@ -64,7 +64,7 @@ def _parse_embeddings(state, body) -> api.EmbedRequest:
     """OpenAI's embeddings body (/v1/embeddings, /v1/plan); its `dimensions` limited to the checkpoint's Matryoshka
     widths where it declares them (`EmbeddingConfig.matryoshka_dimensions`)."""
     enc = state.encoder
-    return api.parse_openai_embeddings(body, state.limits, enc.dim, state.config.long,
+    return api.parse_openai_embeddings(body, state.limits, enc.dim, state.config.long, enc.tokenizer.max_length,
                                        enc.embedding_config.matryoshka_dimensions)
 
 
@@ -103,8 +103,8 @@ async def classify(request: web.Request) -> web.Response:
     require_kind(state, "classifier", "/classify")
     body = await json_body(request)
     texts = api.parse_classify(body, state.limits)
-    truncate = state.config.long != "error"
-    ran = await run_request(state, lambda: state.encoder.prepare_pairs(texts, truncate),
+    truncate, cut = _vllm_cut(state, body)
+    ran = await run_request(state, lambda: state.encoder.prepare_pairs(texts, truncate, limit=cut),
                             ask=ask_for(request, body), inputs=len(texts))
     labels = state.encoder.head.labels
 
@@ -130,9 +130,9 @@ async def rerank(request: web.Request) -> web.Response:
     require_cross_encoder(state, request.path)
     body = await json_body(request)
     query, documents, top_n, with_docs = _parse_rerank(body, state)
-    scores, tokens = await pair_scores(state, [(query, d) for d in documents], ask_for(request, body),
-                                       api.vllm_long(body, state.config.long) != "error",
-                                       instruction=instruction_of(state, body))
+    truncate, cut = _vllm_cut(state, body)
+    scores, tokens = await pair_scores(state, [(query, d) for d in documents], ask_for(request, body), truncate,
+                                       instruction=instruction_of(state, body), limit=cut)
 
     def encode():
         order = sorted(enumerate(scores().tolist()), key=lambda t: -t[1])[:top_n]
@@ -144,6 +144,18 @@ async def rerank(request: web.Request) -> web.Response:
 
     encoded, _ = await respond(state, encode, len(documents) * DICT_FLOATS)
     return bytes_response(encoded)
+
+
+def _vllm_cut(state, body) -> tuple[bool, int | None]:
+    """A vLLM classify, score or rerank body's truncation (`api.vllm_truncation`): (truncate at all, the request's own
+    length or None). vLLM cuts a score template's whole rendered prompt at N, its end included; an LLM reranker's
+    template here keeps its end, so N is refused for one, where -1 is served."""
+    enc = state.encoder
+    long, cut = api.vllm_truncation(api._object(body), state.config.long, enc.tokenizer.max_length)
+    if cut is not None and enc.pair_template is not None:
+        raise ApiError(400, f"`truncate_prompt_tokens` {cut} is not served for an LLM reranker: its prompt template is "
+                            "cut at the model's length only (-1), keeping the template's end")
+    return long != "error", cut
 
 
 def _parse_rerank(body, state) -> tuple[str, list[str], int, bool]:
@@ -184,9 +196,9 @@ async def score(request: web.Request) -> web.Response:
     if len(first) != len(second):
         raise ApiError(400, f"`text_1` has {len(first)} texts and `text_2` {len(second)}: give one `text_1`, "
                             "or as many as `text_2`")
-    scores, tokens = await pair_scores(state, list(zip(first, second)), ask_for(request, body),
-                                       api.vllm_long(body, state.config.long) != "error",
-                                       instruction=instruction_of(state, body))
+    truncate, cut = _vllm_cut(state, body)
+    scores, tokens = await pair_scores(state, list(zip(first, second)), ask_for(request, body), truncate,
+                                       instruction=instruction_of(state, body), limit=cut)
 
     def encode():
         return orjson.dumps({

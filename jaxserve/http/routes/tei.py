@@ -177,11 +177,13 @@ def instruction_of(state: AppState, body) -> str | None:
 
 
 async def pair_scores(state: AppState, pairs: list[tuple[str, str]], ask: Ask, truncate: bool,
-                      direction: str = "right", raw: bool = False, instruction: str | None = None):
+                      direction: str = "right", raw: bool = False, instruction: str | None = None,
+                      limit: int | None = None):
     """(text, text) pairs through the cross-encoder, the one run behind /rerank, /v1/rerank and /score ->
     (their scores, lazily: the sigmoid of each logit, as CrossEncoder.predict; `raw`: the logits; tokens).
-    `instruction`: in the prompt's slot (`instruction_of`)."""
-    ran = await run_request(state, lambda: state.encoder.prepare_pairs(pairs, truncate, direction, instruction),
+    `instruction`: in the prompt's slot (`instruction_of`); `limit`: a request's own length (vLLM's
+    `truncate_prompt_tokens`)."""
+    ran = await run_request(state, lambda: state.encoder.prepare_pairs(pairs, truncate, direction, instruction, limit),
                             ask=ask, inputs=len(pairs))
     return (lambda: api.scores(ran.out, raw)[:, 0]), ran.tokens
 
