@@ -357,12 +357,13 @@ async def test_dense_routes_on_a_multivector_model_and_the_reverse(make_server, 
     assert bad.status == 400 and "float" in (await bad.json())["error"]["message"]
     bad = await client.post("/v1/embeddings", json={"input": ["x"], "is_query": "yes"})
     assert bad.status == 400
-    for field in ({"dimensions": 4}, {"prompt": "query: "}):  # per-token vectors: refused, not dropped
+    for field in ({"dimensions": 4}, {"prompt": "query: "}, {"truncate_prompt_tokens": 3}):  # refused, not dropped
         bad = await client.post("/v1/embeddings", json={"input": ["x"], **field})
         assert bad.status == 400 and f"`{next(iter(field))}`" in (await bad.json())["error"]["message"]
     bad = await client.post("/v1/embeddings?explain=1", json={"input": ["x"]})
     assert bad.status == 400 and "explain" in (await bad.json())["error"]["message"]
     assert (await client.post("/v1/embeddings", json={"input": ["x"]})).status == 200
+    assert (await client.post("/v1/embeddings", json={"input": ["x"], "truncate_prompt_tokens": -1})).status == 200
     dense = warm_encoder(tiny.write_checkpoint(tmp_path / "dense"), TINY_TABLE)
     dense_client = await make_server(dense)
     resp = await dense_client.post("/rerank", json={"query": "a", "texts": ["b"]})

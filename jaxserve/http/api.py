@@ -232,6 +232,9 @@ def parse_multivector_embeddings(body, limits: Limits) -> tuple[list[str], str]:
     texts, _ = _inputs(body["input"], "input", limits, allow_tokens=False)
     _refuse(body, ("dimensions", "prompt_name", "prompt"), "a multi-vector model",
             "its vectors are per token, and `is_query` picks the query or document marker")
+    if body.get("truncate_prompt_tokens") not in (None, -1):
+        raise ApiError(400, f"`truncate_prompt_tokens` {_show(body['truncate_prompt_tokens'])} is not supported on a "
+                            "multi-vector model: it cuts at its query and document lengths (-1)")
     fmt = body.get("encoding_format")
     if fmt not in (None, "float"):
         raise ApiError(400, f"a multi-vector model's embeddings are float lists: `encoding_format` {_show(fmt)} is not "
