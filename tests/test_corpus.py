@@ -53,7 +53,8 @@ def test_parquet_reads_every_row_group_in_order_and_names_nulls(tmp_path):
 
 def test_parquet_ids_every_output_can_write_and_only_those(tmp_path):
     """A date or decimal id column passed the check and failed the .npy's ids file after warm-up, a uint64 one past
-    int64 the .parquet's id column: refused by the check, naming the column or the row. A categorical (dictionary)
+    int64 the .parquet's id column, a float NaN went into the ids file as `NaN` (not JSON): refused by the check,
+    naming the column or the row. A categorical (dictionary)
     column of strings is read as its strings."""
     import datetime
     import decimal
@@ -68,6 +69,11 @@ def test_parquet_ids_every_output_can_write_and_only_those(tmp_path):
     with pytest.raises(CorpusError, match=f"c.parquet: row 1: its id {2**63} is outside int64"):
         Corpus(str(path), "t", "k").check()
     pq.write_table(pa.table({"t": ["a", "b"], "k": pa.array([2**63 - 1, 0], pa.uint64())}), path)
+    assert Corpus(str(path), "t", "k").check() == 2
+    pq.write_table(pa.table({"t": ["a", "b", "c"], "k": [0.5, 1.5, float("nan")]}), path, row_group_size=2)
+    with pytest.raises(CorpusError, match="c.parquet: row 2: its id nan is not a finite number"):  # the ids file's NaN
+        Corpus(str(path), "t", "k").check()
+    pq.write_table(pa.table({"t": ["a", "b"], "k": [0.5, 1.5]}), path)
     assert Corpus(str(path), "t", "k").check() == 2
     pq.write_table(pa.table({"t": ["a", "b"], "k": pa.array(["x", "y"]).dictionary_encode()}), path)
     assert Corpus(str(path), "t", "k").check() == 2 and list(Corpus(str(path), "t", "k").records()) == [

@@ -264,6 +264,10 @@ BAD_INPUTS = {  # case: (the file, the message, more arguments)
                           ["--id-field", "id"]),
     "id_past_int64": ('{"text": "a", "id": 18446744073709551616}\n',
                       "c.jsonl:1: its id 18446744073709551616 is outside int64", ["--id-field", "id"]),
+    "id_nan": ('{"text": "a", "id": 1.5}\n{"text": "b", "id": NaN}\n',  # Python's json reads NaN: the ids file got it
+               "c.jsonl:2: its id nan is not a finite number", ["--id-field", "id"]),
+    "id_infinity": ('{"text": "a", "id": -Infinity}\n', "c.jsonl:1: its id -inf is not a finite number",
+                    ["--id-field", "id"]),
 }
 
 

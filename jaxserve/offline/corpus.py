@@ -12,6 +12,7 @@ import dataclasses
 import glob
 import itertools
 import json
+import math
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -42,10 +43,13 @@ def _unicode(value: str, what: str) -> None:
 
 
 def _check_id(value, where: str) -> None:
-    """An id every sink can write (an `id` column, a JSON line): a JSON scalar, an integer in int64, a string
-    UTF-8 can hold."""
+    """An id every sink can write (an `id` column, a JSON line): a JSON scalar, an integer in int64, a finite
+    number (Python's json reads NaN and Infinity, which JSON cannot hold), a string UTF-8 can hold."""
     if type(value) not in ID_KINDS:
         raise CorpusError(f"{where}: its id is a JSON {type(value).__name__}: ids are strings or numbers")
+    if type(value) is float and not math.isfinite(value):
+        raise CorpusError(f"{where}: its id {value} is not a finite number, which JSON (a .npy's ids file, a .jsonl "
+                          "output) cannot hold: give the ids as finite numbers or strings")
     if type(value) is int and value not in INT64:
         raise CorpusError(f"{where}: its id {value} is outside int64 (what an output's integer id column holds): "
                           "give the ids as strings")
@@ -239,6 +243,8 @@ class Corpus:
         if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
             raise CorpusError(f"{self.path}: column {self.field!r} is {kind}, not text")
         ids = self._parquet_id_kind(schema)
+        # each id checked where a value of the type may be one no output writes: a NaN or infinity, a uint64 past int64
+        each_id = ids == "number" or ids == "integer" and pa.types.is_uint64(schema.field(self.id_field).type)
         start = 0
         for group in range(pf.num_row_groups):
             table = pf.read_row_group(group, columns=self._columns())
@@ -246,7 +252,7 @@ class Corpus:
                 if table[name].null_count:
                     row = start + table[name].to_pylist().index(None)
                     raise CorpusError(f"{self.path}: row {row}: column {name!r} is null")
-            if ids == "integer" and pa.types.is_uint64(schema.field(self.id_field).type):  # may pass int64's
+            if each_id:
                 for row, value in enumerate(table[self.id_field].to_pylist()):
                     _check_id(value, f"{self.path}: row {start + row}")
             start += table.num_rows
