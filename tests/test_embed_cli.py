@@ -424,6 +424,21 @@ def test_a_bad_document_names_its_chunk_and_says_what_lets_the_job_go_on(tmp_pat
         open_sink(out, {**state, "long": "truncate"}).resume()
 
 
+def test_a_sparse_models_long_error_stop_suggests_only_truncate(splade_path, tmp_path):
+    """A SPLADE model refuses `--long chunk` (its weights are per sequence), yet its `--long error` stop said
+    "start over with --long truncate or chunk"."""
+    from test_sparse import PACKED
+
+    from jaxserve.errors import InputError
+    from jaxserve.offline.job import embed_corpus, encoder_embed
+    from jaxserve.offline.sinks import open_sink
+
+    enc = warm_encoder(splade_path, PACKED)
+    sink = open_sink(str(tmp_path / "w.jsonl"), {"input": "x", "rows": 2, "dim": None, "long": "error"})
+    with pytest.raises(InputError, match=r"start over with --long truncate \(a document over the model's limit\)"):
+        embed_corpus(enumerate(["a", "the query " * 400]), encoder_embed(enc, "error", None), sink, 0, 2)
+
+
 def test_a_chunk_of_no_documents_is_refused(tmp_path, capsys):
     """`--chunk 0` once finished at once, recording an all-zero .npy as complete (later runs: "already complete")."""
     from jaxserve import cli

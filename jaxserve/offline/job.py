@@ -48,10 +48,12 @@ class Summary:
 @dataclass(frozen=True)
 class Stages:
     """A chunk's two stages: `prepare(texts)` on the host (tokenize, pack; runs on a thread, one chunk ahead) and
-    `run(prepared)` -> (the chunk's rows for the sink, real tokens, compiled tokens) on the device."""
+    `run(prepared)` -> (the chunk's rows for the sink, real tokens, compiled tokens) on the device. `longs`: the
+    `--long` modes that embed a document over the model's limit, what a `--long error` stop suggests."""
 
     prepare: Callable[[list[str]], object]
     run: Callable[[object], tuple[object, int, int]]
+    longs: tuple[str, ...] = ("truncate", "chunk")
 
 
 def embed_corpus(records: Iterable[tuple[object, str]],
@@ -85,8 +87,8 @@ def embed_corpus(records: Iterable[tuple[object, str]],
             except InputError as exc:  # its "input N" counts from the chunk's first row
                 raise InputError(f"in the chunk from row {done}: {exc}; the rows before it are written, but a rerun "
                                  "with these arguments stops here again and one with others is refused: delete "
-                                 f"{sink.leftovers()} and start over with --long truncate or chunk (a document over "
-                                 "the model's limit) or without that document") from None
+                                 f"{sink.leftovers()} and start over with --long {' or '.join(stages.longs)} (a "
+                                 "document over the model's limit) or without that document") from None
             if done + len(batch) > sink.rows:
                 raise InputError(f"the input has more than the {sink.rows} documents it had when the run began: it "
                                  "changed during the run; rerun it whole")
@@ -121,7 +123,7 @@ def plan_ranges(rows: int, block: int, finished: list[tuple[int, int]],
 def encoder_embed(enc, long: str, prompt: str | None) -> Stages:
     """The `Stages` of `embed_corpus` for an encoder: `Encoder.embed` (checkpoint's normalisation), or a SPLADE
     model's `embed_sparse`, cut in two, counting tokens. Tokenizing (with `prompt`) and packing are the prepare
-    stage."""
+    stage. A SPLADE model's weights are per sequence: `--long chunk` does not apply to it."""
     from jaxserve.heads import sparse
 
     def prepare(texts: list[str]):
@@ -137,7 +139,7 @@ def encoder_embed(enc, long: str, prompt: str | None) -> Stages:
         compiled = sum(d.bucket.batch * d.bucket.seqlen for d in enc.last_dispatches)
         return out, pieces.tokens, compiled
 
-    return Stages(prepare, run)
+    return Stages(prepare, run, ("truncate",) if enc.splade is not None else Stages.longs)
 
 
 def model_id(path: Path) -> str:
