@@ -199,13 +199,18 @@ def assert_same_as_single(out, single) -> None:
     assert sorted(os.listdir(out.parent)) == sorted([out.name, out.name + ".summary.json"])  # no parts left
 
 
-def test_embedder_in_a_users_pipeline_adds_the_embedding_column(cluster):
+@pytest.mark.parametrize("batch_format", ["default", "pandas"])
+def test_embedder_in_a_users_pipeline_adds_the_embedding_column(cluster, batch_format):
+    """Batches of numpy arrays or (batch_format="pandas") DataFrames, whose index is the input frame's own."""
     _, path, _, _, docs = cluster
+    import pandas as pd
+
     from jaxserve.integrations.ray_data import Embedder
 
-    ds = ray.data.from_items([{"body": d, "n": i} for i, d in enumerate(docs[:50])]).map_batches(
+    frame = pd.DataFrame({"body": docs[:50], "n": range(50)}, index=range(1000, 1050))
+    ds = ray.data.from_pandas([frame[:25], frame[25:]]).map_batches(  # a block for each actor
         Embedder, fn_constructor_kwargs={"model": str(path), "column": "body", "table": TINY_TABLE},
-        batch_size=16, compute=ray.data.ActorPoolStrategy(size=2), num_cpus=1)
+        batch_size=16, batch_format=batch_format, compute=ray.data.ActorPoolStrategy(size=2), num_cpus=1)
     rows = sorted(ds.take_all(), key=lambda r: r["n"])
     assert [r["body"] for r in rows] == docs[:50]
     np.testing.assert_allclose(np.stack([r["embedding"] for r in rows]),
@@ -280,7 +285,10 @@ def test_killed_driver_resumes_without_redoing_finished_ranges_or_duplicating_ro
 
 def test_embedder_refuses_a_null_text_naming_its_row(tmp_path):
     """A null (None from Arrow, NaN from pandas) is not embedded as the word "None" (or "nan"): the batch fails
-    naming the column and the row, as `jaxserve embed` refuses nulls. Called as map_batches calls it, no cluster."""
+    naming the column and the row, as `jaxserve embed` refuses nulls. Called as map_batches calls it, no cluster:
+    with a dict of arrays, and with a pandas DataFrame."""
+    import pandas as pd
+
     from jaxserve.errors import JaxserveError
     from jaxserve.integrations.ray_data import Embedder
 
@@ -292,3 +300,7 @@ def test_embedder_refuses_a_null_text_naming_its_row(tmp_path):
         with pytest.raises(JaxserveError, match=r"column 'body' is (None|nan), not text, in row 1 of this batch "
                                                 r"\(its other columns: id=8\)"):
             embedder({"body": np.array(["a", null, "c"], dtype=object), "id": np.array([7, 8, 9])})
+    # a pandas batch (batch_format="pandas") keeps its frame's index: the row is its position (a KeyError before)
+    with pytest.raises(JaxserveError, match=r"column 'body' is (None|nan), not text, in row 1 of this batch \(its "
+                                            r"other columns: id=8\)"):
+        embedder(pd.DataFrame({"body": ["a", None, "c"], "id": [7, 8, 9]}, index=[40, 41, 42]))

@@ -53,8 +53,9 @@ def started_encoder(model: str | None, dtype: str, attention: str, table, cache_
 
 class Embedder:
     """A callable class for `Dataset.map_batches`: each batch's `column` of texts gets an `embedding` column
-    (float32 [rows, dim], the checkpoint's normalisation); the other columns pass through. A text that is not a
-    string (a null) fails the batch, naming its row.
+    (float32 [rows, dim], the checkpoint's normalisation); the other columns pass through. Batches of numpy arrays
+    (Ray Data's default) or pandas DataFrames (`batch_format="pandas"`). A text that is not a string (a null) fails
+    the batch, naming its row.
 
         ds = ray.data.read_parquet("/data/corpus/").map_batches(
             Embedder, fn_constructor_kwargs={"model": "/models/minilm", "column": "body"},
@@ -76,12 +77,14 @@ class Embedder:
         """(vectors, real tokens, compiled tokens) of `texts`."""
         return self.stages.run(self.stages.prepare(texts))
 
-    def __call__(self, batch: dict) -> dict:
-        texts = batch[self.column]
+    def __call__(self, batch) -> dict:
+        """A batch as map_batches gives it: a dict of arrays, or (`batch_format="pandas"`) a DataFrame, whose
+        columns are read by position (its index is its frame's own, not 0..rows)."""
+        texts = np.asarray(batch[self.column])
         # a null (None; NaN where pandas made the column) is refused, as `jaxserve embed` refuses it: str() of it
         # would embed the word "None"
         if (row := next((i for i, t in enumerate(texts) if not isinstance(t, str)), None)) is not None:
-            others = ", ".join(f"{k}={v[row]}" for k, v in batch.items() if k != self.column)
+            others = ", ".join(f"{k}={np.asarray(v)[row]}" for k, v in batch.items() if k != self.column)
             raise JaxserveError(f"column {self.column!r} is {texts[row]!r}, not text, in row {row} of this batch "
                                 f"(its other columns: {others or 'none'})")
         vectors, _, _ = self.embed([str(t) for t in texts])
