@@ -9,9 +9,8 @@ from __future__ import annotations
 import jsonschema
 import numpy as np
 import pytest
-from aiohttp import web
-
 import tiny
+from aiohttp import web
 from conftest import TINY_TABLE, warm_encoder
 
 from jaxserve.checkpoint.config import EmbeddingConfig
