@@ -113,6 +113,8 @@ def test_input_type_to_prompt(input_type, prompts, want):
     ({"texts": ["a"], "input_type": "image"}, 400, "text only"),
     ({"images": ["data:image/png;base64,AA=="], "input_type": "image"}, 400, "text only"),
     ({"texts": ["a"], "input_type": "search"}, 400, "input_type"),
+    ({"texts": ["a"], "input_type": []}, 400, "input_type"),  # was a 500: a list is not a key
+    ({"texts": ["a"], "input_type": {}}, 400, "input_type"),
     ({"texts": ["a"], "embedding_types": []}, 400, "embedding_types"),
     ({"texts": ["a"], "embedding_types": ["float16"]}, 400, "embedding_types"),
     ({"texts": ["a"], "truncate": "LEFT"}, 400, "NONE, START, END"),

@@ -103,6 +103,9 @@ def test_predict_reads_its_options_from_the_body_then_parameters():
     ("zstd", b'{"inputs": ["ok"]}', 415, "not supported"),
     ("gzip", gzip.compress(b'{"inputs": "' + b"a" * 60_000 + b'"}', mtime=0), 413, "once inflated"),  # a bomb
     ("gzip", gzip.compress(b'{"inputs": ["ok"]}', mtime=0), 200, ""),  # still served
+    ("gzip", gzip.compress(b'{"inputs"', mtime=0) + gzip.compress(b': ["ok"]}', mtime=0), 200, ""),  # two members
+    ("gzip", gzip.compress(b'{"inputs": ["ok"]}', mtime=0) + b"\x00junk", 422, "5 bytes follow its end"),
+    ("deflate", __import__("zlib").compress(b'{"inputs": ["ok"]}') + b"junk", 422, "4 bytes follow its end"),
     ("deflate", __import__("zlib").compress(b'{"inputs": ["ok"]}'), 200, ""),
 ])
 async def test_content_encoding_is_undone_or_refused_in_json(make_server, tiny_enc, coding, body, status, fragment):

@@ -59,6 +59,10 @@ BAD = [
     ("POST", "/v1/embeddings", {"input": ["the " * 40], "long": "error"}, 400, "over the model's limit of 32"),
     ("POST", "/v1/embeddings", {"input": ["ok"], "long": "squash"}, 400, "`long` must be one of"),
     ("POST", "/v1/embeddings", {"input": ["ok"], "encoding_format": "hex"}, 400, "`encoding_format`"),
+    ("POST", "/v1/embeddings", {"input": ["ok"], "encoding_format": False}, 400, "`encoding_format`"),  # not float
+    ("POST", "/v1/embeddings", {"input": ["ok"], "encoding_format": None}, 200, ""),  # absent
+    # cl100k's id 90280 decodes to 114 characters: 20 of them are past --max-input-chars, as the text would be
+    ("POST", "/v1/embeddings", {"input": [[1, 2], [90280] * 20]}, 413, "`input[1]` has 2280 characters; at most 2000"),
     ("POST", "/v1/embeddings", {"input": ["ok"], "dimensions": 0}, 400, "`dimensions` must be an integer from 1 to 32"),
     ("POST", "/v1/embeddings", {"input": ["ok"], "dimensions": 33}, 400, "`dimensions`"),
     ("POST", "/v1/embeddings", {"input": ["ok"], "model": 7}, 400, "`model` must be a string"),
@@ -78,6 +82,8 @@ BAD = [
     ("POST", "/decode", {"ids": []}, 400, "must not be empty"),
     ("POST", "/similarity", {"inputs": {"source_sentence": "a", "sentences": []}}, 400, "must not be empty"),
     ("POST", "/similarity", {"inputs": ["a"]}, 422, "source_sentence"),
+    ("POST", "/similarity", {"inputs": {"source_sentence": "a", "sentences": ["b"]}, "parameters": 0}, 422,
+     "`parameters` must be an object"),  # was read as none
     ("POST", "/rerank", {"query": "q", "texts": ["x"]}, 422, "/rerank needs a sequence-classification"),
     ("POST", "/predict", {"inputs": ["x"]}, 422, "/predict needs a sequence-classification"),
     ("GET", "/v1/nothing", None, 404, "no route GET /v1/nothing"),
@@ -100,6 +106,18 @@ async def test_bad_input_gets_clear_json_error_and_server_keeps_serving(make_ser
             assert fragment in body["error"]["message"] and body["error"]["type"]
         else:  # TEI's
             assert fragment in body["error"] and body["error_type"] in TEI_ERROR_TYPES
+    await assert_good(client)
+
+
+async def test_token_ids_decoded_for_a_prompt_are_held_to_max_input_chars(make_server, tiny_enc):
+    """The model's own ids with a prompt run as TEI runs them, decoded and tokenized as text: that text is held to
+    --max-input-chars as a text sent as such (TEI's 422 Validation), not tokenized whatever its size."""
+    client = await make_server(tiny_enc, max_input_chars=2000)
+    word = tiny_enc.tokenizer.tokenizer.token_to_id("document")
+    for n, status in ((200, 200), (250, 422)):  # "document " x n: 1,799 and 2,249 characters
+        resp = await client.post("/embed", json={"inputs": [[word] * n], "prompt": "query: "})
+        assert resp.status == status, await resp.text()
+    assert "`inputs[0]` has 2249 characters; at most 2000" in (await resp.json())["error"]
     await assert_good(client)
 
 

@@ -167,6 +167,16 @@ def vllm_truncation(body: dict, default: str, max_length: int) -> tuple[str, int
     return "truncate", None if cut in (-1, max_length) else cut
 
 
+def _parameters(body: dict) -> dict:
+    """TEI's `parameters` object (absent or null: none); any other type is refused, not read as none."""
+    params = body.get("parameters")
+    if params is None:
+        return {}
+    if not isinstance(params, dict):
+        raise ApiError(400, "`parameters` must be an object")
+    return params
+
+
 def _object(body) -> dict:
     if not isinstance(body, dict):
         raise ApiError(400, f"the request body must be a JSON object, not {type(body).__name__}")
@@ -214,7 +224,7 @@ def parse_openai_embeddings(body, limits: Limits, dim: int, default_long: str, m
     if model is not None and not isinstance(model, str):
         raise ApiError(400, "`model` must be a string")
     texts, ids = _inputs(body["input"], "input", limits, allow_tokens=True)
-    fmt = body.get("encoding_format") or "float"
+    fmt = "float" if body.get("encoding_format") is None else body["encoding_format"]  # a wrong type is refused
     if fmt not in ENCODING_FORMATS:
         raise ApiError(400, f"`encoding_format` must be one of {', '.join(ENCODING_FORMATS)}, not {_show(fmt)}")
     long, cut = vllm_truncation(body, default_long, max_length)
@@ -321,9 +331,7 @@ def parse_similarity(body, limits: Limits, default_long: str) -> tuple[EmbedRequ
                             "besides `source_sentence`", "request_too_large")
     sentences, _ = _inputs(sentences, "inputs.sentences", limits, allow_tokens=False)
     texts = [within_limit(source, "inputs.source_sentence", limits), *sentences]
-    params = body.get("parameters") or {}
-    if not isinstance(params, dict):
-        raise ApiError(400, "`parameters` must be an object")
+    params = _parameters(body)
     return EmbedRequest(texts, None, _tei_long(params, default_long), False, None, "float", *_prompt(params, limits),
                         direction=_direction(params)), len(texts) - 1
 
@@ -465,9 +473,7 @@ def parse_predict(body, limits: Limits, default_truncate: bool) -> ClassifyReque
         raise ApiError(413, f"`inputs` has {len(items)} inputs; at most {limits.max_client_batch} per request",
                        "request_too_large")
     inputs = [_pair_or_text(x, f"inputs[{i}]", limits) for i, x in enumerate(items)]
-    params = body.get("parameters") or {}  # huggingface_hub's InferenceClient sends top_k there
-    if not isinstance(params, dict):
-        raise ApiError(400, "`parameters` must be an object")
+    params = _parameters(body)  # huggingface_hub's InferenceClient sends top_k there
     own = lambda key: body[key] if body.get(key) is not None else params.get(key)  # the body's, else parameters'
     top_k = own("top_k")
     if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1):
@@ -549,7 +555,7 @@ def cohere_prompt(input_type, prompts) -> str | None:
         return None
     if input_type == "image":
         raise ApiError(400, "`input_type` image: this server embeds text only")
-    if input_type not in INPUT_TYPE_PROMPTS:
+    if not isinstance(input_type, str) or input_type not in INPUT_TYPE_PROMPTS:
         raise ApiError(400, f"`input_type` must be one of {', '.join(INPUT_TYPE_PROMPTS)}, not {_show(input_type)}")
     names = {}
     for name in prompts:

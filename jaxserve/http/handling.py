@@ -46,26 +46,35 @@ def json_response(body, status: int = 200, headers=None) -> web.Response:
                         content_type="application/json")
 
 
+GZIP_MAGIC = b"\x1f\x8b"  # a gzip member's first two bytes
 INFLATE_CHUNK = 2**20  # a compressed body inflates this many bytes at a time, each charged before the next
 
 
 def inflate(raw: bytes, coding: str, limit: int, charge: Charge | None = None) -> bytearray:
     """A gzip or deflate body inflated, to at most `limit` bytes (413 past it, 400 when it is not that coding),
-    each piece charged to the in-flight byte budget as it appears (429 when the budget is spent)."""
-    wbits = 47 if coding != "deflate" or (raw[:1] and raw[0] & 0x0F == 8) else -15  # gzip/zlib; or raw deflate
-    inflater = zlib.decompressobj(wbits)
+    each piece charged to the in-flight byte budget as it appears (429 when the budget is spent). A gzip body may
+    be several members, one after another (RFC 1952, 2.2: what `gzip.decompress` reads as one); bytes after the
+    last that are not one are refused, not dropped."""
     out, data = bytearray(), raw
     try:
-        while not inflater.eof and len(out) <= limit:
-            piece = inflater.decompress(data, min(INFLATE_CHUNK, limit + 1 - len(out)))
-            data = inflater.unconsumed_tail
-            if not piece and not data:
+        while True:
+            wbits = 47 if coding != "deflate" or (data[:1] and data[0] & 0x0F == 8) else -15  # gzip/zlib; raw deflate
+            inflater = zlib.decompressobj(wbits)
+            while not inflater.eof and len(out) <= limit:
+                piece = inflater.decompress(data, min(INFLATE_CHUNK, limit + 1 - len(out)))
+                data = inflater.unconsumed_tail
+                if not piece and not data:
+                    break
+                if charge is not None and not charge.take(len(piece)):
+                    raise ApiError(429, f"the request bodies being handled hold {charge.budget.held} bytes once "
+                                        f"inflated; this one would pass the limit of {charge.budget.limit}",
+                                   "rate_limit_error", {"Retry-After": str(RETRY_AFTER_S)})
+                out += piece
+            data = inflater.unused_data
+            if len(out) > limit or not inflater.eof or not data:
                 break
-            if charge is not None and not charge.take(len(piece)):
-                raise ApiError(429, f"the request bodies being handled hold {charge.budget.held} bytes once "
-                                    f"inflated; this one would pass the limit of {charge.budget.limit}",
-                               "rate_limit_error", {"Retry-After": str(RETRY_AFTER_S)})
-            out += piece
+            if coding == "deflate" or data[:2] != GZIP_MAGIC:
+                raise ApiError(400, f"the request body is not valid {coding}: {len(data)} bytes follow its end")
     except zlib.error as exc:
         raise ApiError(400, f"the request body is not valid {coding}: {exc}") from None
     if len(out) > limit:
@@ -141,10 +150,11 @@ async def on_thread(state: AppState, fn, big: bool = True):
 
 
 def tokenized(fn):
-    """fn(), the tokenizer at work on a request's texts: whatever it raises is the request's fault (TokenizerError)."""
+    """fn(), the tokenizer at work on a request's texts: whatever it raises is the request's fault (TokenizerError),
+    but for a refusal of its own (InputError; ApiError: a decoded text past `--max-input-chars`)."""
     try:
         return fn()
-    except InputError:
+    except (InputError, ApiError):
         raise
     except Exception as exc:
         raise TokenizerError(f"the tokenizer could not read an input: {type(exc).__name__}: {exc}") from None
@@ -290,7 +300,7 @@ def embedding_pieces(state: AppState, req: EmbedRequest, openai_ids: bool = Fals
     prompt = request_prompt(state, req)
     texts, token_ids = req.texts, req.token_ids
     if token_ids is not None and openai_ids and state.config.token_ids == "openai":
-        texts, token_ids = openai_token_texts(token_ids, req.model), None
+        texts, token_ids = decoded(state, openai_token_texts(token_ids, req.model), "input"), None
     if token_ids is not None:
         vocab = enc.arch.vocab_size
         for i, ids in enumerate(token_ids):
@@ -298,8 +308,16 @@ def embedding_pieces(state: AppState, req: EmbedRequest, openai_ids: bool = Fals
                 raise InputError(f"input {i} has token id {int(ids.max())}, outside the vocabulary of {vocab}")
         if not prompt:
             return tok.given(token_ids, req.long, direction=req.direction, limit=req.cut)
-        texts = tok.tokenizer.decode_batch([ids.tolist() for ids in token_ids], skip_special_tokens=True)
+        texts = decoded(state, tok.tokenizer.decode_batch([ids.tolist() for ids in token_ids],
+                                                          skip_special_tokens=True), "inputs")
     return tok.documents(texts, req.long, prompt=prompt, direction=req.direction, limit=req.cut)
+
+
+def decoded(state: AppState, texts: list[str], field: str) -> list[str]:
+    """Texts decoded from token ids, held to `--max-input-chars` as texts sent as such are: one id decodes to up to
+    a hundred-odd characters, so a body of ids within `--max-body-bytes` would otherwise tokenize a text of many
+    megabytes (gigabytes of the tokenizer's memory)."""
+    return [api.within_limit(t, f"{field}[{i}]", state.limits) for i, t in enumerate(texts)]
 
 
 def vectors_of(ran: Ran, req: EmbedRequest) -> np.ndarray:
