@@ -137,6 +137,7 @@ def spec(version: str) -> dict:
         "paths": {
             "/v1/embeddings": _post("OpenAI embeddings (`?explain=1` adds the latency math)", EMBEDDINGS_BODY,
                                     embeddings_ok),
+            "/embeddings": _post("OpenAI embeddings (TEI's name for /v1/embeddings)", EMBEDDINGS_BODY, embeddings_ok),
             "/v1/plan": _post("The plan and predicted times of an embeddings body, without running it",
                               EMBEDDINGS_BODY, {"type": "object"}),
             "/embed": _tei("TEI /embed", EMBED_BODY, MATRIX),
