@@ -287,6 +287,59 @@ async def test_a_job_past_its_timeout_fails_with_timeout_and_the_engine_drops_it
         await server.stop()
 
 
+async def test_a_draining_front_end_still_sends_its_accepted_requests_jobs_and_the_engine_waits_for_it(tmp_path):
+    """A front-end draining (SIGTERM) refuses new requests at the door, but one it accepted before may be
+    tokenizing still: its job goes to the engine and is answered, as `Pipeline.run` takes jobs while draining
+    (before: 503 "the server is draining" with --workers N alone). The engine, signalled with it, waits for its
+    front-ends to go (`without_front_ends`) before it drains."""
+    from jaxserve.runtime.buckets import fixed
+    from jaxserve.scheduling.jobs import Job
+    from jaxserve.scheduling.link import EngineLink, LinkServer
+    from jaxserve.scheduling.planner import pack
+
+    loop = asyncio.get_running_loop()
+
+    class Held:  # a pipeline whose jobs finish when the test says
+        def submit(self, job, cls, deadline_s, requests=1):
+            from jaxserve.scheduling.pipeline import RequestTiming
+
+            self.job, self.done = job, loop.create_future()
+            return 5, self.done, RequestTiming(0.0)
+
+        def cancel(self, jid):
+            pass
+
+    path, held = str(tmp_path / "engine.sock"), Held()
+    server = LinkServer(path, lambda: {"ready": True})
+    await server.start()
+    link = EngineLink(path, retry_s=0.01)
+    await link.start()
+    try:
+        await server.ready(held, {"model": "m"})
+        assert await link.settled(BOUND_S)
+        assert not await server.without_front_ends(0.1)  # one is connected
+        assert await link.drain(BOUND_S) and link.draining  # nothing running: drained at once (the HTTP layer then
+        # waits for the requests it is handling, as with one process)
+        ids, offsets = np.arange(3, dtype=np.int32), np.array([0, 3])
+        job = Job(pack([3], fixed([(1, 16)])), ids, offsets, None, 4, "pooled")
+        ran = asyncio.create_task(link.run(job, join=False))
+        async with asyncio.timeout(BOUND_S):
+            while not hasattr(held, "done"):
+                await asyncio.sleep(0.01)
+        held.job.gathered.append((np.zeros(1, np.int64), np.ones((1, 4), np.float32)))  # as the batches gather it
+        held.done.set_result(None)
+        await asyncio.wait_for(ran, BOUND_S)
+        np.testing.assert_array_equal(job.out, np.ones((1, 4), np.float32))
+        gone = asyncio.create_task(server.without_front_ends(BOUND_S))
+        await asyncio.sleep(0.1)
+        assert not gone.done()
+        await link.stop()
+        assert await asyncio.wait_for(gone, BOUND_S)
+    finally:
+        await link.stop()
+        await server.stop()
+
+
 def test_a_request_timing_crosses_the_link_whole():
     """RequestTiming pickles as its fields' values (`__reduce__`): every field, set or default, comes back."""
     import pickle

@@ -32,10 +32,11 @@ POLL_S = 0.05
 BOUND_S = 120.0  # the most any state is waited for (a slow machine's start-up)
 
 
-def serve(*flags: str) -> tuple[str, subprocess.Popen]:
+def serve(*flags: str, session: bool = False) -> tuple[str, subprocess.Popen]:
+    """`session`: in a process group of its own, which a test may signal whole."""
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "jaxserve.cli", "serve", "--port", str(port), *flags],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=session)
     return f"http://127.0.0.1:{port}", proc
 
 
@@ -229,6 +230,48 @@ def _accepted(sock, n: int) -> list:
     while len(got) < n and select.select([sock], [], [], BOUND_S / 10)[0]:
         got.append(sock.accept()[0])
     return got
+
+
+def test_a_stopping_server_refuses_new_connections_once_its_front_ends_close_their_sockets():
+    """The supervisor closes its own copies of the listening sockets before it signals the front-ends: once each
+    front-end has closed its copy (its drain's first step), a new connection is refused at once, as by one process.
+    Before, the supervisor's copy kept the port listening through the drain: connections were queued that no one
+    would accept, and reset when it ended."""
+    import socket
+
+    from jaxserve.http.workers import Supervisor, listeners
+
+    holder, socks = listeners("127.0.0.1", 0, 1)
+    port = holder.getsockname()[1]
+    supervisor = Supervisor(None, socks, 1)
+    own = socks[0].dup()  # the front-end's copy (its process's, inherited)
+    own.listen()  # as its aiohttp site does
+
+    class FrontEnd:  # stands in for the front-end's process: its drain closes its copy
+        alive, refused = True, None
+
+        def is_alive(self):
+            return self.alive
+
+        def terminate(self):
+            own.close()
+            self.alive = False
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=BOUND_S).close()
+                self.refused = False
+            except ConnectionRefusedError:
+                self.refused = True
+
+        def join(self, timeout=None):
+            pass
+
+    front = FrontEnd()
+    supervisor.frontends = [front]
+    try:
+        supervisor.stop(0)
+        assert front.refused
+    finally:
+        holder.close()
 
 
 def test_each_front_end_listens_on_its_own_socket_of_the_port():
@@ -517,11 +560,16 @@ def test_a_table_shorter_than_the_model_truncates_at_its_longest_seqlen(tmp_path
         enc.embed([long], long="error")
 
 
-def test_sigterm_drains_every_process_and_loses_no_accepted_request(files):
+@pytest.mark.parametrize("to", ["supervisor", "group"])
+def test_sigterm_drains_every_process_and_loses_no_accepted_request(files, to):
     """SIGTERM to the supervisor while requests are in flight: the front-ends finish what they accepted (the engine
-    still runs them), then the engine stops; every request is answered 200, or refused cleanly, and all exit."""
+    still runs them), then the engine stops; every request is answered 200, or refused cleanly, and all exit. The
+    same when every process of the group gets it at once (systemd stopping the unit, Ctrl-C): each front-end then
+    gets a second from the supervisor, which once cancelled its drain (every connection closed unanswered), and
+    the engine waits for the front-ends to go before it drains."""
     path, table = files
-    url, proc = serve("--model", str(path), "--buckets", str(table), "--no-cache", "--workers", "2")
+    url, proc = serve("--model", str(path), "--buckets", str(table), "--no-cache", "--workers", "2",
+                      session=to == "group")
 
     async def scenario():
         await ready(url, proc)
@@ -534,7 +582,10 @@ def test_sigterm_drains_every_process_and_loses_no_accepted_request(files):
 
             tasks = [asyncio.create_task(one(i)) for i in range(40)]
             await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)  # load is flowing
-            proc.send_signal(signal.SIGTERM)
+            if to == "group":
+                os.killpg(proc.pid, signal.SIGTERM)
+            else:
+                proc.send_signal(signal.SIGTERM)
             return await asyncio.gather(*tasks, return_exceptions=True)
 
     try:

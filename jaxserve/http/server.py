@@ -13,6 +13,7 @@ import asyncio
 import hmac
 import logging
 import os
+import signal
 import time
 
 from aiohttp import web
@@ -244,6 +245,28 @@ def new_loop() -> asyncio.AbstractEventLoop:
     return uvloop.new_event_loop()
 
 
+def run_app(app: web.Application, config: ServerConfig, **where) -> None:
+    """aiohttp's `run_app` (`where`: host and port, or sock), draining on the first SIGTERM or SIGINT. A SIGTERM
+    after it is let be: systemd stopping the unit signals every process of it, and the supervisor then its
+    front-ends, and aiohttp's own handler would take the second as the first, cancelling the drain and closing
+    every connection unanswered. A second SIGINT (Ctrl-C again) still stops at once."""
+    loop = new_loop()
+
+    def first_signal():
+        loop.add_signal_handler(signal.SIGTERM, lambda: None)
+        loop.add_signal_handler(signal.SIGINT, _graceful_exit)
+        _graceful_exit()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, first_signal)
+    web.run_app(app, handler_cancellation=True, shutdown_timeout=DRAIN_TIMEOUT_S, access_log=access_logger(config),
+                loop=loop, handle_signals=False, **where)
+
+
+def _graceful_exit():
+    raise web.GracefulExit()
+
+
 def access_logger(config: ServerConfig):
     """aiohttp's access log when asked for (`--access-log`), else none."""
     return logging.getLogger("aiohttp.access") if config.access_log else None
@@ -274,6 +297,4 @@ def serve(config: ServerConfig, host: str, port: int) -> None:
              started.summary())
     app = create_app(config, encoder, started)
     app[STATE].settle_heap = True
-    web.run_app(app, host=host, port=port, handler_cancellation=True,
-                access_log=access_logger(config), loop=new_loop(),
-                shutdown_timeout=DRAIN_TIMEOUT_S, print=lambda msg: log.info(msg))
+    run_app(app, config, host=host, port=port, print=lambda msg: log.info(msg))

@@ -157,6 +157,7 @@ async def _engine(config, path: str, run_dir: str, first: bool) -> bool:
         held["failed"] = warmup_failed(exc)
         log.exception(held["failed"])
     await stop.wait()
+    await link.without_front_ends(DRAIN_TIMEOUT_S)  # they drain first (the supervisor stops them before this one)
     if pipeline is not None:
         await pipeline.drain(DRAIN_TIMEOUT_S)
         await pipeline.stop()
@@ -177,17 +178,14 @@ def frontend_main(config, sock: socket.socket, path: str, run_dir: str, index: i
     """A front-end process: the aiohttp app on its listening socket, its jobs sent to the engine."""
     _follow_parent(parent)
     _logging(f"frontend-{index}")
-    from aiohttp import web
-
-    from jaxserve.http.server import DRAIN_TIMEOUT_S, access_logger, create_app, new_loop
+    from jaxserve.http.server import create_app, run_app
     from jaxserve.http.state import STATE
     from jaxserve.scheduling.link import EngineLink
 
     app = create_app(config, link=EngineLink(path))
     app[STATE].processes_file = os.path.join(run_dir, PROCESSES_FILE)
     app[STATE].settle_heap = True
-    web.run_app(app, sock=sock, handler_cancellation=True, shutdown_timeout=DRAIN_TIMEOUT_S, print=None,
-                access_log=access_logger(config), loop=new_loop())
+    run_app(app, config, sock=sock, print=None)
 
 
 # ---- the supervisor ----
@@ -317,8 +315,12 @@ class Supervisor:
             self.socks[i] = None
 
     def stop(self, drain_s: float) -> None:
-        """Front-ends first (each finishes what it accepted), then the engine; whatever is left is killed."""
+        """Front-ends first (each finishes what it accepted), then the engine; whatever is left is killed. This
+        process's copies of the listening sockets are closed first: the port then refuses new connections once each
+        front-end has closed its own, as one process's does, where the kernel would queue them through the drain."""
         self.stopping = True
+        for i in range(self.workers):
+            self.close_listener(i)
         for proc in self.frontends:
             if proc is not None and proc.is_alive():
                 proc.terminate()

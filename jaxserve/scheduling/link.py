@@ -105,6 +105,17 @@ class LinkServer:
         for wire in list(self._wires):
             wire.close()
 
+    async def without_front_ends(self, timeout_s: float) -> bool:
+        """Wait until no front-end is connected (True), or `timeout_s` (False). A SIGTERM to every process at once
+        (systemd stopping the unit, Ctrl-C in a terminal) reaches the engine while the front-ends drain: requests
+        they accepted may still be tokenizing, and their jobs must find the engine serving."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while self._wires:
+            if asyncio.get_running_loop().time() > deadline:
+                return False
+            await asyncio.sleep(0.05)
+        return True
+
     async def ready(self, pipeline: Pipeline, card: dict, loaded_timeout_s: float = LOADED_TIMEOUT_S) -> None:
         """Serve `pipeline`; hand every front-end the card, and say "ready" once each one connected has loaded it
         (unpickling the model view takes a front-end a fraction of a second): every front-end's /health then
@@ -375,7 +386,8 @@ class EngineLink:
         self._fail_all(Draining("the server stopped before this request finished"))
 
     async def drain(self, timeout: float) -> bool:
-        """This front-end takes no new jobs; wait for its own to finish (the engine serves the other front-ends)."""
+        """Say so on /health (the HTTP layer refuses new requests); wait for this front-end's jobs to finish (the
+        engine serves the other front-ends)."""
         self._draining = True
         try:
             await asyncio.wait_for(self._idle.wait(), timeout)
@@ -415,9 +427,8 @@ class EngineLink:
         rows. A one-sequence job without a deadline (a query; `join`: allowed) goes to the engine joined with the
         others of its class that arrive in the same turn of the event loop (`jobs.joined`): the engine's work per
         job is then done once for all of them. Its timing is then the joined job's, and its rows are dropped only
-        when every request joined with it has gone."""
-        if self._draining:
-            raise Draining("the server is draining")
+        when every request joined with it has gone. Jobs are taken while draining, as `Pipeline.run` takes them: the
+        HTTP layer refuses new requests, and one it accepted before (tokenizing still) is owed its answer."""
         if join and deadline_s is None and len(job.lengths) == 1 and job.output == "pooled":
             ticket = self._join(job, cls)
         else:
