@@ -140,6 +140,8 @@ def test_two_front_ends_serve_as_one_process_does(files):
                    if pid not in (procs["engine"], *procs["frontends"]))
         assert info["device"]["platform"] == "cpu" and info["buckets"] and "SIMULATED_DEVICE" not in info
         assert info["host_dispatch"]["source"] == "measured"  # the engine's, as its status says
+        # the server's limits, not one front-end's share of them (each holds half: `frontend_config`)
+        assert info["max_concurrent_requests"] == 512 and info["limits"]["max_inflight_bytes"] == 256 * 2**20
         # the engine runs the model with JAX; a front-end never imports it (its memory map holds no jaxlib)
         assert maps_jax(procs["engine"]) and not any(maps_jax(pid) for pid in procs["frontends"])
         # `--malloc auto`: the first allocator installed here preloaded into every child (glibc's where none is),

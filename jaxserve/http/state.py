@@ -160,6 +160,7 @@ class AppState:
 
     def __init__(self, config: ServerConfig, encoder: ModelView | None, started: Startup | None = None, link=None):
         self.config = config
+        self.server_config = config  # a front-end of several: the whole server's (`config` holds its share of the limits)
         self.encoder = encoder
         self.startup = started or Startup()
         self.metrics = ServerMetrics()

@@ -174,15 +174,18 @@ class EngineView:
     params: None = None
 
 
-def frontend_main(config, sock: socket.socket, path: str, run_dir: str, index: int, parent: int) -> None:
-    """A front-end process: the aiohttp app on its listening socket, its jobs sent to the engine."""
+def frontend_main(config, sock: socket.socket, path: str, run_dir: str, index: int, workers: int,
+                  parent: int) -> None:
+    """A front-end process: the aiohttp app on its listening socket, its jobs sent to the engine, with its share of
+    the server's limits (`frontend_config`); /info says the server's."""
     _follow_parent(parent)
     _logging(f"frontend-{index}")
     from jaxserve.http.server import create_app, run_app
     from jaxserve.http.state import STATE
     from jaxserve.scheduling.link import EngineLink
 
-    app = create_app(config, link=EngineLink(path))
+    app = create_app(frontend_config(config, workers), link=EngineLink(path))
+    app[STATE].server_config = config
     app[STATE].processes_file = os.path.join(run_dir, PROCESSES_FILE)
     app[STATE].settle_heap = True
     run_app(app, config, sock=sock, print=None)
@@ -244,8 +247,8 @@ class Supervisor:
         # would still not touch the accelerator; the tokenizer's threads: its share of the cores
         from jaxserve.runtime import host
 
-        self.frontends[i] = self._start(frontend_main, (frontend_config(self.config, self.workers), self.listening(i),
-                                                        self.path, self.run_dir, i),
+        self.frontends[i] = self._start(frontend_main, (self.config, self.listening(i), self.path, self.run_dir, i,
+                                                        self.workers),
                                         f"jaxserve-frontend-{i}", JAX_PLATFORMS="cpu",
                                         **host.tokenizer_env(host.usable_cores(), self.workers, os.environ))
         self._write_processes()

@@ -44,14 +44,14 @@ async def info(request: web.Request) -> web.Response:
     body = {
         # TEI's fields (router/src/lib.rs `Info`), which TEI clients read
         "model_id": state.model_name, "model_sha": None, "served_model_name": state.model_name,
-        "max_concurrent_requests": cfg.max_concurrent, "max_client_batch_size": cfg.max_client_batch,
+        "max_concurrent_requests": state.server_config.max_concurrent, "max_client_batch_size": cfg.max_client_batch,
         "max_batch_requests": None, "auto_truncate": cfg.long == "truncate", "tokenization_workers": state.pool_threads[0],
         "version": _version(), "sha": None, "docker_label": None,
         # jaxserve's
         "ready": state.ready,
         "limits": {
             "max_client_batch_size": cfg.max_client_batch, "max_input_chars": cfg.max_input_chars,
-            "max_body_bytes": cfg.max_body_bytes, "max_inflight_bytes": cfg.max_inflight_bytes,
+            "max_body_bytes": cfg.max_body_bytes, "max_inflight_bytes": state.server_config.max_inflight_bytes,
             "max_queue_tokens": state.service.batcher.max_queued if state.service else cfg.max_queue_tokens,
             "max_wait_ms": cfg.max_wait_ms, "tokenizer_threads": state.pool_threads[0],
             "respond_threads": state.pool_threads[1],
