@@ -624,3 +624,37 @@ async def test_metrics_add_up_every_front_end_and_keep_those_of_one_gone(tmp_pat
         for link in links:
             await link.stop()
         await server.stop()
+
+
+async def test_a_joined_job_refused_for_room_goes_again_query_by_query(tmp_path):
+    """A nearly full engine queue refuses the joined job whole (429) where some of its queries alone would be taken,
+    as one process takes them: each query then goes again as a job of its own, admitted or refused (its own size
+    named) on its own."""
+    from jaxserve.scheduling.batcher import QueueFull
+
+    class Room(Echo):  # room for `left` more sequences
+        left = 2
+
+        def submit(self, job, cls, deadline_s, requests=1):
+            if len(job.lengths) > self.left:
+                raise QueueFull(f"{len(job.lengths)} more would pass the limit")
+            self.left -= len(job.lengths)
+            return super().submit(job, cls, deadline_s, requests)
+
+    room = Room(asyncio.get_running_loop())
+    server, link, table = await linked(tmp_path, room)
+    try:
+        jobs = [query(table, 10 * (i + 1), 2) for i in range(3)]
+        tasks = [asyncio.ensure_future(link.run(j)) for j in jobs]
+        await until(lambda: len(room.got) == 2)
+        assert [requests for *_, requests in room.got] == [1, 1]  # each alone, after the three were refused together
+        for jid in range(2):
+            room.finish(jid)
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        assert results[:2] == [None, None] and isinstance(results[2], QueueFull) and "1 more" in str(results[2])
+        for i, j in enumerate(jobs[:2]):
+            np.testing.assert_array_equal(j.out, [[10 * (i + 1), 2, 1, 0]])
+    finally:
+        await link.stop()
+        await server.stop()
+

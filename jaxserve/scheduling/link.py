@@ -42,7 +42,7 @@ import time
 
 import numpy as np
 
-from jaxserve.scheduling.batcher import BULK
+from jaxserve.scheduling.batcher import BULK, QueueFull
 from jaxserve.scheduling.jobs import Job, joined, place
 from jaxserve.scheduling.pipeline import BatchError, Draining, Pipeline
 from jaxserve.scheduling.timeouts import Timeouts
@@ -57,7 +57,8 @@ LOADED_TIMEOUT_S = 30.0
 PUSH_WAIT_S = 5.0  # the longest `LinkServer.push` waits on a front-end that does not read (the card is megabytes)
 JOIN_MOST = 64  # one-sequence jobs of one turn of the event loop sent to the engine as one job, at most
 # ... and at most this share of the engine's queue (its tokens at their rows' seqlens): the engine admits a job
-# whole or not at all, so a joined job must not be refused (413, 429) where its queries alone would be taken
+# whole or not at all, so a joined job must not be refused as too large (413) where its queries alone would be
+# taken (one refused for room, 429, goes again query by query: `_apart`)
 JOIN_QUEUE_SHARE = 1 / 8
 
 
@@ -510,7 +511,7 @@ class EngineLink:
         """The joined job's reply (or error) -> each of its requests, its own vector (sequence i is ticket i's)."""
         self._pending.pop(together.rid, None)
         exc = Draining("the server stopped before this request finished") if future.cancelled() else future.exception()
-        if isinstance(exc, BatchError):
+        if isinstance(exc, (BatchError, QueueFull)):
             self._apart(together)
             return
         if exc is None:
@@ -526,9 +527,10 @@ class EngineLink:
                 t.future.set_result(([(_FIRST, out[i : i + 1])], {0: kept[i]} if i in kept else {}, timing))
 
     def _apart(self, together: _Joined) -> None:
-        """A batch with rows of a joined job failed, and the engine fails a job whole: each query still waiting goes
-        again as a job of its own, so that only those whose own rows fail get the error (one failing batch fails
-        only its own requests; the others' device work is done twice, on this path only)."""
+        """A batch with rows of a joined job failed, or the engine's queue had no room for it, and the engine fails
+        and admits a job whole: each query still waiting goes again as a job of its own, so that only those whose
+        own rows fail get the error (one failing batch fails only its own requests; the others' device work is
+        done twice, on this path only), and the queue takes the queries it has room for, as one process would."""
         for t in together.tickets:
             if t.future.done():
                 continue
