@@ -240,9 +240,7 @@ def cmd_embed(args) -> int:
     from jaxserve import Encoder
 
     enc = Encoder.from_pretrained(args.model, dtype=args.dtype, attention=args.attention, task=args.task)  # loads weights; compiles nothing
-    if enc.head.kind == "multivector":
-        raise JaxserveError("jaxserve embed does not write multi-vector (ColBERT) embeddings; use "
-                            "Encoder.embed_multivector or POST /v1/embeddings with is_query (docs/models.md)")
+    refuse_multivector(enc, "embed")
     sparse = enc.head.kind == "sparse"  # SPLADE: JSON Lines of {"index", "value"} lists
     if sparse != args.output.endswith(SPARSE_SUFFIX):
         raise JaxserveError(f"--output must end in {SPARSE_SUFFIX} for a sparse (SPLADE) model (per row its "
@@ -296,6 +294,15 @@ def embed_on_ray(args, corpus, sink, table, total: int) -> int:
     return 0
 
 
+def refuse_multivector(enc, command: str) -> None:
+    """The offline commands run pooled outputs: a multi-vector model's are per token (`Encoder.embed_multivector`)."""
+    from jaxserve.errors import JaxserveError
+
+    if enc.head.kind == "multivector":
+        raise JaxserveError(f"jaxserve {command} does not run multi-vector (ColBERT) models; use "
+                            "Encoder.embed_multivector or POST /v1/embeddings with is_query (docs/models.md)")
+
+
 def cmd_explain(args) -> int:
     """The batches of a file of documents and the latency math; with --run, also run it and measure."""
     import time
@@ -308,8 +315,10 @@ def cmd_explain(args) -> int:
     corpus.check()  # before any compile
     docs = list(corpus.texts())
     enc = Encoder.from_pretrained(args.model, dtype=args.dtype, attention=args.attention, task=args.task)
+    refuse_multivector(enc, "explain")
+    prompt = enc.embedding_config.prompt(args.prompt_name, args.prompt)  # before any compile: an unknown name fails
     table = enc.warmup(table_for(enc, args), progress=True)
-    pieces, rows = enc.prepare(docs, long=args.long)
+    pieces, rows = enc.prepare(docs, long=args.long, prompt=prompt)
     measured = None
     if args.run:
         enc.run(pieces, rows)  # once to settle caches; the second run is the measurement
@@ -362,6 +371,7 @@ def build_parser() -> argparse.ArgumentParser:
     _table_args(explain)
     explain.add_argument("--long", default="truncate", choices=["truncate", "chunk", "error"])
     explain.add_argument("--run", action="store_true", help="also run the plan and print measured times")
+    _prompt_args(explain)
     explain.set_defaults(func=cmd_explain)
 
     embed = sub.add_parser("embed", help="embed a corpus file into .npy, .parquet or (SPLADE) .jsonl, streaming "
@@ -385,10 +395,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "readable from every node")
     embed.add_argument("--ray-actors", type=int, metavar="N",
                        help="with --ray: actors in the pool (default: one per GPU of the cluster, else one per node)")
-    prompts = embed.add_mutually_exclusive_group()
-    prompts.add_argument("--prompt-name", help="one of the checkpoint's prompts, in front of every document "
-                         "(default: the checkpoint's default_prompt_name, if any)")
-    prompts.add_argument("--prompt", help="a prompt text in front of every document")
+    _prompt_args(embed)
     _model_args(embed)
     _table_args(embed)
     embed.set_defaults(func=cmd_embed)
@@ -558,6 +565,13 @@ def _table_args(p: argparse.ArgumentParser, timed: bool = True) -> None:
     else:
         p.set_defaults(throughput_knee="on")
     p.add_argument("--batch-multiple", type=int, help="round batches down to a multiple of this (default: 8 on GPU, 1 on CPU)")
+
+
+def _prompt_args(parser) -> None:
+    prompts = parser.add_mutually_exclusive_group()
+    prompts.add_argument("--prompt-name", help="one of the checkpoint's prompts, in front of every document "
+                         "(default: the checkpoint's default_prompt_name, if any)")
+    prompts.add_argument("--prompt", help="a prompt text in front of every document")
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:

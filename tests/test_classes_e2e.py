@@ -87,6 +87,7 @@ async def test_query_overtakes_queued_bulk(make_server, tiny_enc):
     assert r["launched_q"] == r["launched_at_submit"] < r["prepared_at_submit"]
     explain = r["body"]["explain"]
     assert explain["request_class"] == "interactive" and explain["waited_behind"] == {"interactive": 0}
+    assert explain["queueing"]["rows_ahead"] == 0  # the bulk rows waiting are not ahead of it
     # goodput by class: every sequence dispatched once, every batch timed under the class that led it
     metrics = r["metrics"]
     assert _sample(metrics, "jaxserve_class_sequences_total", "bulk") == len(BULK_DOCS)
@@ -100,6 +101,7 @@ async def test_a_bulk_query_waits_its_turn(make_server, tiny_enc):
     assert r["q"] >= r["b"][-1]  # FIFO within bulk: with or after the last bulk batch
     body = r["body"]
     assert body["explain"]["request_class"] == "bulk" and body["explain"]["waited_behind"]["bulk"] > 0
+    assert body["explain"]["queueing"]["rows_ahead"] > 0
 
 
 async def test_bad_priority_is_a_400(make_server, tiny_enc):

@@ -89,6 +89,33 @@ async def test_plan_endpoint_never_runs_the_model_or_compiles(make_server, tiny_
     assert bad.status == 400
 
 
+async def test_a_request_the_queue_could_never_hold_is_a_413_on_the_plan_as_when_run(make_server, tiny_enc):
+    """/v1/plan and ?explain=1 refuse what /v1/embeddings refuses as larger than the whole queue (413), where the
+    plan answered 200 with the batches of a request that would never run."""
+    client = await make_server(tiny_enc, max_queue_tokens=64)
+    body = {"input": ["the model " * 6] * 8}  # eight rows of seqlen 16: 128 tokens at their seqlens
+    for path in ("/v1/embeddings", "/v1/plan", "/v1/embeddings?explain=1"):
+        resp = await client.post(path, json=body)
+        assert resp.status == 413 and "the queue holds at most 64" in (await resp.json())["error"]["message"], path
+    assert (await client.post("/v1/plan", json={"input": ["the model"]})).status == 200
+
+
+def test_the_plan_is_the_batchers_for_the_requests_class_and_the_servers_classes():
+    """While interactive work is likely, a bulk request's batches are capped (`Classes.bulk_dispatch_s`): the plan
+    forms them as the server's batcher will, not as on a batcher that never saw a query."""
+    from jaxserve.scheduling.batcher import BULK, INTERACTIVE, Classes
+
+    rows = pack([60, 50, 40, 30], TIMED)  # four rows at seqlen 64
+    # a bulk batch at 64 within 5 ms: one row (4 ms), not four (12 ms)
+    classes = Classes(bulk_dispatch_s=0.005, bulk_efficiency=0.0)
+    shapes = lambda ds: [d.bucket.shape for d in ds]
+    assert shapes(simulate(rows, TIMED, BULK, classes, likely=False)) == [(4, 64)]
+    assert shapes(simulate(rows, TIMED, BULK, classes, likely=True)) == [(1, 64)] * 4
+    assert shapes(simulate(rows, TIMED, INTERACTIVE, classes)) == [(4, 64)]  # a query's own batches: not capped
+    e = explain(rows, TIMED, LiveTimings(TIMED), cls=BULK, classes=classes, likely=True)
+    assert e["dispatches"] == 4 and e["predicted_s"] == pytest.approx(4 * 0.004)
+
+
 async def test_explain_on_an_embeddings_request(make_server, tiny_enc):
     client = await make_server(tiny_enc)
     docs = ["the model", "a batch of jax documents"]
@@ -137,6 +164,33 @@ def test_explain_command_prints_the_report(tmp_path):
                           "--buckets", str(table), "--run"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "30 documents" in out.stdout and "predicted: jaxserve" in out.stdout and "measured: run_s" in out.stdout
+
+
+def test_explain_command_puts_the_checkpoints_default_prompt_in_front_as_the_server_does(tmp_path, capsys):
+    """`jaxserve explain` tokenizes as serve, Encoder.embed and jaxserve embed do: the checkpoint's default prompt in
+    front of each document (or --prompt-name / --prompt), where it counted the documents alone; an unknown prompt
+    name is refused before anything compiles."""
+    import tiny
+
+    from jaxserve import cli
+    from jaxserve.checkpoint.tokenize import TextTokenizer
+
+    path = tiny.write_checkpoint(tmp_path / "ckpt", max_seq_length=32)
+    (path / "config_sentence_transformers.json").write_text(json.dumps(
+        {"prompts": {"query": "query the model of jax: "}, "default_prompt_name": "query"}))
+    docs = tmp_path / "docs.txt"
+    texts = [f"the model {'jax ' * (i % 5)}" for i in range(12)]
+    docs.write_text("\n".join(texts) + "\n")
+    table = tmp_path / "t.json"
+    TINY_TABLE.save(table)
+    tok = TextTokenizer.from_dir(path, 32)
+    before = compiles.xla_compiles_total()
+    assert cli.main(["explain", str(docs), "--model", str(path), "--buckets", str(table), "--prompt-name", "nope"]) == 2
+    assert "unknown prompt_name 'nope'" in capsys.readouterr().err and compiles.xla_compiles_total() == before
+    for extra, prompt in (([], "query the model of jax: "), (["--prompt", "jax: "], "jax: ")):
+        assert cli.main(["explain", str(docs), "--model", str(path), "--buckets", str(table), *extra]) == 0
+        want = int(tok.documents(texts, prompt=prompt).lengths.sum())
+        assert f"tokens: {want:,} real" in capsys.readouterr().out
 
 
 async def test_token_output_runs_are_timed_apart_from_pooled_ones(make_server, tiny_enc):

@@ -394,8 +394,9 @@ def test_warm_artifact_keeps_every_token_bucket(tmp_path, st_model):
         np.testing.assert_allclose(a, b, atol=1e-6)
 
 
-def test_jaxserve_embed_refuses_a_multivector_model(st_model, tmp_path, capsys):
-    """Not silently pooled vectors: `jaxserve embed` says it does not write multi-vector embeddings."""
+def test_jaxserve_embed_and_explain_refuse_a_multivector_model(st_model, tmp_path, capsys):
+    """Not silently pooled vectors: `jaxserve embed` says it does not write multi-vector embeddings, and `jaxserve
+    explain` that it does not run them (it explained and ran a pooled workload the server never runs)."""
     from jaxserve.cli import main
 
     path, _ = st_model
@@ -403,6 +404,8 @@ def test_jaxserve_embed_refuses_a_multivector_model(st_model, tmp_path, capsys):
     corpus.write_text("\n".join(DOCUMENTS) + "\n")
     assert main(["embed", "--input", str(corpus), "--model", str(path), "--output", str(tmp_path / "v.npy")]) == 2
     assert "multi-vector" in capsys.readouterr().err
+    assert main(["explain", str(corpus), "--model", str(path)]) == 2
+    assert "jaxserve explain does not run multi-vector" in capsys.readouterr().err
 
 
 @settings(max_examples=50, deadline=None)

@@ -211,9 +211,18 @@ def ask_for(request: web.Request, body, route: str | None = None, runs: str | No
                   request.get(BODY_BYTES, 0))
 
 
-def explain_rows(state: AppState, rows, pieces, output: str = "pooled") -> dict:
-    """The latency math of one request's rows on its output's table, given what waits and runs ahead of it now."""
-    return state.service.explain(rows, pieces.doc, output, state.config.max_wait_ms / 1000)
+def explain_rows(state: AppState, rows, pieces, ask: Ask, output: str = "pooled") -> dict:
+    """The latency math of one request's rows on its output's table, as the class it gets (`decide`), given what
+    waits ahead of it (of the classes it waits behind) and runs now; 413 where the queue could never hold it."""
+    cls, _ = decide(ask, pieces.count, pieces.tokens, state.config.class_policy)
+    try:
+        return state.service.explain(rows, pieces.doc, output, state.config.max_wait_ms / 1000, cls)
+    except TooLarge as err:
+        raise too_large(err) from None
+
+
+def too_large(err: TooLarge) -> ApiError:
+    return ApiError(413, f"{err} (--max-queue-tokens); send fewer or shorter inputs", "request_too_large")
 
 
 async def run_request(state: AppState, make_pieces, want_explain: bool = False, output: str = "pooled",
@@ -232,7 +241,7 @@ async def run_request(state: AppState, make_pieces, want_explain: bool = False, 
         width = enc.token_dim if output == "tokens" else enc.out_dim
         job = Job(rows, pieces.ids, pieces.offsets, pieces.types, width, output)
         t2 = time.perf_counter()
-        explained = explain_rows(state, rows, pieces, output) if want_explain else None
+        explained = explain_rows(state, rows, pieces, ask, output) if want_explain else None
         return pieces, job, explained, {"tokenize_s": t1 - t0, "plan_s": t2 - t1}
 
     policy = state.config.class_policy
@@ -250,7 +259,7 @@ async def run_request(state: AppState, make_pieces, want_explain: bool = False, 
         raise ApiError(503, f"the request did not finish within {timeout:g} s; its waiting rows were dropped",
                        "timeout", {"Retry-After": str(RETRY_AFTER_S)}) from None
     except TooLarge as err:
-        raise ApiError(413, f"{err} (--max-queue-tokens); send fewer or shorter inputs", "request_too_large") from None
+        raise too_large(err) from None
     except QueueFull as err:
         raise ApiError(429, f"queue full: {err}", "rate_limit_error", {"Retry-After": str(RETRY_AFTER_S)}) from None
     except Draining as err:

@@ -260,9 +260,7 @@ class Batcher:
         """Queue one job's rows (their seqlens and sequences per row), all or nothing."""
         runs = _by_seqlen(seqlens, docs)
         n = sum(s * len(rows) for s, rows, _ in runs)  # tokens at their rows' seqlens
-        if n > self.max_queued:
-            raise TooLarge(f"the request needs {n} tokens (its rows at their seqlens); the queue holds at most "
-                           f"{self.max_queued}")
+        self.within(n)
         self._admit(n, cls)
         if cls == INTERACTIVE:
             self.interactive.last = now
@@ -275,6 +273,12 @@ class Batcher:
         self.queued_by[cls] += n
         if cls == BULK:
             self._age_at = min(self._age_at, now + self.classes.max_bulk_wait_s)
+
+    def within(self, n: int) -> None:
+        """Raise TooLarge where a job of `n` tokens (its rows at their seqlens) is more than the whole queue holds."""
+        if n > self.max_queued:
+            raise TooLarge(f"the request needs {n} tokens (its rows at their seqlens); the queue holds at most "
+                           f"{self.max_queued}")
 
     def _admit(self, n: int, cls: int) -> None:
         """Raise QueueFull unless `n` more tokens of class `cls` may wait. Bulk tokens may fill `bulk_limit`, and a

@@ -17,7 +17,7 @@ import threading
 import numpy as np
 
 from jaxserve.runtime.buckets import Bucket, BucketTable, host_time
-from jaxserve.scheduling.batcher import Batcher, Dispatch, covers
+from jaxserve.scheduling.batcher import BULK, Batcher, Classes, Dispatch, covers
 from jaxserve.scheduling.jobs import ragged_arange
 from jaxserve.scheduling.planner import Rows, route
 
@@ -51,10 +51,14 @@ class LiveTimings:
         return None if run is None else max(run, host_time(host_s))
 
 
-def simulate(rows: Rows, table: BucketTable) -> list[Dispatch]:
-    """The dispatches the batcher forms for these rows alone, on an idle device (runs nothing)."""
-    batcher = Batcher(table, math.inf, max(1, int(rows.seqlen.sum())))
-    batcher.submit(0, rows.seqlen, rows.docs, 0.0)
+def simulate(rows: Rows, table: BucketTable, cls: int = BULK, classes: Classes = Classes(),
+             likely: bool = False) -> list[Dispatch]:
+    """The dispatches the batcher forms for these rows alone, on an idle device (runs nothing), as a request of
+    class `cls` under the server's `classes`; `likely`: interactive work is likely (a query arrived within
+    `Classes.likely_s`), which caps a bulk request's batches."""
+    batcher = Batcher(table, math.inf, max(1, int(rows.seqlen.sum())), classes)
+    batcher.interactive.last = 0.0 if likely else -math.inf
+    batcher.submit(0, rows.seqlen, rows.docs, 0.0, cls)
     out = []
     while (d := batcher.next_dispatch(0.0, device_idle=True)) is not None:
         out.append(d)
@@ -62,18 +66,20 @@ def simulate(rows: Rows, table: BucketTable) -> list[Dispatch]:
 
 
 def explain(rows: Rows, table: BucketTable, timings: LiveTimings, doc_of=None, backlog: list | None = None,
-            batches_in_flight: int = 0, max_wait_s: float = 0.0) -> dict:
+            batches_in_flight: int = 0, max_wait_s: float = 0.0, cls: int = BULK, classes: Classes = Classes(),
+            likely: bool = False) -> dict:
     """The request's rows as the batcher would run them alone, with memory and predicted times per
     batch, and the alternatives it is compared with.
 
     `doc_of` maps each sequence to its document (chunked documents have several);
-    `backlog`: (seqlen, rows) waiting in front of this request, for the queueing term.
+    `backlog`: (seqlen, rows) waiting in front of this request, for the queueing term;
+    `cls`, `classes`, `likely`: its class and the server's, as `simulate` takes them.
     """
     doc_of = np.arange(len(rows.lengths)) if doc_of is None else np.asarray(doc_of)
     host = table.host_dispatch_s  # warm-up's, or the pipeline's live figure
     row_tokens = rows.tokens
     batches = []
-    for d in simulate(rows, table):
+    for d in simulate(rows, table, cls, classes, likely):
         r = np.concatenate([rows_of_part for _, rows_of_part in d.parts])
         b = d.bucket
         members = rows.members[ragged_arange(rows.starts[r], rows.docs[r])]

@@ -219,7 +219,7 @@ class LinkServer:
             self.pipeline.cancel(jid)
         elif op == "explain":
             self._spawn(self._answer_ask(wire, message["id"], lambda: self.pipeline.explain(
-                message["rows"], message["doc"], message["output"], message["max_wait_s"])))
+                message["rows"], message["doc"], message["output"], message["max_wait_s"], message["cls"])))
         elif op == "metrics":
             self._spawn(self._answer_ask(wire, message["id"], lambda: self._all_metrics(wire)))
         elif op == "report":
@@ -560,9 +560,10 @@ class EngineLink:
             self._pending.pop(rid, None)
             wire.post({"op": "cancel", "id": rid})
 
-    def explain(self, rows, doc, output: str, max_wait_s: float) -> dict:
+    def explain(self, rows, doc, output: str, max_wait_s: float, cls: int = BULK) -> dict:
         """The engine's latency math for these rows (blocking: called from a tokenizer thread)."""
-        ask = self._ask({"op": "explain", "rows": rows, "doc": doc, "output": output, "max_wait_s": max_wait_s})
+        ask = self._ask({"op": "explain", "rows": rows, "doc": doc, "output": output, "max_wait_s": max_wait_s,
+                         "cls": cls})
         return asyncio.run_coroutine_threadsafe(ask, self._loop).result()
 
     async def metrics(self) -> dict:

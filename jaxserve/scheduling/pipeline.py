@@ -280,13 +280,19 @@ class Pipeline:
         """Batches on the device or prepared for it."""
         return self._pipeline
 
-    def explain(self, rows, doc, output: str, max_wait_s: float) -> dict:
-        """The latency math of one request's rows (`scheduling.explain`), given what waits and runs ahead now: its
-        batches as the batchers would form them, at the host time per dispatch they plan with."""
+    def explain(self, rows, doc, output: str, max_wait_s: float, cls: int = BULK) -> dict:
+        """The latency math of one request's rows (`scheduling.explain`) as a request of class `cls`, given what
+        waits ahead of it now (of the classes it waits behind) and runs: its batches as the batchers would form them
+        (a bulk request's capped while interactive work is likely), at the host time per dispatch they plan with.
+        TooLarge for rows more than the whole queue holds, as `run` would refuse them."""
+        batcher = self.batchers[output]
+        batcher.within(int(rows.seqlen.sum()))
         with self._lock:
-            backlog = self.batchers[output].backlog()
+            backlog = batcher.backlog(cls)
+            likely = batcher.interactive_likely(time.monotonic())
         table = dataclasses.replace(self.tables[output], host_dispatch_s=self.host_cost.planned)
-        return explain(rows, table, self.timings[output], doc, backlog, self.batches_in_flight, max_wait_s)
+        return explain(rows, table, self.timings[output], doc, backlog, self.batches_in_flight, max_wait_s, cls,
+                       batcher.classes, likely)
 
     def status(self) -> dict:
         """What a front-end process shows of this pipeline (`scheduling/link.py`)."""
