@@ -111,6 +111,16 @@ def test_budget_too_small_for_long_seqlen_drops_it():
     assert "256 dropped" in format_table(t)
 
 
+def test_the_printed_table_says_which_memory_figures_xla_measured():
+    """A bucket the derivation compiled shows XLA's bytes and its share of the budget; one it did not (the ladder's
+    smaller batches, estimated only) shows "-", not 0.0 MiB and 0.0% as if XLA had measured nothing."""
+    t = BucketTable(buckets=(Bucket(1, 16, 1, estimated_bytes=2**20), Bucket(8, 16, 1, compiled_bytes=3 * 2**20)),
+                    budget_bytes=30 * 2**20)
+    lines = format_table(t).splitlines()[2:]
+    assert lines[0].split()[5:7] == ["-", "-"]
+    assert lines[1].split()[5:7] == ["3.0", "10.0%"]
+
+
 def test_budget_below_weights_is_a_clear_error():
     with pytest.raises(ValueError, match="fits no bucket"):
         derive([16, 32], DIMS, WEIGHTS, WEIGHTS // 2, fake_measure(), max_batch_tokens=4096)

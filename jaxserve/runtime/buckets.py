@@ -365,7 +365,8 @@ def fixed(seqlen_batches: list[tuple[int, int]], layout: str = "padded", **table
 
 
 def format_table(table: BucketTable) -> str:
-    """The table with its memory math, one line per bucket."""
+    """The table with its memory math, one line per bucket; "-" where XLA's figure is not measured (a bucket the
+    derivation did not compile: its estimate only)."""
     mb = lambda n: f"{n / 2**20:9.1f}"
     lines = [
         f"ladder {table.ladder}, layout {table.layout}, on {table.device or '?'}: device memory {table.device_memory / 2**30:.2f} GiB, "
@@ -375,10 +376,11 @@ def format_table(table: BucketTable) -> str:
         f"{'limited by':>10} {'compile s':>9} {'run ms':>8} attention",
     ]
     for b in table.buckets:
-        pct = 100 * b.compiled_bytes / table.budget_bytes if table.budget_bytes else 0
+        measured = b.compiled_bytes and table.budget_bytes
+        xla = f"{mb(b.compiled_bytes)} {100 * b.compiled_bytes / table.budget_bytes:>6.1f}%" if measured else \
+            f"{'-':>9} {'-':>7}"
         lines.append(
-            f"{b.seqlen:>7} {b.batch:>6} {b.slots:>5} {b.tokens:>8} {mb(b.estimated_bytes)} {mb(b.compiled_bytes)} "
-            f"{pct:>6.1f}% {b.limited_by:>10} "
+            f"{b.seqlen:>7} {b.batch:>6} {b.slots:>5} {b.tokens:>8} {mb(b.estimated_bytes)} {xla} {b.limited_by:>10} "
             f"{'' if b.compile_s is None else f'{b.compile_s:.2f}':>9} {'' if b.run_s is None else f'{1e3 * b.run_s:.1f}':>8}"
             f" {b.attention}{' (fell back: ' + b.attention_fallback + ')' if b.attention_fallback else ''}"
         )
