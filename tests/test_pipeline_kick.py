@@ -152,3 +152,49 @@ async def test_every_deadline_request_counts_however_it_ends(tiny_checkpoint):
     assert 'jaxserve_deadlines_total{class="interactive",outcome="met"} 1.0' in text
     assert 'jaxserve_deadlines_total{class="interactive",outcome="missed"} 3.0' in text
     assert 'jaxserve_class_request_seconds_count{class="interactive"} 1.0' in text  # latency: answered ones only
+
+
+class GatedDevice(SimDevice):
+    """A simulated device whose steps end when the test releases each (by the clock time it would arrive at)."""
+
+    def __init__(self):
+        super().__init__()
+        self.waiting, self.released = [], set()
+        self.changed = threading.Condition()
+
+    def wait_until(self, t: float) -> None:
+        with self.changed:
+            self.waiting.append(t)
+            self.changed.wait_for(lambda: t in self.released, 60)
+
+    def release(self, t: float) -> None:
+        with self.changed:
+            self.released.add(t)
+            self.changed.notify_all()
+
+
+async def test_a_batch_that_ran_beside_another_does_not_set_its_buckets_predicted_time(tiny_checkpoint):
+    """With several streams (a CPU) two batches run at once: the one that ends second was launched before the other
+    ended, and the time since that end is its share of the device, not its run. Only a batch that ran alone
+    refreshes its bucket's live time (`LiveTimings`, what explain predicts with); before, the second's share (a
+    fraction of a millisecond where its run took tens) was taken for its run."""
+    device = GatedDevice()
+    sim, _ = _engine(tiny_checkpoint, device)
+    pipeline = Pipeline(sim, sim.table, 0.001, None, streams=2)
+    await pipeline.start()
+    try:
+        _, first, _ = pipeline.submit(_job(sim))
+        await until(lambda: len(device.waiting) == 1, "the first batch on the device")
+        _, second, _ = pipeline.submit(_job(sim))
+        await until(lambda: len(device.waiting) == 2, "the second batch beside it")
+        device.release(device.waiting[1])  # the second ends first: it ran alone since its launch
+        await second
+        device.release(device.waiting[0])  # the first ends after: launched before the second's end
+        await first
+    finally:
+        for t in device.waiting:
+            device.release(t)
+        await pipeline.stop()
+    live = pipeline.timings["pooled"]
+    assert pipeline.device_batches == 2 and sum(live.live_runs(b) for b in sim.table.buckets) == 1
+

@@ -604,7 +604,11 @@ class Pipeline:
             cpu = time.thread_time()  # the wait for the device is not the host's time
             self._free_slot()
             done = time.perf_counter()
-            device_s = done - max(launched, previous_done)  # batches run one after another
+            # one stream: batches run one after another, each from its launch or the previous one's end; several
+            # (a CPU's): a batch launched before the previous one ended ran beside it, and this is only its share
+            # of the device's time, not its own run time (what predicts the bucket's next runs)
+            alone = self.streams == 1 or launched >= previous_done
+            device_s = done - max(launched, previous_done)
             previous_done = done
             with self._lock:
                 self._pipeline -= 1
@@ -612,7 +616,8 @@ class Pipeline:
                     self._lock.notify()
             self.failures = 0
             self.device_batches += 1
-            self.timings[lane].observe(d.bucket, device_s)
+            if alone:
+                self.timings[lane].observe(d.bucket, device_s)
             self.metrics.phase("device", device_s)
             self.metrics.device_busy(self._busy(device_s))
             self.metrics.dispatch_time(d.lead, device_s)
