@@ -35,6 +35,18 @@ def test_an_index_naming_a_file_outside_the_checkpoint_is_refused(tiny_checkpoin
         Encoder.from_pretrained(str(path))
 
 
+def test_shards_linked_to_blobs_outside_the_snapshot_load(tiny_checkpoint, tmp_path):
+    """A hub snapshot links each file to its blob (`snapshots/<rev>/x -> ../../blobs/<hash>`): a shard the index
+    names is the snapshot's own file, wherever its link leads."""
+    path = tiny_checkpoint()
+    expected = Encoder.from_pretrained(str(path)).embed(["the model is jax"])
+    (tmp_path / "blobs").mkdir()
+    os.replace(path / "model.safetensors", tmp_path / "blobs" / "0123abcd")
+    (path / "shard.safetensors").symlink_to(os.path.relpath(tmp_path / "blobs" / "0123abcd", path))
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "shard.safetensors"}}))
+    np.testing.assert_allclose(Encoder.from_pretrained(str(path)).embed(["the model is jax"]), expected, atol=1e-6)
+
+
 def test_missing_config(tiny_checkpoint):
     path = tiny_checkpoint()
     os.remove(path / "config.json")

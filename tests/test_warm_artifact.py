@@ -114,6 +114,38 @@ def test_model_digest_follows_configs_and_weight_shapes_not_weight_values(tiny_c
     assert artifact.model_digest(path) != digest  # any small file, whole
 
 
+def test_a_linked_module_folder_is_in_the_key_and_one_leading_outside_is_refused(tiny_checkpoint, tmp_path):
+    """The digest hashes what the loader reads: a module folder linked within the checkpoint by its target, so
+    relinking it (another pooling) is a stale artifact, not the old vectors; a module folder outside the
+    checkpoint (a link leading out, an absolute or `..` path) is refused, as a shard outside it is."""
+    from jaxserve.errors import CheckpointError
+
+    path, cache = tiny_checkpoint(), tmp_path / "cache"
+    cls = tiny_checkpoint("cls", pooling="cls")
+    (path / "1_Pooling").rename(path / "pool_mean")
+    (cls / "1_Pooling").rename(path / "pool_cls")
+    (path / "1_Pooling").symlink_to("pool_mean", target_is_directory=True)
+    warm(path, cache, SMALL, tokens=False)
+    digest = artifact.model_digest(path)
+    (path / "1_Pooling").unlink()
+    (path / "1_Pooling").symlink_to("pool_cls", target_is_directory=True)
+    assert artifact.model_digest(path) != digest
+    enc, _, started, built = warm(path, cache, SMALL, tokens=False)
+    assert built > 0 and "model (" in started.source["artifact_skipped"] and enc.embedding_config.pooling == "cls"
+
+    (path / "1_Pooling").unlink()
+    (path / "pool_cls").rename(tmp_path / "pool_ext")
+    (path / "1_Pooling").symlink_to(tmp_path / "pool_ext", target_is_directory=True)
+    with pytest.raises(CheckpointError, match="Pooling module names '1_Pooling', outside the checkpoint"):
+        Encoder.from_pretrained(str(path))
+    modules = json.loads((path / "modules.json").read_text())
+    for name in (str(tmp_path / "pool_ext"), "../cls/1_Pooling", ".hidden"):
+        (path / "modules.json").write_text(json.dumps([{**m, "path": name} if m["path"] == "1_Pooling" else m
+                                                       for m in modules]))
+        with pytest.raises(CheckpointError, match="Pooling module names"):
+            Encoder.from_pretrained(str(path))
+
+
 def test_two_writers_at_once_leave_one_whole_artifact(tiny_checkpoint, tmp_path):
     path, cache = tiny_checkpoint(), tmp_path / "cache"
     enc, _, _, _ = warm(path, cache, ONE, tokens=False)

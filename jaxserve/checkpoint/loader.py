@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from jaxserve.checkpoint.modules import inside
 from jaxserve.errors import CheckpointError
 
 if TYPE_CHECKING:  # the families import JAX; a front-end process names models (`named`) without it
@@ -114,15 +115,6 @@ def read_tensors(path: Path) -> dict[str, np.ndarray]:
         except Exception as exc:
             raise CheckpointError(f"cannot read weights {f}: {exc}") from exc
     return tensors
-
-
-def inside(path: Path, name: str, what: str) -> Path:
-    """`path / name`, a checkpoint's own file: a name an index or modules.json gives that leads out of the
-    checkpoint's directory (absolute, `..`) is refused, never read as weights nor listed in an error."""
-    found = path / name
-    if not found.resolve().is_relative_to(path.resolve()):
-        raise CheckpointError(f"{path}: {what} names {name!r}, outside the checkpoint's directory")
-    return found
 
 
 def _torch_files(path: Path) -> list[Path]:

@@ -35,12 +35,32 @@ def kind(module: dict) -> str:
     return module.get("type", "").rsplit(".", 1)[-1]
 
 
-def module_config(path: Path, module: dict) -> dict:
-    """The config.json in a listed module's folder, which must exist."""
-    file = path / module.get("path", "") / "config.json"
-    if not file.exists():
+def inside(path: Path, name: str, what: str) -> Path:
+    """`path / name`, a checkpoint's own file or folder: a name an index or modules.json gives that leads out of
+    the checkpoint's directory (absolute, `..`, through a linked folder) is refused, never read nor listed in an
+    error, and so is a hidden one (`.cache`, `.git`: not the checkpoint's, nor in its warm artifact's key). A file
+    itself may be a link (a hub snapshot links each file to its blob). The warm artifact's `model_digest` hashes
+    all this lets through."""
+    found, root = path / name, path.resolve()
+    real = found.resolve() if found.is_dir() else found.parent.resolve() / found.name
+    if ".." in Path(name).parts or not real.is_relative_to(root):
+        raise CheckpointError(f"{path}: {what} names {name!r}, outside the checkpoint's directory")
+    if any(part.startswith(".") for part in real.relative_to(root).parts):
+        raise CheckpointError(f"{path}: {what} names {name!r}, a hidden file, not one of the checkpoint's own")
+    return found
+
+
+def folder(path: Path, module: dict) -> Path:
+    """A listed module's folder, inside the checkpoint (`inside`)."""
+    return inside(path, module.get("path", ""), f"modules.json's {kind(module)} module")
+
+
+def module_config(path: Path, module: dict, missing=None) -> dict:
+    """The config.json in a listed module's folder; CheckpointError where it is missing, unless `missing` is given."""
+    file = folder(path, module) / "config.json"
+    if missing is None and not file.exists():
         raise CheckpointError(f"modules.json names a {kind(module)} module but {file} is missing")
-    return read_json(file)
+    return read_json(file, missing=missing)
 
 
 def st_config(path: Path) -> dict:

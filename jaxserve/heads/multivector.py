@@ -96,7 +96,7 @@ def from_checkpoint(path: Path, tokenizer: TextTokenizer, hidden: int, default_l
     dense, normalize, mask = [], pylate, None
     for module in st_modules.listed(path):
         kind, folder = st_modules.kind(module), module.get("path", "")
-        raw = st_modules.read_json(path / folder / "config.json", missing={}) or {} if kind != "Transformer" else {}
+        raw = st_modules.module_config(path, module, missing={}) or {} if kind != "Transformer" else {}
         if kind == "Dense":
             dense.append(dense_layer(raw, folder, reads="token_embeddings"))
         elif kind == "MultiVectorMask":

@@ -80,12 +80,28 @@ class Loaded:
 
 
 def model_digest(path: Path) -> str:
-    """The checkpoint's files: small ones whole, safetensors by their header, other large files by size."""
+    """The checkpoint's files, as the loader reaches them: small ones whole, safetensors by their header, other
+    large files by size, each under its name; a linked file by what it links to (a hub snapshot's blob). A linked
+    folder is hashed as its target, which the loader reads only inside the checkpoint (`modules.inside`), where
+    this walk hashes its files: so retargeting a link, or editing what it names, changes the digest."""
+    root = Path(path)
+    real = root.resolve()
     h = hashlib.sha256()
-    files = sorted(p for p in Path(path).rglob("*")
-                   if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts))
-    for f in files:
-        h.update(f.relative_to(path).as_posix().encode() + b"\0")
+    entries = []
+    for folder, dirs, names in os.walk(root):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        entries += [Path(folder) / name for name in dirs + names if not name.startswith(".")]
+    for f in sorted(entries):
+        name = f.relative_to(root).as_posix().encode() + b"\0"
+        if f.is_dir():
+            if f.is_symlink():
+                target = Path(os.path.realpath(f))
+                h.update(name + b"-> " + (target.relative_to(real).as_posix().encode()
+                                          if target.is_relative_to(real) else b"outside"))
+            continue
+        if not f.is_file():
+            continue
+        h.update(name)
         size = f.stat().st_size
         if f.suffix == ".safetensors":
             h.update(_safetensors_header(f))
