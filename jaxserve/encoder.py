@@ -297,7 +297,9 @@ class Encoder(ModelView):
               tokens: bool = False, progress: bool = False, keep: int | None = None) -> BucketTable:
         """Ready the engine as `jaxserve serve` starts: the matching warm artifact's table and executables in
         `cache` (default $JAXSERVE_CACHE_DIR or ~/.cache/jaxserve), no compile; else `warmup`, then saved there
-        and the model's artifacts pruned to the newest `keep` (default: --keep-artifacts')."""
+        and the model's artifacts pruned to the newest `keep` (default: --keep-artifacts'). `tokens`: /embed_all's
+        token outputs too (a multi-vector or BGE-M3 model's always); an artifact with them (`serve`'s and
+        `jaxserve warmup`'s by default) serves a start without."""
         from jaxserve.runtime import artifact, startup
 
         return startup.start(self, table or TableOptions(), tokens, startup.cache_root(cache), progress=progress,

@@ -394,6 +394,28 @@ def test_warm_artifact_keeps_every_token_bucket(tmp_path, st_model):
         np.testing.assert_allclose(a, b, atol=1e-6)
 
 
+def test_a_warmup_without_embed_all_makes_the_artifact_the_server_starts_from(tmp_path, st_model):
+    """`startup.outputs` decides a model's outputs for every start: `jaxserve warmup --no-embed-all` (and
+    `Encoder.start`) readies a multi-vector model's token outputs as `serve --no-embed-all` does, so the server
+    starts from that artifact (it compiled again and saved a second one)."""
+    from jaxserve.http.loading import start_engine
+    from jaxserve.http.state import ServerConfig
+    from jaxserve.runtime import compiles, startup
+
+    path, _ = st_model
+    cache, buckets = tmp_path / "cache", tmp_path / "table.json"
+    TABLE.save(buckets)
+    enc = Encoder.from_pretrained(str(path), dtype="float32")
+    enc.start(TABLE, cache=cache)  # as `jaxserve warmup --no-embed-all` passes it: tokens=False
+    assert "tokens" in enc.engine.tables
+    served = Encoder.from_pretrained(str(path), dtype="float32")
+    started, before = startup.Startup(), compiles.xla_compiles_total()
+    start_engine(ServerConfig(model=str(path), buckets=str(buckets), embed_all=False, cache_dir=str(cache)), served,
+                 started)
+    assert started.source["source"] == "artifact" and compiles.xla_compiles_total() == before
+    assert len(list((cache / "warm").iterdir())) == 1
+
+
 def test_jaxserve_embed_and_explain_refuse_a_multivector_model(st_model, tmp_path, capsys):
     """Not silently pooled vectors: `jaxserve embed` says it does not write multi-vector embeddings, and `jaxserve
     explain` that it does not run them (it explained and ran a pooled workload the server never runs)."""

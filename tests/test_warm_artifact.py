@@ -189,6 +189,18 @@ def test_encoder_start_uses_the_artifact_the_server_would(tiny_checkpoint, tmp_p
     assert second.start(SMALL, cache=cache) == table and compiles.xla_compiles_total() == before
 
 
+def test_encoder_start_uses_the_artifact_jaxserve_warmup_makes_with_token_outputs(tiny_checkpoint, tmp_path):
+    """`jaxserve warmup` and `serve` ready /embed_all's token outputs by default: an artifact holding more outputs
+    than a start asks for serves it (it compiled again and saved a second artifact)."""
+    path, cache = tiny_checkpoint(), tmp_path / "cache"
+    _, table, _, _ = warm(path, cache, SMALL, tokens=True)  # as `jaxserve warmup` (--embed-all) makes it
+    enc = Encoder.from_pretrained(str(path))
+    before = compiles.xla_compiles_total()
+    assert enc.start(SMALL, cache=cache) == table
+    enc.embed_all(TEXTS)  # its token outputs came with the artifact too
+    assert compiles.xla_compiles_total() == before and len(files(cache)) == 1
+
+
 def test_no_artifact_is_made_from_executables_of_jaxs_persistent_cache(tiny_checkpoint, tmp_path):
     """Those serialize without their kernels on XLA CPU (the artifact's first run would fail): not saved."""
     import jax

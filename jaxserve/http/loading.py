@@ -43,10 +43,9 @@ def start_engine(cfg: ServerConfig, enc: Encoder, started: startup.Startup) -> B
     matches, else compiled and timed, then saved. An encoder the caller warmed (tests, scripts, a simulated
     device) is used as is."""
     check_prompt(cfg, enc)
-    # token outputs: /embed_all's, a multi-vector model's, BGE-M3's (/embed_m3 and its sparse weights); a simulated
-    # device has pooled outputs only
-    tokens = ((cfg.embed_all and enc.head.kind == "embedding") or enc.head.kind == "multivector"
-              or enc.m3 is not None) and cfg.simulate is None
+    # token outputs (`startup.outputs`: /embed_all's, a multi-vector model's, BGE-M3's); a simulated device has
+    # pooled outputs only
+    tokens = "tokens" in startup.outputs(enc, cfg.embed_all) and cfg.simulate is None
     if enc.engine.table is not None and cfg.buckets == "auto":
         started.source = {"source": "given"}
         if tokens and "tokens" not in enc.engine.tables:
@@ -54,7 +53,8 @@ def start_engine(cfg: ServerConfig, enc: Encoder, started: startup.Startup) -> B
         return enc.engine.table
     spec = BucketTable.load(cfg.buckets) if cfg.buckets != "auto" else cfg.table_options
     cache = startup.cache_root(cfg.cache_dir) if cfg.use_cache else None
-    table = startup.start(enc, spec, tokens, cache, started, progress=True, keep=cfg.keep_artifacts)
+    table = startup.start(enc, spec, cfg.embed_all and cfg.simulate is None, cache, started, progress=True,
+                          keep=cfg.keep_artifacts)
     log.info("start-up: %s; table %s", started.summary(), started.source.get("source"))
     return table
 

@@ -78,42 +78,59 @@ def cache_root(directory: str | Path | None) -> Path:
     return Path(os.environ.get("JAXSERVE_CACHE_DIR", Path.home() / ".cache" / "jaxserve"))
 
 
+def outputs(encoder, embed_all: bool) -> tuple[str, ...]:
+    """The outputs a start readies (and its artifact holds): pooled, and token outputs where the model serves them:
+    always for a multi-vector model and BGE-M3 (/embed_m3's), for an embedding model's /embed_all with
+    `embed_all`. The one rule for `serve`, `warmup` and `Encoder.start`, so each finds the others' artifact."""
+    needed = encoder.head.kind == "multivector" or encoder.m3 is not None
+    return ("pooled", "tokens") if needed or (embed_all and encoder.head.kind == "embedding") else ("pooled",)
+
+
 def start(encoder, spec: BucketTable | TableOptions, tokens: bool = False, cache: str | Path | None = None,
           startup: Startup | None = None, progress: bool = False, keep: int = artifact.KEEP) -> BucketTable:
-    """Ready the encoder's engine for `spec` (a table as it is, or the options to derive one), with token
-    outputs too if `tokens` (an embedding model's /embed_all). With a `cache` directory (`cache_root`'s): from the
-    matching artifact in its warm/ if there is one, else built afresh and saved, the model's artifacts then
-    pruned to the newest `keep`. JAX's persistent compilation cache is not used:
-    the artifact does its job whole, and its cache hits would not serialize (see `_save`)."""
+    """Ready the encoder's engine for `spec` (a table as it is, or the options to derive one), with the token
+    outputs `outputs` gives (`tokens`: an embedding model's /embed_all too). With a `cache` directory
+    (`cache_root`'s): from the matching artifact in its warm/ if there is one (or the one with token outputs too,
+    as `serve` makes by default), else built afresh and saved, the model's artifacts then pruned to the newest
+    `keep`. JAX's persistent compilation cache is not used: the artifact does its job whole, and its cache hits
+    would not serialize (see `_save`)."""
     if keep < 1:
         raise ValueError(f"keep (warm artifacts kept per model) must be at least 1, not {keep}")
     startup = startup or Startup()
-    outputs = ("pooled", "tokens") if tokens and encoder.head.kind in ("embedding", "multivector") else ("pooled",)
+    wanted = outputs(encoder, tokens)
     startup.source = {"source": "derived" if isinstance(spec, TableOptions) else "file"}
     if cache is None:
-        return _build(encoder, spec, outputs, startup, progress)
+        return _build(encoder, spec, wanted, startup, progress)
     root = Path(cache) / "warm"
-    fields = artifact.key_fields(encoder, spec, outputs)
-    table = _load(encoder, root, fields, startup)
+    fields = artifact.key_fields(encoder, spec, wanted)
+    fuller = outputs(encoder, True)
+    table = _load(encoder, root, [fields] + ([{**fields, "outputs": list(fuller)}] if fuller != wanted else []),
+                  startup)
     if table is not None:
         return table
     hits = compiles.cache_hits_total()
-    table = _build(encoder, spec, outputs, startup, progress)
+    table = _build(encoder, spec, wanted, startup, progress)
     _save(encoder, root, fields, startup, from_jax_cache=compiles.cache_hits_total() > hits, keep=keep)
     return table
 
 
-def _load(encoder, root: Path, fields: dict, startup: Startup) -> BucketTable | None:
-    """The matching artifact's pooled table, its executables installed; None (the reason logged) if none is used."""
+def _load(encoder, root: Path, candidates: list[dict], startup: Startup) -> BucketTable | None:
+    """The pooled table of the first artifact whose key is one of `candidates` (the outputs asked for, then more
+    of them), its executables installed; None (why the first was not used, logged) if none is used."""
     with startup.phase("deserialize", "loading the warm artifact"):
-        try:
-            loaded = artifact.load(root, encoder, fields,
-                                   lambda done, total: setattr(startup, "doing",
-                                                               f"loading the warm artifact ({done}/{total})"))
-        except artifact.Skipped as why:
-            log.log(logging.WARNING if isinstance(why, artifact.Refused) else logging.INFO,
-                    "warm artifact not used: %s; building afresh", why)
-            startup.source["artifact_skipped"] = str(why)
+        loaded, first = None, None
+        for fields in candidates:
+            try:
+                loaded = artifact.load(root, encoder, fields,
+                                       lambda done, total: setattr(startup, "doing",
+                                                                   f"loading the warm artifact ({done}/{total})"))
+                break
+            except artifact.Skipped as why:
+                first = first or why
+        if loaded is None:
+            log.log(logging.WARNING if isinstance(first, artifact.Refused) else logging.INFO,
+                    "warm artifact not used: %s; building afresh", first)
+            startup.source["artifact_skipped"] = str(first)
             return None
     startup.source = {"source": "artifact", "artifact": str(loaded.path), "created": loaded.created}
     log.info("warm artifact %s (made %s): %d buckets, no compiles", loaded.path.name, loaded.created,
