@@ -79,6 +79,20 @@ def test_a_corrupt_or_truncated_artifact_is_skipped_with_its_reason_and_replaced
     assert "not a jaxserve warm artifact" in warm(path, cache, ONE, tokens=False)[2].source["artifact_skipped"]
 
 
+def test_a_header_claiming_a_huge_payload_is_corrupt_and_never_allocated(tiny_checkpoint, tmp_path):
+    """The payload's size is checked against the file's before it is read: a corrupt `bytes` field (2**60) made
+    the start fail with MemoryError instead of starting cold."""
+    path, cache = tiny_checkpoint(), tmp_path / "cache"
+    warm(path, cache, ONE, tokens=False)
+    (good,) = files(cache)
+    raw = good.read_bytes()
+    end = raw.index(b"\n", len(artifact.MAGIC))
+    header = json.loads(raw[len(artifact.MAGIC):end])
+    good.write_bytes(artifact.MAGIC + json.dumps({**header, "bytes": 2**60}).encode() + raw[end:])
+    _, _, started, built = warm(path, cache, ONE, tokens=False)
+    assert built > 0 and f"its header says {2**60} bytes" in started.source["artifact_skipped"]
+
+
 def test_a_stale_artifact_is_never_used_and_the_log_says_what_changed(tiny_checkpoint, tmp_path, monkeypatch):
     import jax
 
@@ -376,6 +390,16 @@ def test_each_save_keeps_the_models_newest_artifacts(tiny_checkpoint, tmp_path):
     assert start_at(path, cache, TWO)[1].source["source"] == "artifact"
     with pytest.raises(ValueError, match="at least 1"):
         start_at(path, cache, ONE, keep=0)
+
+
+def test_the_flax_version_is_in_the_key(tiny_checkpoint, monkeypatch):
+    """flax's nn.Dense, nn.Embed and nn.LayerNorm are traced into every executable."""
+    import flax
+
+    enc = Encoder.from_pretrained(str(tiny_checkpoint()))
+    key = artifact.key_fields(enc, ONE, ("pooled",))
+    monkeypatch.setattr(flax, "__version__", "0.0.1")
+    assert artifact._differ(key, artifact.key_fields(enc, ONE, ("pooled",))) == [f"flax ({key['flax']} -> 0.0.1)"]
 
 
 def test_every_flag_that_changes_an_executable_is_in_the_key(tiny_checkpoint, monkeypatch):

@@ -10,7 +10,7 @@ program, so every start still traces and lowers every bucket.
 
 An artifact is found by its key, a digest of everything that changes the
 executables or the table (`key_fields`): the model's files, the dtype, the
-`--attention` choice, a SPLADE head's cap and block, the table options, the outputs, the jax and jaxlib
+`--attention` choice, a SPLADE head's cap and block, the table options, the outputs, the jax, jaxlib and flax
 versions, the backend, device kinds and count, `XLA_FLAGS` and `LIBTPU_INIT_ARGS`, the JAX flags JAX
 itself keys a trace or a compile by, and jaxserve's own source.
 Weights enter by their safetensors headers (names, dtypes, shapes): an
@@ -141,6 +141,7 @@ def jax_flags() -> dict[str, str]:
 
 def key_fields(encoder, spec: BucketTable | TableOptions, outputs: tuple[str, ...]) -> dict:
     """Everything that changes the executables or the table, as a JSON-able dict."""
+    import flax  # its nn.Dense, nn.Embed and nn.LayerNorm are traced into every executable
     import jax  # here, not at the top: a front-end process reads this module's names without JAX
     import jaxlib
 
@@ -162,6 +163,7 @@ def key_fields(encoder, spec: BucketTable | TableOptions, outputs: tuple[str, ..
         "outputs": list(outputs),
         "jax": jax.__version__,
         "jaxlib": jaxlib.__version__,
+        "flax": flax.__version__,
         "backend": first.platform,
         "platform_version": getattr(first.client, "platform_version", ""),
         "devices": [d.device_kind for d in devices],
@@ -366,7 +368,11 @@ def read(directory: Path, encoder, fields: dict) -> tuple[Path, dict, dict]:
         if header["key"] != _as_json(fields):
             raise Skipped(f"{path.name}: its key differs in {', '.join(_differ(header['key'], fields))}")
         try:
-            body = f.read(header["bytes"] + 1)
+            left = os.fstat(f.fileno()).st_size - f.tell()
+            if header["bytes"] != left:  # before reading: a corrupt size must not allocate it
+                raise Skipped(f"{path.name}: corrupt (its header says {header['bytes']} bytes, {left} follow it; "
+                              "truncated or overwritten?)")
+            body = f.read(left)
         except OSError as exc:
             raise Skipped(f"{path.name}: unreadable ({exc})") from exc
     if len(body) != header["bytes"] or hashlib.sha256(body).hexdigest() != header["sha256"]:
