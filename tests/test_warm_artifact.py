@@ -248,9 +248,12 @@ def test_a_stale_artifact_is_judged_by_its_header_alone(tiny_checkpoint, tmp_pat
     assert started.source["artifact_saved"]
 
 
-def test_an_old_format_artifact_is_stale_never_loaded_and_pruned(tiny_checkpoint, tmp_path):
+def test_an_artifact_of_another_format_is_never_loaded_and_pruned_as_the_models_under_keep(tiny_checkpoint,
+                                                                                          tmp_path):
     """An artifact of a jaxserve before the header (a checksum line, then the pickle) is not unpickled, even at
-    the very path its key would have now, and the save after the cold start deletes it."""
+    the very path its key would have now. One of another format, older or newer (a rolling upgrade's), counts
+    among the model's artifacts under `keep`, the oldest deleted first (all were deleted whatever `keep`); a newer
+    one naming another checkpoint is that one's."""
     path, cache = tiny_checkpoint(), tmp_path / "cache"
     enc = Encoder.from_pretrained(str(path))
     target = artifact.path_for(cache / "warm", enc, artifact.key_fields(enc, ONE, ("pooled",)))
@@ -258,12 +261,20 @@ def test_an_old_format_artifact_is_stale_never_loaded_and_pruned(tiny_checkpoint
     body = pickle.dumps({"key": {"format": 3}})
     old = artifact.MAGIC + hashlib.sha256(body).hexdigest().encode() + b"\n" + body
     target.write_bytes(old)
-    other = target.with_name(f"{path.name}-{'0' * 24}{artifact.SUFFIX}")
+    other, newer, theirs = (target.with_name(f"{path.name}-{c * 24}{artifact.SUFFIX}") for c in "012")
     other.write_bytes(old)
+    for file, model in ((newer, str(path.resolve())), (theirs, str(tmp_path / "elsewhere" / path.name))):
+        header = {"format": artifact.FORMAT + 1, "model_path": model, "key": {}}
+        file.write_bytes(artifact.MAGIC + json.dumps(header).encode() + b"\n" + body)
+    now = os.stat(target).st_mtime
+    for age, file in ((300, other), (200, newer), (100, theirs)):
+        os.utime(file, (now - age, now - age))
     _, started = start_at(path, cache, ONE)
     assert "stale (made by another jaxserve version: format before 4" in started.source["artifact_skipped"]
-    assert files(cache) == [target] and target.read_bytes() != old  # replaced by a new one, the other pruned
+    assert target.read_bytes() != old and "artifacts_pruned" not in started.source  # 3 of this model's: kept
+    _, started = start_at(path, cache, TWO)
     assert started.source["artifacts_pruned"] == [other.name]
+    assert files(cache) == sorted([target, newer, theirs, Path(started.source["artifact_saved"])])
     assert start_at(path, cache, ONE)[1].source["source"] == "artifact"
 
 

@@ -296,9 +296,10 @@ def _model_path(encoder) -> str:
 def prune(directory: Path, encoder, keep: int = KEEP, protect: Path | None = None) -> list[Path]:
     """Delete this model's artifacts but the newest `keep`, `protect` (the one just saved) always among those
     kept; the ones deleted. This model's: those whose header names its checkpoint directory, so another
-    checkpoint of the same directory name keeps its own. A file this version cannot load at all (an older
-    format, no header) is stale, and deleted whatever `keep`; one that vanishes meanwhile, cannot be read, is
-    refused (`untrusted`: not this server's to judge) or cannot be deleted is passed over."""
+    checkpoint of the same directory name keeps its own; a file of this model's name whose header this version
+    cannot read (another format, older or newer: a rolling upgrade's) counts among them, its model unknown. One
+    that vanishes meanwhile, cannot be read, is refused (`untrusted`: not this server's to judge) or cannot be
+    deleted is passed over."""
     if keep < 1:
         raise ValueError(f"keep must be at least 1, not {keep}")
     mine, kept, removed = _model_path(encoder), int(protect is not None), []
@@ -307,16 +308,14 @@ def prune(directory: Path, encoder, keep: int = KEEP, protect: Path | None = Non
             continue
         try:
             with _open(path) as f:
-                header = _header(f, path)
+                header = _header_line(f, path)
         except (OSError, Refused):
             continue
-        except Skipped:  # no header this version reads
+        except Skipped:  # no header line: an older format's, or corrupt
             header = None
-        if header is None:
-            pass  # stale: no jaxserve of this version can load it
-        elif header.get("model_path") != mine:
+        if isinstance(header, dict) and header.get("model_path", mine) != mine:
             continue
-        elif kept < keep:
+        if kept < keep:
             kept += 1
             continue
         try:
@@ -385,6 +384,20 @@ def read(directory: Path, encoder, fields: dict) -> tuple[Path, dict, dict]:
 
 def _header(f, path: Path) -> dict:
     """The header of an open artifact, its file position left at the payload; `Skipped` if it has none."""
+    header = _header_line(f, path)
+    if not isinstance(header, dict) or header.get("format") != FORMAT:
+        made = header.get("format") if isinstance(header, dict) else None
+        raise Skipped(f"{path.name}: stale (made by another jaxserve version: format {made or 'before 4'}, "
+                      f"not {FORMAT})")
+    if not (isinstance(header.get("key"), dict) and isinstance(header.get("bytes"), int)
+            and isinstance(header.get("sha256"), str)):
+        raise Skipped(f"{path.name}: corrupt (its header is incomplete)")
+    return header
+
+
+def _header_line(f, path: Path):
+    """The JSON header line of an open artifact of any format, parsed (None if it is not JSON); `Skipped` if
+    the file has no header line."""
     try:
         magic = f.readline(len(MAGIC))
         line = f.readline(HEADER_BYTES)
@@ -395,17 +408,9 @@ def _header(f, path: Path) -> dict:
     if not line.endswith(b"\n"):
         raise Skipped(f"{path.name}: corrupt (its header is cut short)")
     try:
-        header = json.loads(line)
+        return json.loads(line)
     except (ValueError, RecursionError):
-        header = None
-    if not isinstance(header, dict) or header.get("format") != FORMAT:
-        made = header.get("format") if isinstance(header, dict) else None
-        raise Skipped(f"{path.name}: stale (made by another jaxserve version: format {made or 'before 4'}, "
-                      f"not {FORMAT})")
-    if not (isinstance(header.get("key"), dict) and isinstance(header.get("bytes"), int)
-            and isinstance(header.get("sha256"), str)):
-        raise Skipped(f"{path.name}: corrupt (its header is incomplete)")
-    return header
+        return None
 
 
 def install(engine, path: Path, header: dict, payload: dict, outputs: tuple[str, ...],
