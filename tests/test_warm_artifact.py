@@ -173,6 +173,23 @@ def test_two_writers_at_once_leave_one_whole_artifact(tiny_checkpoint, tmp_path)
     assert warm(path, cache, ONE, tokens=False)[3] == 0
 
 
+def test_a_save_that_died_leaves_no_temporary_file_for_long(tiny_checkpoint, tmp_path):
+    """A save killed mid-write leaves its temporary file: the next save of the model deletes it once it is
+    `STALE_TEMPORARY_S` old, and leaves a fresh one (another server's save under way) and another model's."""
+    path, cache = tiny_checkpoint(), tmp_path / "cache"
+    enc, _, _, _ = warm(path, cache, ONE, tokens=False)
+    (saved,) = files(cache)
+    dead, live, theirs = (cache / "warm" / f"{name}{artifact.SUFFIX}.x{i}.tmp"
+                          for i, name in enumerate((saved.stem, saved.stem, "other-" + "0" * 24)))
+    for file in (dead, live, theirs):
+        file.write_bytes(artifact.MAGIC)
+    old = os.stat(saved).st_mtime - artifact.STALE_TEMPORARY_S - 60
+    for file in (dead, theirs):
+        os.utime(file, (old, old))
+    removed = artifact.prune(cache / "warm", enc, protect=saved)
+    assert removed == [dead] and live.exists() and theirs.exists() and files(cache) == [saved]
+
+
 def test_no_cache_reads_and_writes_nothing(tiny_checkpoint, tmp_path, monkeypatch):
     monkeypatch.setenv("JAXSERVE_CACHE_DIR", str(tmp_path / "default"))
     _, _, started, built = warm(tiny_checkpoint(), None, SMALL, tokens=False)

@@ -43,6 +43,7 @@ import pickle
 import stat
 import struct
 import tempfile
+import time
 from pathlib import Path
 
 from jaxserve.runtime import host
@@ -53,6 +54,8 @@ FORMAT = 4  # 2: attention per executable; 3: pooled outputs in slot chunks; 4: 
 MAGIC = b"JAXSERVE-WARM\n"
 SUFFIX = ".jaxwarm"
 KEEP = 3  # artifacts kept per model after a save (--keep-artifacts): the one just made and the last ones before it
+# a temporary file (a save under way) untouched this long is a dead save's: a live one writes it within seconds
+STALE_TEMPORARY_S = 3600
 HEADER_BYTES = 2**20  # the longest header line read (a key is a few kilobytes)
 WHOLE_FILE_BYTES = 64 * 2**20  # model files hashed whole up to this size (configs, tokenizers, small heads)
 # JAX flags its compile options read (besides those in its trace context, `jax_flags`)
@@ -299,10 +302,11 @@ def prune(directory: Path, encoder, keep: int = KEEP, protect: Path | None = Non
     checkpoint of the same directory name keeps its own; a file of this model's name whose header this version
     cannot read (another format, older or newer: a rolling upgrade's) counts among them, its model unknown. One
     that vanishes meanwhile, cannot be read, is refused (`untrusted`: not this server's to judge) or cannot be
-    deleted is passed over."""
+    deleted is passed over. The model's temporary files (`save`'s) untouched for `STALE_TEMPORARY_S` are those
+    of a save that died part way, and are deleted too (a live one's, another server's saving now, are fresh)."""
     if keep < 1:
         raise ValueError(f"keep must be at least 1, not {keep}")
-    mine, kept, removed = _model_path(encoder), int(protect is not None), []
+    mine, kept, removed = _model_path(encoder), int(protect is not None), _stale_temporaries(directory, encoder)
     for path in _listing(directory, encoder):
         if path == protect:
             continue
@@ -323,6 +327,28 @@ def prune(directory: Path, encoder, keep: int = KEEP, protect: Path | None = Non
         except OSError:
             continue
         removed.append(path)
+    return removed
+
+
+def _stale_temporaries(directory: Path, encoder) -> list[Path]:
+    """Delete this model's temporary files left by a save that died (untouched for `STALE_TEMPORARY_S`, this
+    server's user's); the ones deleted."""
+    prefix, removed = _slug(encoder) + "-", []
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return []
+    for entry in entries:
+        if not (entry.name.startswith(prefix) and SUFFIX + "." in entry.name and entry.name.endswith(".tmp")):
+            continue
+        try:
+            st = entry.stat(follow_symlinks=False)
+            if untrusted(st, _uid()) or time.time() - st.st_mtime < STALE_TEMPORARY_S:
+                continue
+            os.unlink(entry.path)
+        except OSError:  # gone meanwhile (its save finished), or not this user's to delete
+            continue
+        removed.append(Path(entry.path))
     return removed
 
 
