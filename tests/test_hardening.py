@@ -114,3 +114,42 @@ async def test_compressed_bodies_are_charged_as_they_inflate(make_server, tiny_e
     assert sorted([(await t).status for t in tasks]) == [200] * accepted + [429] * (len(tasks) - accepted)
     assert state.budget.held == 0  # every request's charge given back
     assert (await send()).status == 200
+
+
+@pytest.mark.parametrize("inputs", [30, 120], ids=["under-1MiB", "over-1MiB"])
+async def test_a_client_that_does_not_read_holds_its_slot_until_the_write_deadline(make_server, tiny_enc, inputs,
+                                                                                   caplog):
+    """A response is written before its request gives back its slot and bytes, and a client that does not take it
+    within --request-timeout-s has its connection aborted. Before, a response of 1 MiB or less was handed to
+    aiohttp after the slot was given back (every non-reading client held a body, none a slot: memory grew with
+    them, 429 never came), and a larger one held its slot for ever (ten such clients locked every other out)."""
+    import json
+    import socket
+
+    from jaxserve.http.server import STREAM_BODY_BYTES
+
+    client = await make_server(tiny_enc, max_concurrent=1, request_timeout_s=2)
+    state = client.app[STATE]
+    body = json.dumps({"inputs": ["the model " * 40] * inputs}).encode()
+    size = len(await (await client.post("/embed_all", data=body)).read())
+    assert (size > STREAM_BODY_BYTES) == (inputs > 100), size
+    loop = asyncio.get_running_loop()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # takes a few KB of the response, then none
+    sock.setblocking(False)
+    await loop.sock_connect(sock, (client.host, client.port))
+    copies = 8 * 2**20 // size + 1  # pipelined: more than the kernel's buffers on both sides hold (4 MiB at most)
+    await loop.sock_sendall(sock, (b"POST /embed_all HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                                   b"Content-Length: %d\r\n\r\n" % len(body) + body) * copies)
+    await until(lambda: "did not read its response to /embed_all" in caplog.text and state.active == 0,
+                "the write deadline aborting the connection and giving back its slot", show=lambda: state.active)
+    assert state.budget.held == 0
+    assert (await client.post("/embed", json={"inputs": ["ok"]})).status == 200
+    got = b""
+    try:
+        while piece := await asyncio.wait_for(loop.sock_recv(sock, 2**16), 60):
+            got += piece
+    except ConnectionResetError:
+        pass
+    sock.close()
+    assert len(got) < copies * size  # what the kernel had taken before the abort, not every response

@@ -141,11 +141,8 @@ async def errors_middleware(request: web.Request, handler):
                                 f"the limit of {cfg.max_inflight_bytes}", "rate_limit_error",
                            {"Retry-After": str(RETRY_AFTER_S)})
         state.active += model_route
-        try:
-            response = await handler(request)
-            if isinstance(response, web.Response) and isinstance(response.body, bytes) and \
-                    len(response.body) > STREAM_BODY_BYTES:  # written with the request's slot and bytes still
-                response = await _send_large(request, response)  # held: a client that does not read holds those
+        try:  # written here, the request's slot and bytes still held: a client that does not read holds those
+            response = await _write(request, await handler(request), cfg.request_timeout_s)
         finally:
             state.active -= model_route
             charge.release()
@@ -167,26 +164,45 @@ async def errors_middleware(request: web.Request, handler):
     return response
 
 
-STREAM_BODY_BYTES = 2**20  # larger response bodies are written from a memoryview (`_send_large`)
+STREAM_BODY_BYTES = 2**20  # larger response bodies are written from a memoryview (`_write`)
 
 
-async def _send_large(request: web.Request, response: web.Response) -> web.StreamResponse:
-    """A large response written as its headers with the first byte, then the rest from a memoryview. Returned as
-    a plain Response, aiohttp (on Python before 3.12.9) joins headers and body into one new bytes object on the
-    event loop: a copy of the whole body (about 120 ms for a 250 MB multi-vector response) that stalls every
-    other client. A client gone mid-write ends the write; the response is counted as sent."""
-    body = response.body
-    stream = web.StreamResponse(status=response.status, reason=response.reason,
-                                headers={k: v for k, v in response.headers.items() if k.lower() != "content-length"})
-    stream.content_length = len(body)
+async def _write(request: web.Request, response: web.StreamResponse, timeout_s: float) -> web.StreamResponse:
+    """The response written (to the socket, or to the transport's buffer below its high-water mark of 64 KiB) before
+    the middleware gives back the request's slot and bytes: returned unwritten, aiohttp would write it after, and a
+    client that does not read would hold its body with neither. A client that has not taken it within `timeout_s`
+    (--request-timeout-s, from here) has its connection aborted. A large body (over STREAM_BODY_BYTES) goes as its
+    headers with the first byte, then the rest from a memoryview: returned as a plain Response, aiohttp (on Python
+    before 3.12.9) joins headers and body into one new bytes object on the event loop, a copy of the whole body
+    (about 120 ms for a 250 MB multi-vector response) that stalls every other client. A client gone mid-write ends
+    the write; the response is counted as sent."""
+    body = getattr(response, "body", None)
+    large = isinstance(body, bytes) and len(body) > STREAM_BODY_BYTES
+    if large:
+        response = web.StreamResponse(status=response.status, reason=response.reason,
+                                      headers={k: v for k, v in response.headers.items() if k.lower() != "content-length"})
+        response.content_length = len(body)
+    deadline = asyncio.get_running_loop().call_later(timeout_s, _not_read, request, timeout_s)
     try:
-        await stream.prepare(request)
-        await stream.write(body[:1])
-        await stream.write(memoryview(body)[1:])
-        await stream.write_eof()
+        await response.prepare(request)
+        if large:
+            await response.write(body[:1])
+            await response.write(memoryview(body)[1:])
+        await response.write_eof()
     except (ConnectionError, RuntimeError) as exc:  # the client went away
-        log.info("a %d-byte response was not sent whole: %s", len(body), exc)
-    return stream
+        log.info("a response to %s was not sent whole: %s", request.path, exc)
+    finally:
+        deadline.cancel()
+    return response
+
+
+def _not_read(request: web.Request, timeout_s: float) -> None:
+    """A client has not read its response within --request-timeout-s: its connection is aborted, which ends the
+    write (`_write`), and with it the request's hold on its slot and bytes."""
+    log.warning("a client did not read its response to %s within --request-timeout-s %g: connection aborted",
+                request.path, timeout_s)
+    if (transport := request.transport) is not None:
+        transport.abort()
 
 
 def _authorize(request: web.Request, keys: tuple[tuple[bytes, str | None], ...]) -> str | None:
