@@ -106,6 +106,24 @@ async def test_bad_input_gets_clear_json_error_and_server_keeps_serving(make_ser
             assert fragment in body["error"]["message"] and body["error"]["type"]
         else:  # TEI's
             assert fragment in body["error"] and body["error_type"] in TEI_ERROR_TYPES
+    if status == 405:  # RFC 9110 15.5.6: a 405 MUST say which methods are allowed (it did not)
+        assert resp.headers["Allow"] and method not in resp.headers["Allow"].split(",")
+    await assert_good(client)
+
+
+async def test_a_408_closes_its_connection(make_server, tiny_enc):
+    """A body short of its Content-Length is a 408 once --request-timeout-s passes, and the connection is closed:
+    kept open, the next request's bytes were read as the rest of that body (the stream desynced)."""
+    client = await make_server(tiny_enc, request_timeout_s=0.5)
+    body = b'{"inputs": ["ok"]}'
+    reader, writer = await asyncio.open_connection(client.host, client.port)
+    writer.write(b"POST /embed HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % (len(body) + 10) + body)
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 60)
+    assert head.startswith(b"HTTP/1.1 408") and b"Connection: close" in head, head
+    await reader.readexactly(int(re.search(rb"Content-Length: (\d+)", head)[1]))
+    writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert await asyncio.wait_for(reader.read(), 60) == b""  # closed: nothing more is read from this stream
+    writer.close()
     await assert_good(client)
 
 

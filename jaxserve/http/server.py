@@ -155,7 +155,8 @@ async def errors_middleware(request: web.Request, handler):
         message = {404: f"no route {request.method} {request.path}",
                    405: f"method {request.method} is not allowed on {request.path}",
                    413: f"request body over {state.config.max_body_bytes} bytes"}.get(exc.status, exc.reason)
-        response = _error(ApiError(exc.status, message, kind), request.path)
+        headers = {k: v for k, v in exc.headers.items() if k.lower() not in ("content-type", "content-length")}
+        response = _error(ApiError(exc.status, message, kind, headers), request.path)  # 405's Allow, RFC 9110 15.5.6
     except Exception as exc:  # a bug: say so without echoing the request
         log.exception("unhandled error on %s", route)
         response = _error(ApiError(500, f"internal error: {type(exc).__name__}", "server_error"), request.path)
@@ -230,6 +231,8 @@ def _error(err: ApiError, path: str) -> web.Response:
                     else (err.status, err.body()))
     response = json_response(body, status=status, headers=err.headers)
     response.error_type = err.type
+    if err.status == 408:  # the rest of its body may still come: read as the next request, it would desync the stream
+        response.force_close()
     return response
 
 
