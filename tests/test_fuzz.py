@@ -10,6 +10,7 @@ import gzip
 import sys
 from pathlib import Path
 
+import orjson
 import pytest
 import tiny
 from conftest import TINY_TABLE
@@ -166,3 +167,35 @@ async def test_a_tokenizer_panic_is_a_4xx_not_a_dropped_connection(make_server, 
         resp = await client.post(path, json=body)
         assert resp.status == 422 and (await resp.json())["error_type"] == "Tokenizer"
     assert (await client.post("/embed", json={"inputs": ["ok"]})).status == 200
+
+
+async def raw_exchange(client, data: bytes) -> bytes:
+    """`data` sent on a new connection as is; -> every byte the server answers until it closes."""
+    reader, writer = await asyncio.open_connection(client.host, client.port)
+    writer.write(data)
+    response = await asyncio.wait_for(reader.read(), 60)
+    writer.close()
+    return response
+
+
+@pytest.mark.parametrize("framing", [
+    b"POST /embed HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n10\r\n%s\r\n0\r\n\r\n",  # wrong chunk size
+    b"POST /embed HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n%s\r\n0\r\n\r\n",  # not a size
+    b"POST /embed HTTP/1.1\r\nHost: x\r\nX-Doc: %s\r\nContent-Length: 2\r\n\r\n{}",  # a header over 8190 bytes
+    b"POST /embed HTTP/1.1\nHost: x\nX-Doc: %s\nContent-Length: 2\n\n{}",  # bare-LF lines
+])
+async def test_broken_http_framing_is_a_json_400_that_does_not_echo_the_bytes(make_server, tiny_enc, framing,
+                                                                              caplog):
+    """Was aiohttp's text/plain 400 quoting the bytes around the fault, and a logged traceback holding them too:
+    a document sent in a badly framed body appeared whole in both."""
+    client = await make_server(tiny_enc)
+    doc = b'{"inputs": "confidential ' + b"lorem ipsum " * (700 if b"X-Doc" in framing else 400) + b'"}'
+    with caplog.at_level("DEBUG"):
+        response = await raw_exchange(client, framing % doc)
+    head, _, body = response.partition(b"\r\n\r\n")
+    assert head.split(b" ")[1] == b"400" and b"application/json" in head, response[:300]
+    assert "not valid HTTP/1.1" in orjson.loads(body)["error"]["message"]
+    assert b"confidential" not in response and b"lorem" not in response
+    assert "confidential" not in caplog.text and "lorem" not in caplog.text
+    assert (await client.post("/embed", json={"inputs": ["ok"]})).status == 200
+

@@ -17,6 +17,8 @@ import signal
 import time
 
 from aiohttp import web
+from aiohttp.http_exceptions import BadHttpMethod, HttpProcessingError
+from aiohttp.web_protocol import RequestHandler
 
 from jaxserve.errors import InputError
 from jaxserve.http.api import ApiError
@@ -234,6 +236,34 @@ def _error(err: ApiError, path: str) -> web.Response:
     if err.status == 408:  # the rest of its body may still come: read as the next request, it would desync the stream
         response.force_close()
     return response
+
+
+_AIOHTTP_HANDLE_ERROR = RequestHandler.handle_error
+
+
+def _unparsed(self: RequestHandler, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None,
+              message: str | None = None) -> web.StreamResponse:
+    """A fixed JSON 400 for bytes aiohttp could not parse as HTTP/1.1 (a bad chunk size, bare-LF lines, an over-long
+    header), logged as one line naming the fault's kind. aiohttp's own answer quotes the bytes around the fault in a
+    text/plain body, and its log a traceback holding them: a document in a badly framed body appeared whole in both
+    (documents never appear in logs or error messages: docs/api.md). Such a request reaches no application, so aiohttp
+    has no hook per application for it: this replaces `RequestHandler.handle_error` (below); other errors (a
+    handler's 500, 504) are aiohttp's as before."""
+    if not isinstance(exc, HttpProcessingError):
+        return _AIOHTTP_HANDLE_ERROR(self, request, status, exc, message)
+    # a first request that is not HTTP at all (a port scanner, TLS to a plain port): at debug, as aiohttp logs it
+    quiet = self._request_count == 1 and isinstance(exc, BadHttpMethod)
+    (log.debug if quiet else log.info)("a request from %s was not valid HTTP/1.1 (%s): 400, connection closed",
+                                       request.remote, type(exc).__name__)
+    if request.writer.output_size > 0:  # as aiohttp: a response has begun, none other can be sent
+        raise ConnectionError("a response was being sent when the request's framing broke")
+    err = ApiError(status, f"the request is not valid HTTP/1.1 ({type(exc).__name__}); the connection is closed")
+    response = json_response(err.body(), status=status)
+    response.force_close()
+    return response
+
+
+RequestHandler.handle_error = _unparsed
 
 
 def create_app(config: ServerConfig, encoder: ModelView | None = None,
