@@ -130,6 +130,13 @@ def _route_priority(text: str) -> tuple[str, str]:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
+def cors_origins(given: list[str] | None) -> tuple[str, ...]:
+    """--cors-allow-origin flags (each one origin or several, comma-separated) as origins; none given: any ("*"),
+    as TEI; `none`: no CORS headers at all."""
+    origins = tuple(o.strip() for flag in (given or ["*"]) for o in flag.split(",") if o.strip())
+    return () if "none" in origins else origins
+
+
 def api_keys(args) -> tuple[tuple[str, str | None], ...]:
     """--api-key flags, then the lines of --api-keys-file, each KEY or KEY=CLASS."""
     from jaxserve.errors import JaxserveError
@@ -186,6 +193,7 @@ def serve_config(args):
             tokenizer_threads=args.tokenizer_threads, respond_threads=args.respond_threads,
             workers=host.frontend_workers() if args.workers == "auto" else args.workers,
             engine_restarts=args.engine_restarts, simulate=simulate, access_log=args.access_log, malloc=args.malloc,
+            cors_allow_origins=cors_origins(args.cors_allow_origin),
         )
     if simulate is not None:  # token outputs are not simulated: /embed_all is off
         config = dataclasses.replace(config, embed_all=False, use_cache=False)
@@ -472,6 +480,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "auto: mimalloc, else jemalloc, where installed (libmimalloc.so.2, libjemalloc.so.2), "
                             "else glibc's; glibc: none added. An allocator in your own LD_PRELOAD stands (ours goes "
                             "after it). With one worker, preload it yourself (docs/operations.md)")
+    serve.add_argument("--cors-allow-origin", action="append", metavar="ORIGIN[,ORIGIN]|*|none",
+                       help="origins whose browser pages may call the API (CORS: preflights answered without the API "
+                            "key, Access-Control-Allow-Origin on responses); repeatable; default * (any, as TEI); "
+                            "none: no CORS headers")
     serve.add_argument("--access-log", action="store_true",
                        help="log one line per request (off by default: at thousands of requests per second the "
                             "log line costs more CPU than a small request's own work)")

@@ -303,3 +303,42 @@ async def test_a_failing_batch_fails_only_its_own_requests(make_server, tiny_enc
     assert (await client.get("/health")).status == 200
     after = await client.post("/v1/embeddings", json={"input": ["the model", "a batch"]})
     assert after.status == 200
+
+
+async def test_cors_preflights_and_origins(make_server, tiny_enc):
+    """A browser page works against jaxserve as against TEI (any origin by default): its preflight answered 204
+    without the API key, Access-Control-Allow-Origin on every answer, errors included. Before, OPTIONS was a 405
+    and no response carried CORS headers."""
+    from jaxserve.cli import cors_origins
+
+    assert cors_origins(None) == ("*",) and cors_origins(["none"]) == ()
+    assert cors_origins(["https://a.example,https://b.example", "https://c.example"]) == (
+        "https://a.example", "https://b.example", "https://c.example")
+    page = {"Origin": "https://app.example"}
+    preflight = {**page, "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "content-type, authorization, x-jaxserve-priority"}
+    client = await make_server(tiny_enc, api_key="s3cret")
+    resp = await client.options("/v1/embeddings", headers=preflight)
+    allowed = resp.headers.get("Access-Control-Allow-Headers", "").lower()
+    assert resp.status == 204 and resp.headers["Access-Control-Allow-Origin"] == "*", resp.headers
+    assert "POST" in resp.headers["Access-Control-Allow-Methods"]
+    assert {"content-type", "authorization", "x-jaxserve-priority"} <= set(allowed.replace(" ", "").split(","))
+    key = {"Authorization": "Bearer s3cret"}
+    ok = await client.post("/v1/embeddings", json={"input": ["ok"]}, headers={**page, **key})
+    assert ok.status == 200 and ok.headers["Access-Control-Allow-Origin"] == "*"
+    refused = await client.post("/v1/embeddings", json={"input": ["ok"]}, headers=page)
+    assert refused.status == 401 and refused.headers["Access-Control-Allow-Origin"] == "*"
+    plain = await client.post("/v1/embeddings", json={"input": ["ok"]}, headers=key)
+    assert plain.status == 200 and "Access-Control-Allow-Origin" not in plain.headers  # not a browser's
+    listed = await make_server(tiny_enc, cors_allow_origins=("https://app.example",))
+    resp = await listed.post("/embed", json={"inputs": ["ok"]}, headers=page)
+    assert resp.headers["Access-Control-Allow-Origin"] == "https://app.example" and resp.headers["Vary"] == "Origin"
+    other = {"Origin": "https://elsewhere.example"}
+    resp = await listed.post("/embed", json={"inputs": ["ok"]}, headers=other)
+    assert "Access-Control-Allow-Origin" not in resp.headers
+    assert (await listed.options("/embed", headers={**preflight, **other})).status == 405
+    off = await make_server(tiny_enc, cors_allow_origins=())
+    resp = await off.options("/embed", headers=preflight)
+    assert resp.status == 405 and "Access-Control-Allow-Origin" not in resp.headers
+    resp = await off.post("/embed", json={"inputs": ["ok"]}, headers=page)
+    assert resp.status == 200 and "Access-Control-Allow-Origin" not in resp.headers

@@ -22,6 +22,7 @@ from aiohttp.web_protocol import RequestHandler
 
 from jaxserve.errors import InputError
 from jaxserve.http.api import ApiError
+from jaxserve.http.classes import DEADLINE_HEADER, PRIORITY_HEADER
 from jaxserve.http.handling import json_response
 from jaxserve.http.routes import cohere as cohere_routes
 from jaxserve.http.routes import openai as openai_routes
@@ -128,6 +129,10 @@ async def errors_middleware(request: web.Request, handler):
     start = time.perf_counter()
     model_route = request.method == "POST"
     cfg = state.config
+    origin = request.headers.get("Origin") if cfg.cors_allow_origins else None  # sent by browsers only
+    cors = origin and _cors(cfg.cors_allow_origins, origin)
+    if cors and request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers:
+        return web.Response(status=204, headers={**cors, **PREFLIGHT})  # before auth: preflights carry no key
     # A body without Content-Length may be as large as any body.
     size = (request.content_length if request.content_length is not None else cfg.max_body_bytes) if model_route else 0
     try:
@@ -144,7 +149,10 @@ async def errors_middleware(request: web.Request, handler):
                            {"Retry-After": str(RETRY_AFTER_S)})
         state.active += model_route
         try:  # written here, the request's slot and bytes still held: a client that does not read holds those
-            response = await _write(request, await handler(request), cfg.request_timeout_s)
+            response = await handler(request)
+            if cors:
+                response.headers.update(cors)
+            response = await _write(request, response, cfg.request_timeout_s)
         finally:
             state.active -= model_route
             charge.release()
@@ -162,9 +170,26 @@ async def errors_middleware(request: web.Request, handler):
     except Exception as exc:  # a bug: say so without echoing the request
         log.exception("unhandled error on %s", route)
         response = _error(ApiError(500, f"internal error: {type(exc).__name__}", "server_error"), request.path)
+    if cors and not response.prepared:  # an error's: a browser shows its page a response only with them
+        response.headers.update(cors)
     error = getattr(response, "error_type", "http_error") if response.status >= 400 else None
     state.metrics.request(route, response.status, time.perf_counter() - start, error)
     return response
+
+
+ANY_ORIGIN = {"Access-Control-Allow-Origin": "*"}
+# a CORS preflight's answer: the methods and request headers the API reads (TEI allows GET and POST, Content-Type)
+PREFLIGHT = {"Access-Control-Allow-Methods": "GET, POST",
+             "Access-Control-Allow-Headers": ", ".join(("Content-Type", "Authorization", "Content-Encoding",
+                                                       PRIORITY_HEADER, DEADLINE_HEADER, "X-Jaxserve-Explain")),
+             "Access-Control-Max-Age": "600"}
+
+
+def _cors(allowed: tuple[str, ...], origin: str) -> dict | None:
+    """The CORS headers of a response to a browser page from `origin`; None when that origin is not allowed."""
+    if "*" in allowed:
+        return ANY_ORIGIN
+    return {"Access-Control-Allow-Origin": origin, "Vary": "Origin"} if origin in allowed else None
 
 
 STREAM_BODY_BYTES = 2**20  # larger response bodies are written from a memoryview (`_write`)
@@ -182,8 +207,8 @@ async def _write(request: web.Request, response: web.StreamResponse, timeout_s: 
     body = getattr(response, "body", None)
     large = isinstance(body, bytes) and len(body) > STREAM_BODY_BYTES
     if large:
-        response = web.StreamResponse(status=response.status, reason=response.reason,
-                                      headers={k: v for k, v in response.headers.items() if k.lower() != "content-length"})
+        headers = {k: v for k, v in response.headers.items() if k.lower() != "content-length"}
+        response = web.StreamResponse(status=response.status, reason=response.reason, headers=headers)
         response.content_length = len(body)
     deadline = asyncio.get_running_loop().call_later(timeout_s, _not_read, request, timeout_s)
     try:

@@ -100,6 +100,7 @@ class ServerConfig:
     engine_restarts: int = 3  # with workers > 1: times the supervisor restarts an engine process that died
     simulate: object | None = None  # a runtime.simulated.SimSpec: serve on a simulated device (capacity planning)
     malloc: str = "auto"  # with workers > 1: the serving processes' allocator (runtime/host.malloc_env)
+    cors_allow_origins: tuple[str, ...] = ("*",)  # origins whose pages may call it (CORS; "*": any, as TEI); (): none
     access_log: bool = False  # one log line per request (aiohttp's access log): off, it costs more than a small request
 
     @functools.cached_property
