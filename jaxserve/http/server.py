@@ -16,8 +16,7 @@ import os
 import signal
 import time
 
-from aiohttp import web
-from aiohttp.http_exceptions import BadHttpMethod, HttpProcessingError
+from aiohttp import http_exceptions, web
 from aiohttp.web_protocol import RequestHandler
 
 from jaxserve.errors import InputError
@@ -274,10 +273,11 @@ def _unparsed(self: RequestHandler, request: web.BaseRequest, status: int = 500,
     (documents never appear in logs or error messages: docs/api.md). Such a request reaches no application, so aiohttp
     has no hook per application for it: this replaces `RequestHandler.handle_error` (below); other errors (a
     handler's 500, 504) are aiohttp's as before."""
-    if not isinstance(exc, HttpProcessingError):
+    if not isinstance(exc, http_exceptions.HttpProcessingError):
         return _AIOHTTP_HANDLE_ERROR(self, request, status, exc, message)
     # a first request that is not HTTP at all (a port scanner, TLS to a plain port): at debug, as aiohttp logs it
-    quiet = self._request_count == 1 and isinstance(exc, BadHttpMethod)
+    # (getattr: the aiohttp 3.10 that pyproject.toml allows may lack BadHttpMethod and _request_count)
+    quiet = getattr(self, "_request_count", 0) == 1 and isinstance(exc, getattr(http_exceptions, "BadHttpMethod", ()))
     (log.debug if quiet else log.info)("a request from %s was not valid HTTP/1.1 (%s): 400, connection closed",
                                        request.remote, type(exc).__name__)
     if request.writer.output_size > 0:  # as aiohttp: a response has begun, none other can be sent
