@@ -271,8 +271,9 @@ def _unparsed(self: RequestHandler, request: web.BaseRequest, status: int = 500,
     header), logged as one line naming the fault's kind. aiohttp's own answer quotes the bytes around the fault in a
     text/plain body, and its log a traceback holding them: a document in a badly framed body appeared whole in both
     (documents never appear in logs or error messages: docs/api.md). Such a request reaches no application, so aiohttp
-    has no hook per application for it: this replaces `RequestHandler.handle_error` (below); other errors (a
-    handler's 500, 504) are aiohttp's as before."""
+    has no hook per application for it: `create_app` puts this in `RequestHandler.handle_error`'s place, for every
+    aiohttp server of the process once a jaxserve app exists; other errors (a handler's 500, 504) are aiohttp's as
+    before."""
     if not isinstance(exc, http_exceptions.HttpProcessingError):
         return _AIOHTTP_HANDLE_ERROR(self, request, status, exc, message)
     # a first request that is not HTTP at all (a port scanner, TLS to a plain port): at debug, as aiohttp logs it
@@ -288,9 +289,6 @@ def _unparsed(self: RequestHandler, request: web.BaseRequest, status: int = 500,
     return response
 
 
-RequestHandler.handle_error = _unparsed
-
-
 def create_app(config: ServerConfig, encoder: ModelView | None = None,
                started: startup.Startup | None = None, link=None) -> web.Application:
     """The aiohttp application. With `encoder` given (already loaded, maybe warmed), it is used as is;
@@ -301,6 +299,7 @@ def create_app(config: ServerConfig, encoder: ModelView | None = None,
     app = web.Application(client_max_size=config.max_body_bytes, middlewares=[errors_middleware],
                           handler_args={"auto_decompress": False})
     app[STATE] = AppState(config, encoder, started, link)
+    RequestHandler.handle_error = _unparsed  # framing errors without the bytes (no hook per application)
     app.cleanup_ctx.append(lifecycle)
     app.on_shutdown.append(on_shutdown)
     openai_routes.add_routes(app)
