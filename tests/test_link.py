@@ -292,11 +292,6 @@ async def test_a_draining_front_end_still_sends_its_accepted_requests_jobs_and_t
     tokenizing still: its job goes to the engine and is answered, as `Pipeline.run` takes jobs while draining
     (before: 503 "the server is draining" with --workers N alone). The engine, signalled with it, waits for its
     front-ends to go (`without_front_ends`) before it drains."""
-    from jaxserve.runtime.buckets import fixed
-    from jaxserve.scheduling.jobs import Job
-    from jaxserve.scheduling.link import EngineLink, LinkServer
-    from jaxserve.scheduling.planner import pack
-
     loop = asyncio.get_running_loop()
 
     class Held:  # a pipeline whose jobs finish when the test says
@@ -309,19 +304,13 @@ async def test_a_draining_front_end_still_sends_its_accepted_requests_jobs_and_t
         def cancel(self, jid):
             pass
 
-    path, held = str(tmp_path / "engine.sock"), Held()
-    server = LinkServer(path, lambda: {"ready": True})
-    await server.start()
-    link = EngineLink(path, retry_s=0.01)
-    await link.start()
+    held = Held()
+    server, link, table = await linked(tmp_path, held)
     try:
-        await server.ready(held, {"model": "m"})
-        assert await link.settled(BOUND_S)
         assert not await server.without_front_ends(0.1)  # one is connected
         assert await link.drain(BOUND_S) and link.draining  # nothing running: drained at once (the HTTP layer then
         # waits for the requests it is handling, as with one process)
-        ids, offsets = np.arange(3, dtype=np.int32), np.array([0, 3])
-        job = Job(pack([3], fixed([(1, 16)])), ids, offsets, None, 4, "pooled")
+        job = query(table, 0, 3)
         ran = asyncio.create_task(link.run(job, join=False))
         async with asyncio.timeout(BOUND_S):
             while not hasattr(held, "done"):
