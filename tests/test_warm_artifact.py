@@ -128,10 +128,12 @@ def test_model_digest_follows_configs_and_weight_shapes_not_weight_values(tiny_c
     assert artifact.model_digest(path) != digest  # any small file, whole
 
 
-def test_a_linked_module_folder_is_in_the_key_and_one_leading_outside_is_refused(tiny_checkpoint, tmp_path):
-    """The digest hashes what the loader reads: a module folder linked within the checkpoint by its target, so
-    relinking it (another pooling) is a stale artifact, not the old vectors; a module folder outside the
-    checkpoint (a link leading out, an absolute or `..` path) is refused, as a shard outside it is."""
+def test_a_linked_module_folder_is_in_the_key_and_a_path_leading_outside_is_refused(tiny_checkpoint, tmp_path):
+    """The digest hashes what the loader reads, through links: a module folder linked within the checkpoint or
+    from outside it (a variant of a model linking the other's folders) by the files it reaches, so relinking it or
+    editing its config (another pooling) is a stale artifact, not the old vectors (before, a linked folder was not
+    walked: 0 compiles and the old pooling's vectors); a modules.json path that leads out (absolute, `..`) or is
+    hidden is refused, as a shard's is."""
     from jaxserve.errors import CheckpointError
 
     path, cache = tiny_checkpoint(), tmp_path / "cache"
@@ -150,8 +152,14 @@ def test_a_linked_module_folder_is_in_the_key_and_one_leading_outside_is_refused
     (path / "1_Pooling").unlink()
     (path / "pool_cls").rename(tmp_path / "pool_ext")
     (path / "1_Pooling").symlink_to(tmp_path / "pool_ext", target_is_directory=True)
-    with pytest.raises(CheckpointError, match="Pooling module names '1_Pooling', outside the checkpoint"):
-        Encoder.from_pretrained(str(path))
+    digest = artifact.model_digest(path)
+    assert Encoder.from_pretrained(str(path)).embedding_config.pooling == "cls"
+    config = json.loads((tmp_path / "pool_ext" / "config.json").read_text())
+    (tmp_path / "pool_ext" / "config.json").write_text(json.dumps(
+        {**config, "pooling_mode_cls_token": False, "pooling_mode_mean_tokens": True}))
+    assert artifact.model_digest(path) != digest
+    (path / "loop").symlink_to(path, target_is_directory=True)  # a link back up: walked once
+    assert artifact.model_digest(path)
     modules = json.loads((path / "modules.json").read_text())
     for name in (str(tmp_path / "pool_ext"), "../cls/1_Pooling", ".hidden"):
         (path / "modules.json").write_text(json.dumps([{**m, "path": name} if m["path"] == "1_Pooling" else m

@@ -37,17 +37,16 @@ def kind(module: dict) -> str:
 
 def inside(path: Path, name: str, what: str) -> Path:
     """`path / name`, a checkpoint's own file or folder: a name an index or modules.json gives that leads out of
-    the checkpoint's directory (absolute, `..`, through a linked folder) is refused, never read nor listed in an
-    error, and so is a hidden one (`.cache`, `.git`: not the checkpoint's, nor in its warm artifact's key). A file
-    itself may be a link (a hub snapshot links each file to its blob). The warm artifact's `model_digest` hashes
-    all this lets through."""
-    found, root = path / name, path.resolve()
-    real = found.resolve() if found.is_dir() else found.parent.resolve() / found.name
-    if ".." in Path(name).parts or not real.is_relative_to(root):
+    the checkpoint's directory (absolute, `..`) is refused, never read nor listed in an error, and so is a hidden
+    one (`.cache`, `.git`: not the checkpoint's, nor in its warm artifact's key). A file or folder of the checkpoint
+    may be a link (a hub snapshot links each file to its blob; a variant of a model may link its module folders):
+    the warm artifact's `model_digest` follows links, so it hashes all this lets through."""
+    parts = Path(name).parts
+    if Path(name).is_absolute() or ".." in parts:
         raise CheckpointError(f"{path}: {what} names {name!r}, outside the checkpoint's directory")
-    if any(part.startswith(".") for part in real.relative_to(root).parts):
+    if any(part.startswith(".") for part in parts):
         raise CheckpointError(f"{path}: {what} names {name!r}, a hidden file, not one of the checkpoint's own")
-    return found
+    return path / name
 
 
 def folder(path: Path, module: dict) -> Path:

@@ -83,25 +83,22 @@ class Loaded:
 
 
 def model_digest(path: Path) -> str:
-    """The checkpoint's files, as the loader reaches them: small ones whole, safetensors by their header, other
-    large files by size, each under its name; a linked file by what it links to (a hub snapshot's blob). A linked
-    folder is hashed as its target, which the loader reads only inside the checkpoint (`modules.inside`), where
-    this walk hashes its files: so retargeting a link, or editing what it names, changes the digest."""
+    """The checkpoint's files, as the loader reaches them (`modules.inside`: through links, not hidden ones): small
+    ones whole, safetensors by their header, other large files by size, each under its name; a linked file by what
+    it links to (a hub snapshot's blob), a linked folder by the files it holds (a model's variant linking another's
+    module folders): so retargeting a link, or editing what it reaches, changes the digest."""
     root = Path(path)
-    real = root.resolve()
     h = hashlib.sha256()
-    entries = []
-    for folder, dirs, names in os.walk(root):
+    entries, seen = [], set()
+    for folder, dirs, names in os.walk(root, followlinks=True):
+        if os.path.realpath(folder) in seen:  # a link back to a folder walked already
+            dirs[:] = []
+            continue
+        seen.add(os.path.realpath(folder))
         dirs[:] = [d for d in dirs if not d.startswith(".")]
-        entries += [Path(folder) / name for name in dirs + names if not name.startswith(".")]
+        entries += [Path(folder) / name for name in names if not name.startswith(".")]
     for f in sorted(entries):
         name = f.relative_to(root).as_posix().encode() + b"\0"
-        if f.is_dir():
-            if f.is_symlink():
-                target = Path(os.path.realpath(f))
-                h.update(name + b"-> " + (target.relative_to(real).as_posix().encode()
-                                          if target.is_relative_to(real) else b"outside"))
-            continue
         if not f.is_file():
             continue
         h.update(name)
