@@ -67,6 +67,9 @@ async def test_disconnected_client_has_none_of_its_rows_dispatched(make_server, 
     query = tiny_enc.tokenizer.encode_bodies(["query"])[0][0]
     assert not any((ids == query).any() for ids in watched.engine.seen)
     assert (await client.post("/v1/embeddings", json=GOOD)).status == 200
+    metrics = await (await client.get("/metrics")).text()  # the request gone is counted, as nginx logs it: 499
+    assert 'jaxserve_requests_total{route="/v1/embeddings",status="499"} 1.0' in metrics
+    assert 'jaxserve_errors_total{type="client_closed"} 1.0' in metrics
 
 
 async def test_timed_out_request_has_none_of_its_rows_dispatched(make_server, tiny_enc):

@@ -169,6 +169,9 @@ async def errors_middleware(request: web.Request, handler):
     except Exception as exc:  # a bug: say so without echoing the request
         log.exception("unhandled error on %s", route)
         response = _error(ApiError(500, f"internal error: {type(exc).__name__}", "server_error"), request.path)
+    except asyncio.CancelledError:  # its client went away (handler cancellation): counted, as nginx logs it, as 499
+        state.metrics.request(route, CLIENT_CLOSED, time.perf_counter() - start, "client_closed")
+        raise
     if cors and not response.prepared:  # an error's: a browser shows its page a response only with them
         response.headers.update(cors)
     error = getattr(response, "error_type", "http_error") if response.status >= 400 else None
@@ -176,6 +179,7 @@ async def errors_middleware(request: web.Request, handler):
     return response
 
 
+CLIENT_CLOSED = 499  # the status counted for a request whose client went away before its answer (nginx's)
 ANY_ORIGIN = {"Access-Control-Allow-Origin": "*"}
 # a CORS preflight's answer: the methods and request headers the API reads (TEI allows GET and POST, Content-Type)
 PREFLIGHT = {"Access-Control-Allow-Methods": "GET, POST",
