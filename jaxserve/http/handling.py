@@ -211,10 +211,10 @@ def ask_for(request: web.Request, body, route: str | None = None, runs: str | No
                   request.get(BODY_BYTES, 0))
 
 
-def explain_rows(state: AppState, rows, pieces, ask: Ask, output: str = "pooled") -> dict:
-    """The latency math of one request's rows on its output's table, as the class it gets (`decide`), given what
-    waits ahead of it (of the classes it waits behind) and runs now; 413 where the queue could never hold it."""
-    cls, _ = decide(ask, pieces.count, pieces.tokens, state.config.class_policy)
+def explain_rows(state: AppState, rows, pieces, cls: int, output: str = "pooled") -> dict:
+    """The latency math of one request's rows on its output's table, as a request of class `cls` (`decide`'s),
+    given what waits ahead of it (of the classes it waits behind) and runs now; 413 where the queue could never
+    hold it."""
     try:
         return state.service.explain(rows, pieces.doc, output, state.config.max_wait_ms / 1000, cls)
     except TooLarge as err:
@@ -241,16 +241,16 @@ async def run_request(state: AppState, make_pieces, want_explain: bool = False, 
         width = enc.token_dim if output == "tokens" else enc.out_dim
         job = Job(rows, pieces.ids, pieces.offsets, pieces.types, width, output)
         t2 = time.perf_counter()
-        explained = explain_rows(state, rows, pieces, ask, output) if want_explain else None
-        return pieces, job, explained, {"tokenize_s": t1 - t0, "plan_s": t2 - t1}
+        decided = decide(ask, pieces.count, pieces.tokens, policy)
+        explained = explain_rows(state, rows, pieces, decided[0], output) if want_explain else None
+        return pieces, job, explained, {"tokenize_s": t1 - t0, "plan_s": t2 - t1}, decided
 
     policy = state.config.class_policy
     small = inputs is not None and likely_interactive(ask, inputs, policy, most_bytes=OFFLOAD_BODY_BYTES)
     tiny = inputs is not None and inputs <= INLINE_INPUTS and 0 < ask.body_bytes <= INLINE_BODY_BYTES
-    pieces, job, explained, phases = await on_tokenizer(state, prepare, interactive=small,
-                                                        inline=tiny and not want_explain)
+    pieces, job, explained, phases, (cls, source) = await on_tokenizer(state, prepare, interactive=small,
+                                                                       inline=tiny and not want_explain)
     timeout = state.config.request_timeout_s
-    cls, source = decide(ask, pieces.count, pieces.tokens, policy)
     try:
         deadline_s = None if ask.deadline_ms is None else ask.deadline_ms / 1000
         # a request that asked for its latency math is not joined with others: its batches are then its own

@@ -98,10 +98,9 @@ def model_digest(path: Path) -> str:
         dirs[:] = [d for d in dirs if not d.startswith(".")]
         entries += [Path(folder) / name for name in names if not name.startswith(".")]
     for f in sorted(entries):
-        name = f.relative_to(root).as_posix().encode() + b"\0"
         if not f.is_file():
             continue
-        h.update(name)
+        h.update(f.relative_to(root).as_posix().encode() + b"\0")
         size = f.stat().st_size
         if f.suffix == ".safetensors":
             h.update(_safetensors_header(f))

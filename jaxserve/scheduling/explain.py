@@ -115,7 +115,7 @@ def explain(rows: Rows, table: BucketTable, timings: LiveTimings, doc_of=None, b
             "rows_ahead": sum(n for _, n in (backlog or [])),
             "batches_in_flight": batches_in_flight,
             "predicted_wait_ahead_s": _sum_or_none(
-                None if timings.seconds(b) is None else k * timings.dispatch_s(b, host) for b, k in ahead),
+                None if (t := timings.dispatch_s(b, host)) is None else k * t for b, k in ahead),
             "window_worst_case_s": max_wait_s,
         },
     }

@@ -85,8 +85,8 @@ async def plan(request: web.Request) -> web.Response:
     def plan_only():
         pieces = tokenized(lambda: embedding_pieces(state, req, openai_ids=True))
         rows = pack(pieces.lengths, state.table)
-        body = explain_rows(state, rows, pieces, ask)
         cls, source = decide(ask, pieces.count, rows.real_tokens, state.config.class_policy)
+        body = explain_rows(state, rows, pieces, cls)
         waiting = state.service.batcher.waiting()
         body.update(documents=req.count, sequences=pieces.count, usage={"prompt_tokens": rows.real_tokens},
                     request_class=CLASSES[cls], class_from=source,
