@@ -54,7 +54,7 @@ class ApiError(Exception):
         status, kind = self._tei or TEI_ERRORS.get(self.type) or (
             (self.status, "Unauthorized") if self.status == 401 else
             (413, "Validation") if self.type == "body_too_large" else
-            (self.status, "Validation") if self.status in (404, 405, 408, 415) else (422, "Validation"))
+            (self.status, "Validation") if self.status in (404, 405, 408, 415, 417) else (422, "Validation"))
         return status, {"error": self.message, "error_type": kind}
 
 

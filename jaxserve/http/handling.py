@@ -46,6 +46,12 @@ def json_response(body, status: int = 200, headers=None) -> web.Response:
                         content_type="application/json")
 
 
+async def expect_later(request: web.Request) -> None:
+    """Every POST route's expect handler: nothing is sent here. aiohttp's own answers `Expect: 100-continue` before
+    any middleware runs, so a client the headers already refuse (a missing key, a declared body over the limit, a
+    full server) was told to send its body first; `server.errors_middleware` sends the 100 after those checks."""
+
+
 GZIP_MAGIC = b"\x1f\x8b"  # a gzip member's first two bytes
 INFLATE_CHUNK = 2**20  # a compressed body inflates this many bytes at a time, each charged before the next
 

@@ -16,7 +16,7 @@ import os
 import signal
 import time
 
-from aiohttp import http_exceptions, web
+from aiohttp import HttpVersion11, http_exceptions, web
 from aiohttp.web_protocol import RequestHandler
 
 from jaxserve.errors import InputError
@@ -134,6 +134,8 @@ async def errors_middleware(request: web.Request, handler):
         return web.Response(status=204, headers={**cors, **PREFLIGHT})  # before auth: preflights carry no key
     # A body without Content-Length may be as large as any body.
     size = (request.content_length if request.content_length is not None else cfg.max_body_bytes) if model_route else 0
+    # a POST route's client that asked to be told before it sends its body (`handling.expect_later`)
+    expect = request.headers.get("Expect") if model_route and request.match_info.http_exception is None else None
     try:
         request[API_KEY_CLASS] = _authorize(request, cfg.keys)
         if size > cfg.max_body_bytes:  # declared, not sent: refused before it holds the in-flight budget
@@ -148,6 +150,9 @@ async def errors_middleware(request: web.Request, handler):
                            {"Retry-After": str(RETRY_AFTER_S)})
         state.active += model_route
         try:  # written here, the request's slot and bytes still held: a client that does not read holds those
+            if expect is not None:
+                await _continue(request, expect)
+                expect = None
             response = await handler(request)
             if cors:
                 response.headers.update(cors)
@@ -157,6 +162,8 @@ async def errors_middleware(request: web.Request, handler):
             charge.release()
     except ApiError as err:
         response = _error(err, request.path)
+        if expect is not None:  # refused before its 100: the body will not come, the stream cannot be read on
+            response.force_close()
     except InputError as err:  # the request's own fault wherever it was found (e.g. an unknown prompt_name)
         response = _error(ApiError(400, str(err)), request.path)
     except web.HTTPException as exc:
@@ -186,6 +193,17 @@ PREFLIGHT = {"Access-Control-Allow-Methods": "GET, POST",
              "Access-Control-Allow-Headers": ", ".join(("Content-Type", "Authorization", "Content-Encoding",
                                                        PRIORITY_HEADER, DEADLINE_HEADER, "X-Jaxserve-Explain")),
              "Access-Control-Max-Age": "600"}
+
+
+async def _continue(request: web.Request, expect: str) -> None:
+    """`Expect: 100-continue` answered once the headers' checks have passed, as aiohttp's default handler answers it
+    (HTTP/1.1 only; 417 for any other expectation, RFC 9110 10.1.1)."""
+    if request.version != HttpVersion11:
+        return
+    if expect.lower() != "100-continue":
+        raise ApiError(417, "the only expectation served is Expect: 100-continue", "expectation_failed")
+    await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+    request.writer.output_size = 0  # the response proper has not begun (aiohttp's handler does the same)
 
 
 def _cors(allowed: tuple[str, ...], origin: str) -> dict | None:

@@ -24,6 +24,7 @@ from jaxserve.http.handling import (
     ask_for,
     bytes_response,
     embedding_pieces,
+    expect_later,
     json_body,
     parsed,
     require_kind,
@@ -120,6 +121,6 @@ SCORERS = {"reranker": _cross_encoder, "embedding": _cosine, "multivector": _max
 
 
 def add_routes(app: web.Application) -> None:
-    app.router.add_post("/v2/embed", embed)
-    app.router.add_post("/v1/embed", embed_v1)
-    app.router.add_post("/v2/rerank", rerank)
+    app.router.add_post("/v2/embed", embed, expect_handler=expect_later)
+    app.router.add_post("/v1/embed", embed_v1, expect_handler=expect_later)
+    app.router.add_post("/v2/rerank", rerank, expect_handler=expect_later)

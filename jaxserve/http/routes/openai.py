@@ -15,6 +15,7 @@ from jaxserve.http.handling import (
     ask_for,
     bytes_response,
     embedding_pieces,
+    expect_later,
     explain_rows,
     json_body,
     on_tokenizer,
@@ -213,10 +214,7 @@ async def score(request: web.Request) -> web.Response:
 
 
 def add_routes(app: web.Application) -> None:
-    app.router.add_post("/v1/embeddings", embeddings)
-    app.router.add_post("/embeddings", embeddings)  # TEI serves OpenAI's route under this name too
-    app.router.add_post("/v1/plan", plan)
-    app.router.add_post("/classify", classify)
-    app.router.add_post("/v1/rerank", rerank)
-    for path in ("/score", "/v1/score"):
-        app.router.add_post(path, score)
+    routes = {"/v1/embeddings": embeddings, "/embeddings": embeddings,  # TEI serves OpenAI's route under this name too
+              "/v1/plan": plan, "/classify": classify, "/v1/rerank": rerank, "/score": score, "/v1/score": score}
+    for path, handler in routes.items():
+        app.router.add_post(path, handler, expect_handler=expect_later)

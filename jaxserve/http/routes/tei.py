@@ -27,6 +27,7 @@ from jaxserve.http.handling import (
     ask_for,
     bytes_response,
     embedding_pieces,
+    expect_later,
     json_body,
     on_tokenizer,
     parsed,
@@ -266,6 +267,6 @@ async def root(request: web.Request) -> web.Response:
 
 def add_routes(app: web.Application) -> None:
     for path, handler in HANDLERS.items():
-        app.router.add_post(path, route(handler))
-    app.router.add_post("/", root)
-    app.router.add_post("/invocations", root)
+        app.router.add_post(path, route(handler), expect_handler=expect_later)
+    app.router.add_post("/", root, expect_handler=expect_later)
+    app.router.add_post("/invocations", root, expect_handler=expect_later)
