@@ -28,7 +28,7 @@ def tiny_files(tmp_path_factory):
 def test_schemathesis_fuzz_finds_no_server_error(tiny_files):
     path, table = tiny_files
     port = free_port()
-    with served(port, "--model", str(path), "--buckets", str(table), "--no-cache") as (url, _):
+    with served(port, "--model", str(path), "--buckets", str(table)) as (url, _):
         import aiohttp
 
         from jaxserve.integrations.launch import wait_ready

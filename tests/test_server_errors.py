@@ -257,7 +257,7 @@ def test_sigterm_finishes_accepted_requests_then_exits(tiny_path, tmp_path, sign
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "jaxserve.cli", "serve", "--model", str(tiny_path), "--port", str(port),
-         "--buckets", str(table), "--no-cache"],
+         "--buckets", str(table)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
 

@@ -129,7 +129,7 @@ def test_two_front_ends_serve_as_one_process_does(files):
     from conftest import warm_encoder
 
     path, table = files
-    url, proc = serve("--model", str(path), "--buckets", str(table), "--no-cache", "--workers", "2")
+    url, proc = serve("--model", str(path), "--buckets", str(table), "--workers", "2")
     try:
         info = asyncio.run(ready(url, proc))
         procs = info["processes"]
@@ -528,7 +528,7 @@ async def test_every_route_answers_in_a_front_end_as_in_one_process(make_server,
     path = {"embedding": files[0]}.get(kind) or tiny.write_checkpoint(
         tmp_path / kind, num_labels={"classifier": 3, "reranker": 1}[kind])
     one = await make_server(warm_encoder(path, TINY_TABLE), model=str(path))
-    url, proc = serve("--model", str(path), "--buckets", str(files[1]), "--no-cache", "--workers", "2")
+    url, proc = serve("--model", str(path), "--buckets", str(files[1]), "--workers", "2")
     try:
         await ready(url, proc)
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s:
@@ -570,7 +570,7 @@ def test_sigterm_drains_every_process_and_loses_no_accepted_request(files, to):
     gets a second from the supervisor, which once cancelled its drain (every connection closed unanswered), and
     the engine waits for the front-ends to go before it drains."""
     path, table = files
-    url, proc = serve("--model", str(path), "--buckets", str(table), "--no-cache", "--workers", "2",
+    url, proc = serve("--model", str(path), "--buckets", str(table), "--workers", "2",
                       session=to == "group")
 
     async def scenario():
