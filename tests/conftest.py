@@ -145,6 +145,19 @@ def warm_encoder(path, table, **kw):
     return enc
 
 
+# A command run as a distribution starts it: with a soft limit of 1024 open files (`jaxserve serve` raises it)
+FEW_OPEN_FILES = ["bash", "-c", 'ulimit -Sn 1024 && exec "$@"', "-"]
+
+
+def raised_open_files() -> int:
+    """The soft limit of open files `jaxserve serve` runs with, started at 1024: its target within the hard limit."""
+    import resource
+
+    from jaxserve.runtime import host
+
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    return host.OPEN_FILES if hard == resource.RLIM_INFINITY else min(host.OPEN_FILES, hard)
+
 @pytest.fixture(scope="session")
 def minilm():
     """The bundled MiniLM with its default derived table and token outputs (/embed_all), started as the server

@@ -13,9 +13,10 @@ import sys
 import threading
 
 import aiohttp
+import psutil
 import pytest
 import tiny
-from conftest import ONE_COVER, TINY_TABLE, SlowEngine, until, warm_encoder
+from conftest import FEW_OPEN_FILES, ONE_COVER, TINY_TABLE, SlowEngine, raised_open_files, until, warm_encoder
 
 from jaxserve.http.state import STATE
 
@@ -256,7 +257,7 @@ def test_sigterm_finishes_accepted_requests_then_exits(tiny_path, tmp_path, sign
 
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "jaxserve.cli", "serve", "--model", str(tiny_path), "--port", str(port),
+        [*FEW_OPEN_FILES, sys.executable, "-m", "jaxserve.cli", "serve", "--model", str(tiny_path), "--port", str(port),
          "--buckets", str(table)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
@@ -265,6 +266,8 @@ def test_sigterm_finishes_accepted_requests_then_exits(tiny_path, tmp_path, sign
         url = f"http://127.0.0.1:{port}"
         async with aiohttp.ClientSession() as s:
             await wait_ready(s, url, timeout_s=60)
+            # (and, started with 1024, it may hold as many connections as the hard limit allows)
+            assert psutil.Process(proc.pid).rlimit(psutil.RLIMIT_NOFILE)[0] == raised_open_files()
 
             async def one(i):
                 async with s.post(url + "/v1/embeddings", json={"input": [f"the model {i} {j} " * 8 for j in range(32)]}) as r:

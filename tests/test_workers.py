@@ -22,7 +22,7 @@ import numpy as np
 import psutil
 import pytest
 import tiny
-from conftest import TINY_TABLE, cosine_rows
+from conftest import FEW_OPEN_FILES, TINY_TABLE, cosine_rows, raised_open_files
 from prometheus_client.parser import text_string_to_metric_families
 
 from jaxserve.integrations.launch import free_port, stop, wait_ready
@@ -33,10 +33,11 @@ BOUND_S = 120.0  # the most any state is waited for (a slow machine's start-up)
 
 
 def serve(*flags: str, session: bool = False) -> tuple[str, subprocess.Popen]:
-    """`session`: in a process group of its own, which a test may signal whole."""
+    """`session`: in a process group of its own, which a test may signal whole. Started as a distribution starts
+    a process, with a soft limit of 1024 open files (`host.raise_open_files` raises it)."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "jaxserve.cli", "serve", "--port", str(port), *flags],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=session)
+    proc = subprocess.Popen([*FEW_OPEN_FILES, sys.executable, "-m", "jaxserve.cli", "serve", "--port", str(port),
+                             *flags], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=session)
     return f"http://127.0.0.1:{port}", proc
 
 
@@ -151,6 +152,8 @@ def test_two_front_ends_serve_as_one_process_does(files):
             assert host.MALLOC_TUNABLES in psutil.Process(pid).environ().get("GLIBC_TUNABLES", "")
             mapped = {name for name in host.PRELOADS if f"lib{name}" in Path(f"/proc/{pid}/maps").read_text()}
             assert mapped == ({procs["malloc"]} & set(host.PRELOADS))
+        for pid in [proc.pid, procs["engine"], *procs["frontends"]]:  # each connection a file: as many as allowed
+            assert psutil.Process(pid).rlimit(psutil.RLIMIT_NOFILE)[0] == raised_open_files()
         want = host.tokenizer_env(host.usable_cores(), 2, os.environ)  # the tokenizer's threads: a share of the cores
         for pid in procs["frontends"]:
             env = psutil.Process(pid).environ()

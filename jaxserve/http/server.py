@@ -52,6 +52,7 @@ from jaxserve.runtime.host import (
     keep_freed_memory,
     malloc_env,
     not_on_linux,
+    raise_open_files,
     settle_heap,
 )
 from jaxserve.view import ModelView
@@ -378,7 +379,7 @@ def serve(config: ServerConfig, host: str, port: int) -> None:
             raise SystemExit(f"jaxserve serve: {not_on_linux(config.malloc)}")
         raise SystemExit(f"jaxserve serve: --malloc {config.malloc} with one worker: start it as "
                          f"LD_PRELOAD={PRELOADS[config.malloc]} jaxserve serve ...")
-    log.info("malloc: %s", malloc)
+    log.info("malloc: %s; open files: at most %d", malloc, raise_open_files()[0])
     if config.malloc == "auto" and malloc == "glibc" and (found := malloc_env("auto", os.environ))[0] != "glibc":
         log.info("%s is installed: LD_PRELOAD=%s jaxserve serve ... runs this process on it (docs/operations.md)",
                  found[0], found[1]["LD_PRELOAD"])

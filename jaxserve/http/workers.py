@@ -407,7 +407,7 @@ def serve_workers(config, host: str, port: int) -> None:
     """`jaxserve serve --workers N` (N > 1): bind the port here, so a port in use fails at once; then supervise
     until SIGTERM or SIGINT."""
     from jaxserve.http.server import DRAIN_TIMEOUT_S
-    from jaxserve.runtime.host import malloc_env
+    from jaxserve.runtime.host import malloc_env, raise_open_files
 
     _logging("supervisor")
     try:
@@ -415,8 +415,8 @@ def serve_workers(config, host: str, port: int) -> None:
     except ValueError as err:
         raise SystemExit(f"jaxserve serve: {err}") from None
     holder, socks = listeners(host, port, config.workers)
-    log.info("serving on http://%s:%d with %d front-end processes and one engine process (malloc: %s)", host,
-             socks[0].getsockname()[1], config.workers, malloc[0])
+    log.info("serving on http://%s:%d with %d front-end processes and one engine process (malloc: %s; open files: "
+             "at most %d each)", host, socks[0].getsockname()[1], config.workers, malloc[0], raise_open_files()[0])
     supervisor = Supervisor(config, socks, config.workers, malloc)
 
     def on_signal(signum, frame):
