@@ -146,7 +146,7 @@ def warm_encoder(path, table, **kw):
 
 
 # A command run as a distribution starts it: with a soft limit of 1024 open files (`jaxserve serve` raises it)
-FEW_OPEN_FILES = ["bash", "-c", 'ulimit -Sn 1024 && exec "$@"', "-"]
+FEW_OPEN_FILES = ["bash", "-c", 'ulimit -Sn 1024 2>/dev/null; exec "$@"', "-"]
 
 
 def raised_open_files() -> int:
@@ -157,6 +157,7 @@ def raised_open_files() -> int:
 
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     return host.OPEN_FILES if hard == resource.RLIM_INFINITY else min(host.OPEN_FILES, hard)
+
 
 @pytest.fixture(scope="session")
 def minilm():

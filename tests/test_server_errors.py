@@ -129,34 +129,46 @@ async def test_a_408_closes_its_connection(make_server, tiny_enc):
 
 
 async def test_expect_100_continue_is_answered_after_the_checks_the_headers_decide(make_server, tiny_enc):
-    """`Expect: 100-continue`: a request its headers already refuse (no key, a declared body over the limit) gets its
-    4xx at once, with no 100 before it, and its connection closed (the body will not come); aiohttp's default
-    answered 100 first, so the client sent the whole body to be refused. One that passes gets the 100, then its
-    answer; any other expectation is a 417 (RFC 9110 10.1.1)."""
+    """`Expect: 100-continue`: a request its headers already refuse (no key, a declared body over the limit, a server
+    not ready) gets its 4xx or 503 at once, with no 100 before it, and its connection is not kept (the body will not
+    come); aiohttp's default answered 100 first, so the client sent the whole body to be refused. One that passes
+    gets the 100, then its answer; any other expectation is a 417 (RFC 9110 10.1.1); an empty header is none."""
     client = await make_server(tiny_enc, api_key="s3cret", max_body_bytes=1000)
 
-    async def exchange(path: bytes, headers: bytes, length: int, send_body: bool = False) -> bytes:
+    async def exchange(path: bytes, headers: bytes, length: int, body: bytes | None = None, wait: bool = True) -> bytes:
+        """`body` sent once the server says 100 (`wait`), or with the headers."""
         reader, writer = await asyncio.open_connection(client.host, client.port)
-        writer.write(b"POST %s HTTP/1.1\r\nHost: x\r\n%sContent-Length: %d\r\n\r\n" % (path, headers, length))
+        writer.write(b"POST %s HTTP/1.1\r\nHost: x\r\n%sContent-Length: %d\r\n\r\n" % (path, headers, length)
+                     + (body if body is not None and not wait else b""))
         first = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 60)
-        if send_body and first.startswith(b"HTTP/1.1 100 "):
-            writer.write(bodies[path])
+        if body is not None and wait and first.startswith(b"HTTP/1.1 100 "):
+            writer.write(body)
             first += await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 60)
-        rest = await asyncio.wait_for(reader.read(), 60) if b"Connection: close" in first else b""
+        rest = b""
+        if b"Connection: close" in first:  # refused before its body: the server reads on until the client ends
+            writer.write_eof()
+            rest = await asyncio.wait_for(reader.read(), 60)
         writer.close()
         return first + rest
 
     expect, key = b"Expect: 100-continue\r\n", b"Authorization: Bearer s3cret\r\n"
     bodies = {b"/embed": b'{"inputs": ["ok"]}', b"/v1/embeddings": b'{"input": ["ok"]}'}
+    state = client.app[STATE]
     for path, body in bodies.items():
         refused = await exchange(path, expect, len(body))  # no key
         assert refused.startswith(b"HTTP/1.1 401") and b"Connection: close" in refused, refused
         refused = await exchange(path, expect + key, 5000)  # declared over --max-body-bytes
         assert refused.startswith(b"HTTP/1.1 413") and b"Connection: close" in refused, refused
+        state.ready = False  # as while warming up
+        refused = await exchange(path, expect + key, len(body))
+        state.ready = True
+        assert refused.startswith(b"HTTP/1.1 503") and b"warming up" in refused, refused
         refused = await exchange(path, b"Expect: something-else\r\n" + key, len(body))
         assert refused.startswith(b"HTTP/1.1 417") and b"100-continue" in refused, refused
-        served = await exchange(path, expect + key, len(body), send_body=True)
+        served = await exchange(path, expect + key, len(body), body)
         assert served.startswith(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 "), served
+        served = await exchange(path, b"Expect: \r\n" + key, len(body), body, wait=False)
+        assert served.startswith(b"HTTP/1.1 200 "), served
     assert (await client.post("/embed", json={"inputs": ["ok"]}, headers={"Authorization": "Bearer s3cret"})).ok
 
 

@@ -15,7 +15,7 @@ import zlib
 
 import numpy as np
 import orjson
-from aiohttp import web
+from aiohttp import hdrs, web
 
 from jaxserve.checkpoint.tokenize import openai_token_texts
 from jaxserve.errors import InputError, TokenizerError
@@ -27,6 +27,7 @@ from jaxserve.http.state import (
     API_KEY_CLASS,
     BODY_BYTES,
     CHARGE,
+    EXPECTS,
     INLINE_BODY_BYTES,
     INLINE_INPUTS,
     OFFLOAD_BODY_BYTES,
@@ -47,9 +48,11 @@ def json_response(body, status: int = 200, headers=None) -> web.Response:
 
 
 async def expect_later(request: web.Request) -> None:
-    """Every POST route's expect handler: nothing is sent here. aiohttp's own answers `Expect: 100-continue` before
-    any middleware runs, so a client the headers already refuse (a missing key, a declared body over the limit, a
-    full server) was told to send its body first; `server.errors_middleware` sends the 100 after those checks."""
+    """Every model (POST) route's expect handler: nothing is sent here, the header is left to
+    `server.errors_middleware`, which answers it after the checks the headers decide. aiohttp's own handler answers
+    `Expect: 100-continue` before any middleware runs, so a client those checks refuse (a missing key, a declared
+    body over the limit, a full or warming server) was told to send its body first."""
+    request[EXPECTS] = request.headers[hdrs.EXPECT]
 
 
 GZIP_MAGIC = b"\x1f\x8b"  # a gzip member's first two bytes

@@ -32,6 +32,7 @@ from jaxserve.http.state import (  # noqa: F401
     BULK_DISPATCH_MS,
     CHARGE,
     DRAIN_TIMEOUT_S,
+    EXPECTS,
     MAX_BODY_BYTES,
     MAX_CLIENT_BATCH,
     MAX_CONCURRENT_REQUESTS,
@@ -135,8 +136,7 @@ async def errors_middleware(request: web.Request, handler):
         return web.Response(status=204, headers={**cors, **PREFLIGHT})  # before auth: preflights carry no key
     # A body without Content-Length may be as large as any body.
     size = (request.content_length if request.content_length is not None else cfg.max_body_bytes) if model_route else 0
-    # a POST route's client that asked to be told before it sends its body (`handling.expect_later`)
-    expect = request.headers.get("Expect") if model_route and request.match_info.http_exception is None else None
+    expect = request.get(EXPECTS)  # a client that waits to be told before it sends its body (handling.expect_later)
     try:
         request[API_KEY_CLASS] = _authorize(request, cfg.keys)
         if size > cfg.max_body_bytes:  # declared, not sent: refused before it holds the in-flight budget
@@ -152,6 +152,7 @@ async def errors_middleware(request: web.Request, handler):
         state.active += model_route
         try:  # written here, the request's slot and bytes still held: a client that does not read holds those
             if expect is not None:
+                state.require_ready()  # warming or draining: told before the body, not after it
                 await _continue(request, expect)
                 expect = None
             response = await handler(request)
@@ -379,7 +380,7 @@ def serve(config: ServerConfig, host: str, port: int) -> None:
             raise SystemExit(f"jaxserve serve: {not_on_linux(config.malloc)}")
         raise SystemExit(f"jaxserve serve: --malloc {config.malloc} with one worker: start it as "
                          f"LD_PRELOAD={PRELOADS[config.malloc]} jaxserve serve ...")
-    log.info("malloc: %s; open files: at most %d", malloc, raise_open_files()[0])
+    log.info("malloc: %s; open files: at most %s", malloc, raise_open_files())
     if config.malloc == "auto" and malloc == "glibc" and (found := malloc_env("auto", os.environ))[0] != "glibc":
         log.info("%s is installed: LD_PRELOAD=%s jaxserve serve ... runs this process on it (docs/operations.md)",
                  found[0], found[1]["LD_PRELOAD"])

@@ -281,3 +281,5 @@ _key = web.RequestKey if hasattr(web, "RequestKey") else lambda name, t: f"jaxse
 API_KEY_CLASS = _key("api_key_class", str)
 BODY_BYTES = _key("body_bytes", int)  # request[BODY_BYTES]: its body's size once decoded (handling.json_body)
 CHARGE = _key("charge", object)  # request[CHARGE]: its share of the in-flight byte budget (budget.Charge)
+# request[EXPECTS]: its `Expect` header, where its route left the answer to the middleware (handling.expect_later)
+EXPECTS = _key("expects", str)

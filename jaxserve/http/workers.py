@@ -416,7 +416,7 @@ def serve_workers(config, host: str, port: int) -> None:
         raise SystemExit(f"jaxserve serve: {err}") from None
     holder, socks = listeners(host, port, config.workers)
     log.info("serving on http://%s:%d with %d front-end processes and one engine process (malloc: %s; open files: "
-             "at most %d each)", host, socks[0].getsockname()[1], config.workers, malloc[0], raise_open_files()[0])
+             "at most %s each)", host, socks[0].getsockname()[1], config.workers, malloc[0], raise_open_files())
     supervisor = Supervisor(config, socks, config.workers, malloc)
 
     def on_signal(signum, frame):

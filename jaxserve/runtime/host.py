@@ -83,27 +83,28 @@ def tokenizer_env(cores: int, workers: int, environ) -> dict[str, str]:
     return env
 
 
-
 OPEN_FILES = 65535  # the soft limit `serve` asks for (vLLM's `set_ulimit` asks the same): a connection is a file
 
 
-def raise_open_files(target: int = OPEN_FILES) -> tuple[int, int]:
+def raise_open_files(target: int = OPEN_FILES) -> str:
     """The soft limit of open files raised towards `target` (never past the hard limit, never lowered), for the
     server and the processes it starts: each connection holds one, and at a distribution's default of 1024 a
     few hundred idle keep-alive clients beside the model's files leave `accept` failing with EMFILE, which the
-    event loop only logs. -> (soft, hard) as they now stand; (-1, -1) where the platform has no such limit."""
+    event loop only logs. -> the limit as it now stands, for the start-up log ("unlimited", or why it stayed)."""
     try:
         import resource
     except ImportError:  # not POSIX
-        return -1, -1
+        return "the platform's own"
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     want = target if hard == resource.RLIM_INFINITY else min(target, hard)
     if soft != resource.RLIM_INFINITY and soft < want:
         try:
             resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
-        except (ValueError, OSError):
-            pass
-    return resource.getrlimit(resource.RLIMIT_NOFILE)
+        except (ValueError, OSError) as exc:  # e.g. macOS, past kern.maxfilesperproc
+            return f"{soft} (not raised to {want}: {exc})"
+        soft = want
+    return "unlimited" if soft == resource.RLIM_INFINITY else str(soft)
+
 
 def keep_freed_memory() -> bool:
     """Have glibc's malloc keep the blocks of a batch's size once freed (`MMAP_THRESHOLD`, `TRIM_THRESHOLD`), for
