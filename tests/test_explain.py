@@ -140,8 +140,7 @@ async def test_predicted_and_measured_totals_on_minilm(make_server, minilm_warm,
 
     client = await make_server(minilm_warm)
     docs = test_server.mixed_documents(100, minilm_reference[0])
-    for _ in range(2):  # live timings refresh the warmup figures
-        await client.post("/v1/embeddings", json={"input": docs})
+    await client.post("/v1/embeddings", json={"input": docs})  # live timings refresh the warmup figures
     predicted = (await (await client.post("/v1/plan", json={"input": docs})).json())["predicted_s"]
     body = await (await client.post("/v1/embeddings?explain=1", json={"input": docs})).json()
     measured = body["explain"]["measured"]["service_s"]  # submitted -> all rows done (batches may overlap)
