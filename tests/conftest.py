@@ -145,6 +145,50 @@ def warm_encoder(path, table, **kw):
     return enc
 
 
+
+class Upload:
+    """A POST whose body is sent in two parts, on a connection of its own: `start` sends the headers and the
+    first part; `finish`, once the caller has let something happen between (a SIGTERM), the rest, and returns
+    the response's status and JSON body (`closes`: whether the response said `Connection: close`)."""
+
+    def __init__(self, url: str, path: str, body: dict):
+        self.host, self.port = url.removeprefix("http://").split(":")
+        self.path, self.body = path, json.dumps(body).encode()
+
+    async def start(self) -> None:
+        self.reader, self.writer = await asyncio.open_connection(self.host, int(self.port))
+        head = f"POST {self.path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        self.writer.write(head.encode() + b"Content-Length: %d\r\n\r\n" % len(self.body) + self.body[:8])
+        await self.writer.drain()
+
+    async def finish(self) -> tuple[int, dict]:
+        self.writer.write(self.body[8:])
+        head = await asyncio.wait_for(self.reader.readuntil(b"\r\n\r\n"), 60)
+        self.closes = b"\r\nconnection: close\r\n" in head.lower()
+        length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+        body = json.loads(await asyncio.wait_for(self.reader.readexactly(length), 60))
+        self.writer.close()
+        return int(head.split(b" ")[1]), body
+
+
+async def stopped_listening(url: str) -> None:
+    """Wait until a new connection to `url` is refused: the server has stopped listening (a drain has begun)."""
+    host, port = url.removeprefix("http://").split(":")
+
+    async def closed() -> bool:
+        try:
+            _, writer = await asyncio.open_connection(host, int(port))
+        except OSError:
+            return True
+        writer.close()
+        return False
+
+    for _ in range(6000):
+        if await closed():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"{url} still accepts connections")
+
 # A command run as a distribution starts it: with a soft limit of 1024 open files (`jaxserve serve` raises it)
 FEW_OPEN_FILES = ["bash", "-c", 'ulimit -Sn 1024 2>/dev/null; exec "$@"', "-"]
 

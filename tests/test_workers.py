@@ -22,7 +22,7 @@ import numpy as np
 import psutil
 import pytest
 import tiny
-from conftest import FEW_OPEN_FILES, TINY_TABLE, cosine_rows, raised_open_files
+from conftest import FEW_OPEN_FILES, TINY_TABLE, Upload, cosine_rows, raised_open_files, stopped_listening
 from prometheus_client.parser import text_string_to_metric_families
 
 from jaxserve.integrations.launch import free_port, stop, wait_ready
@@ -571,7 +571,8 @@ def test_sigterm_drains_every_process_and_loses_no_accepted_request(files, to):
     still runs them), then the engine stops; every request is answered 200, or refused cleanly, and all exit. The
     same when every process of the group gets it at once (systemd stopping the unit, Ctrl-C): each front-end then
     gets a second from the supervisor, which once cancelled its drain (every connection closed unanswered), and
-    the engine waits for the front-ends to go before it drains."""
+    the engine waits for the front-ends to go before it drains. A request still sending its body when its
+    front-end stops is read to its end and answered."""
     path, table = files
     url, proc = serve("--model", str(path), "--buckets", str(table), "--workers", "2",
                       session=to == "group")
@@ -585,12 +586,18 @@ def test_sigterm_drains_every_process_and_loses_no_accepted_request(files, to):
                     body = await r.json()
                     return r.status, len(body["data"]) if r.status == 200 else body["error"]["type"]
 
+            upload = Upload(url, "/v1/embeddings", {"input": ["sent in two parts"] * 4})
+            await upload.start()
             tasks = [asyncio.create_task(one(i)) for i in range(40)]
             await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)  # load is flowing
             if to == "group":
                 os.killpg(proc.pid, signal.SIGTERM)
             else:
                 proc.send_signal(signal.SIGTERM)
+            await stopped_listening(url)  # every front-end stopping: the rest of the body comes after
+            uploaded = await upload.finish()
+            assert uploaded[0] == 200 and len(uploaded[1]["data"]) == 4, uploaded
+            assert upload.closes  # answered while draining: its client's next request goes elsewhere
             return await asyncio.gather(*tasks, return_exceptions=True)
 
     try:

@@ -10,6 +10,7 @@ threads) -> scatter -> combine + encode the response (a thread); see
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
 import os
@@ -113,12 +114,19 @@ async def lifecycle(app: web.Application):
 
 
 async def on_shutdown(app: web.Application) -> None:
-    """SIGTERM: the listening socket is closed already; finish what was accepted, refuse the rest."""
+    """Stopping: the listening socket is closed already; finish what was accepted, refuse the rest. `run_app` has
+    drained already; an app run by another aiohttp runner (Ray Serve's replica, the tests') drains here."""
+    await _drain(app)
+
+
+async def _drain(app: web.Application) -> None:
     state = app[STATE]
-    if state.service is not None:
-        log.info("draining: %d requests being handled", state.active)
-        finished = await state.drain(DRAIN_TIMEOUT_S)
-        log.info("drained: %s", "all accepted requests finished" if finished else "timed out")
+    if state.service is None or state.drained:
+        return
+    state.drained = True
+    log.info("draining: %d requests being handled", state.active)
+    finished = await state.drain(DRAIN_TIMEOUT_S)
+    log.info("drained: %s", "all accepted requests finished" if finished else "timed out")
 
 
 # ---- middleware: errors as JSON, auth, metrics ----
@@ -158,6 +166,8 @@ async def errors_middleware(request: web.Request, handler):
             response = await handler(request)
             if cors:
                 response.headers.update(cors)
+            if state.drained:  # stopping: the client's next request goes to a server that is not
+                response.force_close()
             response = await _write(request, response, cfg.request_timeout_s)
         finally:
             state.active -= model_route
@@ -183,6 +193,8 @@ async def errors_middleware(request: web.Request, handler):
         raise
     if cors and not response.prepared:  # an error's: a browser shows its page a response only with them
         response.headers.update(cors)
+    if state.drained and not response.prepared:  # (a 503 while draining, mostly)
+        response.force_close()
     error = getattr(response, "error_type", "http_error") if response.status >= 400 else None
     state.metrics.request(route, response.status, time.perf_counter() - start, error)
     return response
@@ -342,22 +354,67 @@ def new_loop() -> asyncio.AbstractEventLoop:
     return uvloop.new_event_loop()
 
 
-def run_app(app: web.Application, config: ServerConfig, **where) -> None:
-    """aiohttp's `run_app` (`where`: host and port, or sock), draining on the first SIGTERM or SIGINT. A SIGTERM
-    after it is let be: systemd stopping the unit signals every process of it, and the supervisor then its
-    front-ends, and aiohttp's own handler would take the second as the first, cancelling the drain and closing
-    every connection unanswered. A second SIGINT (Ctrl-C again) still stops at once."""
+def run_app(app: web.Application, config: ServerConfig, *, host: str | None = None, port: int | None = None,
+            sock=None, announce=None) -> None:
+    """Serve `app` on `host` and `port`, or on `sock`, until the first SIGTERM or SIGINT; then stop listening, drain
+    with every connection still read (`_serve`), and end. A SIGTERM after the first is let be: systemd stopping the
+    unit signals every process of it, and the supervisor then its front-ends, and aiohttp's own handler took the
+    second as the first, cancelling the drain and closing every connection unanswered. A second SIGINT (Ctrl-C
+    again) stops at once."""
     loop = new_loop()
+    asyncio.set_event_loop(loop)
+    main = loop.create_task(_serve(app, config, host, port, sock, announce))
+    try:
+        loop.run_until_complete(main)
+    except (web.GracefulExit, KeyboardInterrupt):  # the second SIGINT
+        pass
+    finally:
+        if not main.done():
+            main.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                loop.run_until_complete(main)
+        leftover = asyncio.all_tasks(loop)
+        for task in leftover:
+            task.cancel()
+        loop.run_until_complete(asyncio.gather(*leftover, return_exceptions=True))
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.close()
+
+
+async def _serve(app: web.Application, config: ServerConfig, host, port, sock, announce) -> None:
+    """aiohttp's `run_app` with the drain moved first. aiohttp's runner, stopping, marks every connection closing
+    before `on_shutdown` runs, and a closing connection drops the bytes it receives: a request still sending its
+    body was never read to its end, and waited out the drain's timeout before its connection was closed. Here the
+    listener closes, the drain runs while every connection is still read (new requests on them get 503), and
+    aiohttp's own shutdown follows (`on_shutdown` then finds the drain done)."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
 
     def first_signal():
         loop.add_signal_handler(signal.SIGTERM, lambda: None)
         loop.add_signal_handler(signal.SIGINT, _graceful_exit)
-        _graceful_exit()
+        stop.set()
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, first_signal)
-    web.run_app(app, handler_cancellation=True, shutdown_timeout=DRAIN_TIMEOUT_S, access_log=access_logger(config),
-                loop=loop, handle_signals=False, **where)
+    runner = web.AppRunner(app, handle_signals=False, handler_cancellation=True, shutdown_timeout=DRAIN_TIMEOUT_S,
+                           access_log=access_logger(config))
+    await runner.setup()
+    hurried = False
+    try:
+        site = web.SockSite(runner, sock) if sock is not None else web.TCPSite(runner, host, port)
+        await site.start()
+        if announce is not None:
+            announce(f"======== Running on {site.name} ========\n(Press CTRL+C to quit)")
+        await stop.wait()
+        await site.stop()  # new connections refused from here
+        await _drain(app)
+    except asyncio.CancelledError:  # a second SIGINT: no waiting for anything (`run_app`)
+        hurried = True
+        raise
+    finally:
+        if not hurried:
+            await runner.cleanup()
 
 
 def _graceful_exit():
@@ -394,4 +451,4 @@ def serve(config: ServerConfig, host: str, port: int) -> None:
              started.summary())
     app = create_app(config, encoder, started)
     app[STATE].settle_heap = True
-    run_app(app, config, host=host, port=port, print=lambda msg: log.info(msg))
+    run_app(app, config, host=host, port=port, announce=log.info)

@@ -188,7 +188,7 @@ def frontend_main(config, sock: socket.socket, path: str, run_dir: str, index: i
     app[STATE].server_config = config
     app[STATE].processes_file = os.path.join(run_dir, PROCESSES_FILE)
     app[STATE].settle_heap = True
-    run_app(app, config, sock=sock, print=None)
+    run_app(app, config, sock=sock)
 
 
 # ---- the supervisor ----
