@@ -121,9 +121,9 @@ async def on_shutdown(app: web.Application) -> None:
 
 async def _drain(app: web.Application) -> None:
     state = app[STATE]
-    if state.service is None or state.drained:
+    if state.service is None or state.stopping:
         return
-    state.drained = True
+    state.stopping = True
     log.info("draining: %d requests being handled", state.active)
     finished = await state.drain(DRAIN_TIMEOUT_S)
     log.info("drained: %s", "all accepted requests finished" if finished else "timed out")
@@ -166,7 +166,7 @@ async def errors_middleware(request: web.Request, handler):
             response = await handler(request)
             if cors:
                 response.headers.update(cors)
-            if state.drained:  # stopping: the client's next request goes to a server that is not
+            if state.stopping:  # the client's next request goes to a server that is not stopping
                 response.force_close()
             response = await _write(request, response, cfg.request_timeout_s)
         finally:
@@ -193,7 +193,7 @@ async def errors_middleware(request: web.Request, handler):
         raise
     if cors and not response.prepared:  # an error's: a browser shows its page a response only with them
         response.headers.update(cors)
-    if state.drained and not response.prepared:  # (a 503 while draining, mostly)
+    if state.stopping and not response.prepared:  # (a 503 while draining, mostly)
         response.force_close()
     error = getattr(response, "error_type", "http_error") if response.status >= 400 else None
     state.metrics.request(route, response.status, time.perf_counter() - start, error)
@@ -364,21 +364,33 @@ def run_app(app: web.Application, config: ServerConfig, *, host: str | None = No
     loop = new_loop()
     asyncio.set_event_loop(loop)
     main = loop.create_task(_serve(app, config, host, port, sock, announce))
+    hurried = False
     try:
         loop.run_until_complete(main)
     except (web.GracefulExit, KeyboardInterrupt):  # the second SIGINT
-        pass
+        hurried = True
     finally:
         if not main.done():
             main.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 loop.run_until_complete(main)
-        leftover = asyncio.all_tasks(loop)
-        for task in leftover:
-            task.cancel()
-        loop.run_until_complete(asyncio.gather(*leftover, return_exceptions=True))
+        _cancel_the_rest(loop)
         loop.run_until_complete(loop.shutdown_asyncgens())
         loop.close()
+    if hurried:  # stopped before its drain ended: not a clean exit (aiohttp's run_app exits 1 then too)
+        raise SystemExit(1)
+
+
+def _cancel_the_rest(loop: asyncio.AbstractEventLoop) -> None:
+    """Every task still pending cancelled and awaited; one that had failed reported, as aiohttp's run_app does."""
+    tasks = asyncio.all_tasks(loop)
+    for task in tasks:
+        task.cancel()
+    loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+    for task in tasks:
+        if not task.cancelled() and task.exception() is not None:
+            loop.call_exception_handler({"message": "unhandled exception while stopping", "exception": task.exception(),
+                                         "task": task})
 
 
 async def _serve(app: web.Application, config: ServerConfig, host, port, sock, announce) -> None:
@@ -398,16 +410,17 @@ async def _serve(app: web.Application, config: ServerConfig, host, port, sock, a
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, first_signal)
     runner = web.AppRunner(app, handle_signals=False, handler_cancellation=True, shutdown_timeout=DRAIN_TIMEOUT_S,
-                           access_log=access_logger(config))
+                           keepalive_timeout=KEEPALIVE_S, access_log=access_logger(config))
     await runner.setup()
     hurried = False
     try:
-        site = web.SockSite(runner, sock) if sock is not None else web.TCPSite(runner, host, port)
-        await site.start()
-        if announce is not None:
-            announce(f"======== Running on {site.name} ========\n(Press CTRL+C to quit)")
-        await stop.wait()
-        await site.stop()  # new connections refused from here
+        if not stop.is_set():  # (a signal during the start-up: no listening at all)
+            site = web.SockSite(runner, sock) if sock is not None else web.TCPSite(runner, host, port)
+            await site.start()
+            if announce is not None:
+                announce(f"======== Running on {site.name} ========\n(Press CTRL+C to quit)")
+            await stop.wait()
+            await site.stop()  # new connections refused from here
         await _drain(app)
     except asyncio.CancelledError:  # a second SIGINT: no waiting for anything (`run_app`)
         hurried = True
@@ -415,6 +428,9 @@ async def _serve(app: web.Application, config: ServerConfig, host, port, sock, a
     finally:
         if not hurried:
             await runner.cleanup()
+
+
+KEEPALIVE_S = 75.0  # an idle connection is closed after this long (aiohttp's run_app's; its AppRunner's is an hour)
 
 
 def _graceful_exit():

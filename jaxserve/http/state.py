@@ -173,7 +173,7 @@ class AppState:
         self.processes_file: str | None = None  # a front-end process: the supervisor's pids by role (http/workers.py)
         self.ready = False
         self.failed: str | None = None
-        self.drained = False  # the server's drain has run (`server._drain`: once, when it stops)
+        self.stopping = False  # the server's drain has begun (`server._drain`: once, when it stops)
         if link is not None:
             link.on_card = self.take_card
             link.on_status = self.take_status

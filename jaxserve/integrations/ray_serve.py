@@ -29,7 +29,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from jaxserve.http.loading import load_encoder
-from jaxserve.http.server import ServerConfig, access_logger, create_app
+from jaxserve.http.server import KEEPALIVE_S, ServerConfig, access_logger, create_app
 from jaxserve.integrations.launch import wait_ready
 
 log = logging.getLogger("jaxserve.integrations.ray_serve")
@@ -57,7 +57,7 @@ class JaxserveReplica:
 
     async def __init__(self, config: ServerConfig):
         self.runner = web.AppRunner(create_app(config, load_encoder(config)), handler_cancellation=True,
-                                    access_log=access_logger(config))
+                                    keepalive_timeout=KEEPALIVE_S, access_log=access_logger(config))
         await self.runner.setup()
         await web.TCPSite(self.runner, "127.0.0.1", 0).start()
         self.url = "http://127.0.0.1:%d" % self.runner.addresses[0][1]
