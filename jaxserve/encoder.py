@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 from collections.abc import Callable, Iterable
 from functools import partial
@@ -43,6 +44,8 @@ from jaxserve.scheduling.jobs import Job
 from jaxserve.scheduling.pipeline import run_jobs
 from jaxserve.scheduling.planner import Rows, pack
 from jaxserve.view import Architecture, ModelView, normalize_rows
+
+log = logging.getLogger("jaxserve")
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 # a climb for --device-memory above the live pool that reached a bucket too big to run here
@@ -279,7 +282,18 @@ class Encoder(ModelView):
         if table.max_seqlen < self.limits.max_seq_length:
             raise TableError(f"bucket table stops at seqlen {table.max_seqlen}, below the model's "
                              f"max_seq_length {self.limits.max_seq_length}")
-        return warm.given(self.engine, table, progress=progress, check=self._fits_check())
+        return warm.given(self.engine, self._budgeted_here(table), progress=progress, check=self._fits_check())
+
+    def _budgeted_here(self, table: BucketTable) -> BucketTable:
+        """A given table held to this device's pool, as `_fits_check` holds it: its device, memory, budget and
+        weights then say so in /info, `?explain=1` and /v1/plan (they said the device it was derived for)."""
+        info = device.describe()
+        if table.device and table.device != info.kind:
+            log.info("bucket table derived for %s; budgeted against this device's pool (%s, %d bytes)",
+                     table.device, info.kind, info.memory_bytes)
+        return dataclasses.replace(table, device=info.kind, device_memory=info.memory_bytes,
+                                   budget_bytes=device.budget_bytes(info.memory_bytes, DEFAULT_HEADROOM),
+                                   weights_bytes=self.engine.weights_bytes)
 
     def _fits_check(self, headroom: float | None = None, remedy: str = buckets.GIVEN_REMEDY):
         """The check against the live pool, of a given table's compiled buckets and of each bucket a climb runs

@@ -47,6 +47,26 @@ def test_table_file_over_the_live_pool_is_refused_at_warmup(tiny_checkpoint, mon
     assert Encoder.from_pretrained(str(tiny_checkpoint("again")), buckets=path).warm_table().max_seqlen == 64
 
 
+def test_a_table_file_made_for_another_device_shows_this_pool(tiny_checkpoint, monkeypatch, tmp_path, caplog):
+    """The memory figures a served table shows (/info, ?explain=1, /v1/plan) are the pool it is held to, not the
+    device it was derived for (before: an H200 table served here said 141 GB)."""
+    import dataclasses
+
+    pool = 3 * GB
+    monkeypatch.setattr(device, "_memory_limit", lambda dev: pool)
+    path = tmp_path / "table.json"
+    dataclasses.replace(TINY_TABLE, device="NVIDIA H200", device_memory=141 * GB, budget_bytes=127 * GB,
+                        weights_bytes=1).save(path)
+    with caplog.at_level(logging.INFO, logger="jaxserve"):
+        enc = Encoder.from_pretrained(str(tiny_checkpoint()), buckets=path)
+    table = enc.warm_table()
+    here = device.describe()
+    assert (table.device, table.device_memory) == (here.kind, pool) != ("NVIDIA H200", 141 * GB)
+    assert table.budget_bytes == device.budget_bytes(pool, device.DEFAULT_HEADROOM)
+    assert table.weights_bytes == enc.engine.weights_bytes > 1
+    assert any("derived for NVIDIA H200" in r.getMessage() for r in caplog.records)
+
+
 def test_device_memory_above_the_live_pool_warns(monkeypatch, caplog):
     monkeypatch.setattr(device, "_memory_limit", lambda dev: 8 * GB)
     with caplog.at_level(logging.WARNING, logger="jaxserve"):

@@ -83,7 +83,8 @@ def streams() -> int:
 
 
 def info_of(table) -> dict:
-    """The device a server runs on, for /info: its platform, what the table was derived for, how many."""
+    """The device a server runs on, for /info: its platform, the device and memory its table is budgeted for (this
+    one's pool, unless derived for `--device-memory`), how many."""
     return {"platform": _devices()[0].platform, "kind": table.device, "count": len(_devices()),
             "memory_bytes": table.device_memory}
 
