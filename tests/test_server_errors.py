@@ -331,6 +331,42 @@ def test_sigterm_finishes_accepted_requests_then_exits(tiny_path, tmp_path, sign
     assert "drained: all accepted requests finished" in out
 
 
+def test_a_second_sigint_stops_at_once_and_exits_1(tiny_path, tmp_path):
+    """Ctrl-C twice: the second stops the drain without waiting for the request it holds (a body never finished)
+    and exits 1, as aiohttp's run_app does; a SIGTERM after the first is let be (above), a SIGINT is not."""
+    from jaxserve.integrations.launch import free_port, wait_ready
+
+    table = tmp_path / "table.json"
+    TINY_TABLE.save(table)
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jaxserve.cli", "serve", "--model", str(tiny_path), "--port", str(port),
+         "--buckets", str(table)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+
+    async def scenario():
+        url = f"http://127.0.0.1:{port}"
+        upload = Upload(url, "/v1/embeddings", {"input": ["never sent whole"]})
+        async with aiohttp.ClientSession() as s:
+            await wait_ready(s, url, timeout_s=60)
+            await upload.start()
+            assert (await s.get(url + "/health")).status == 200  # (by then the server has read the upload's head)
+        proc.send_signal(signal.SIGINT)
+        await stopped_listening(url)
+        proc.send_signal(signal.SIGINT)
+        return await asyncio.wait_for(upload.reader.read(), 60)  # the connection closed, unanswered
+
+    try:
+        left = asyncio.run(scenario())
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert left == b"", left
+    assert proc.returncode == 1, out
+    assert "draining: 1 requests being handled" in out and "drained: all accepted requests finished" not in out, out
+
+
 def _host_fault(fn, query):
     """`pipeline.assemble` or `pipeline.scatter`, raising for a batch with a job holding token `query`."""
     def faulty(*args):
