@@ -409,7 +409,7 @@ async def test_a_failing_batch_fails_only_its_own_requests(make_server, tiny_enc
 async def test_cors_preflights_and_origins(make_server, tiny_enc):
     """A browser page works against jaxserve as against TEI (any origin by default): its preflight answered 204
     without the API key, Access-Control-Allow-Origin on every answer, errors included. Before, OPTIONS was a 405
-    and no response carried CORS headers."""
+    and no response carried CORS headers. The preflight allows the headers it asks for."""
     from jaxserve.cli import cors_origins
 
     assert cors_origins(None) == ("*",) and cors_origins(["none"]) == ()
@@ -417,13 +417,17 @@ async def test_cors_preflights_and_origins(make_server, tiny_enc):
         "https://a.example", "https://b.example", "https://c.example")
     page = {"Origin": "https://app.example"}
     preflight = {**page, "Access-Control-Request-Method": "POST",
-                 "Access-Control-Request-Headers": "content-type, authorization, x-jaxserve-priority"}
+                 "Access-Control-Request-Headers": "content-type, authorization, x-jaxserve-priority, x-stainless-lang"}
     client = await make_server(tiny_enc, api_key="s3cret")
     resp = await client.options("/v1/embeddings", headers=preflight)
     allowed = resp.headers.get("Access-Control-Allow-Headers", "").lower()
     assert resp.status == 204 and resp.headers["Access-Control-Allow-Origin"] == "*", resp.headers
     assert "POST" in resp.headers["Access-Control-Allow-Methods"]
-    assert {"content-type", "authorization", "x-jaxserve-priority"} <= set(allowed.replace(" ", "").split(","))
+    # (OpenAI's JavaScript SDK sends X-Stainless-* headers from a browser too: a fixed list refused them)
+    assert {"content-type", "authorization", "x-jaxserve-priority", "x-stainless-lang"} <= set(
+        allowed.replace(" ", "").split(","))
+    bare = await client.options("/v1/embeddings", headers={**page, "Access-Control-Request-Method": "POST"})
+    assert "authorization" in bare.headers["Access-Control-Allow-Headers"].lower()
     key = {"Authorization": "Bearer s3cret"}
     ok = await client.post("/v1/embeddings", json={"input": ["ok"]}, headers={**page, **key})
     assert ok.status == 200 and ok.headers["Access-Control-Allow-Origin"] == "*"

@@ -141,7 +141,7 @@ async def errors_middleware(request: web.Request, handler):
     origin = request.headers.get("Origin") if cfg.cors_allow_origins else None  # sent by browsers only
     cors = origin and _cors(cfg.cors_allow_origins, origin)
     if cors and request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers:
-        return web.Response(status=204, headers={**cors, **PREFLIGHT})  # before auth: preflights carry no key
+        return web.Response(status=204, headers={**cors, **_preflight(request)})  # before auth: preflights carry no key
     # A body without Content-Length may be as large as any body.
     size = (request.content_length if request.content_length is not None else cfg.max_body_bytes) if model_route else 0
     expect = request.get(EXPECTS)  # a client that waits to be told before it sends its body (handling.expect_later)
@@ -207,6 +207,14 @@ PREFLIGHT = {"Access-Control-Allow-Methods": "GET, POST",
              "Access-Control-Allow-Headers": ", ".join(("Content-Type", "Authorization", "Content-Encoding",
                                                        PRIORITY_HEADER, DEADLINE_HEADER, "X-Jaxserve-Explain")),
              "Access-Control-Max-Age": "600"}
+
+
+def _preflight(request: web.Request) -> dict:
+    """A preflight's answer, allowing the request headers it asks for, as Starlette's and tower-http's mirroring
+    does: clients send headers of their own (OpenAI's JavaScript SDK its X-Stainless-* on every request), which
+    the server ignores and a fixed list would refuse, the browser then sending nothing."""
+    asked = request.headers.get("Access-Control-Request-Headers")
+    return {**PREFLIGHT, "Access-Control-Allow-Headers": asked} if asked else PREFLIGHT
 
 
 async def _continue(request: web.Request, expect: str) -> None:
