@@ -105,9 +105,9 @@ async def test_predict_and_classify_routes(make_server, classifier):
     resp = await client.post("/v1/embeddings", json={"input": ["x"]})
     assert resp.status == 400 and "needs" in (await resp.json())["error"]["message"]
     for route, payload in [("/embed", {"inputs": ["x"]}), ("/rerank", {"query": "q", "texts": ["x"]})]:
-        resp = await client.post(route, json=payload)  # TEI's routes: TEI's shape and code
+        resp = await client.post(route, json=payload)  # TEI's routes: TEI's shape and code (Backend: infer.rs)
         body = await resp.json()
-        assert resp.status == 422 and "needs" in body["error"] and body["error_type"] == "Validation"
+        assert resp.status == 424 and "needs" in body["error"] and body["error_type"] == "Backend"
 
 
 async def test_rerank_route_sorts_by_score(make_server, cross_encoder):

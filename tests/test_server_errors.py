@@ -95,8 +95,10 @@ BAD = [
     ("POST", "/similarity", {"inputs": ["a"]}, 422, "source_sentence"),
     ("POST", "/similarity", {"inputs": {"source_sentence": "a", "sentences": ["b"]}, "parameters": 0}, 422,
      "`parameters` must be an object"),  # was read as none
-    ("POST", "/rerank", {"query": "q", "texts": ["x"]}, 422, "/rerank needs a sequence-classification"),
-    ("POST", "/predict", {"inputs": ["x"]}, 422, "/predict needs a sequence-classification"),
+    # a route the model does not serve: TEI's 424 Backend ("model is not a re-ranker model"), not bad input
+    ("POST", "/rerank", {"query": "q", "texts": ["x"]}, 424, "/rerank needs a sequence-classification"),
+    ("POST", "/predict", {"inputs": ["x"]}, 424, "/predict needs a sequence-classification"),
+    ("POST", "/embed_sparse", {"inputs": ["x"]}, 424, "/embed_sparse needs a sparse"),
     ("GET", "/v1/nothing", None, 404, "no route GET /v1/nothing"),
     ("GET", "/v1/embeddings", None, 405, "method GET is not allowed"),
     ("DELETE", "/health", None, 405, "not allowed"),
@@ -117,6 +119,7 @@ async def test_bad_input_gets_clear_json_error_and_server_keeps_serving(make_ser
             assert fragment in body["error"]["message"] and body["error"]["type"]
         else:  # TEI's
             assert fragment in body["error"] and body["error_type"] in TEI_ERROR_TYPES
+            assert body["error_type"] == {424: "Backend", 400: "Empty"}.get(status, body["error_type"]), body
     if status == 405:  # RFC 9110 15.5.6: a 405 MUST say which methods are allowed (it did not)
         assert resp.headers["Allow"] and method not in resp.headers["Allow"].split(",")
     await assert_good(client)

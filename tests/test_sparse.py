@@ -271,9 +271,9 @@ async def test_dense_routes_on_a_sparse_model_and_the_reverse(make_server, splad
     _, enc = splade
     client = await make_server(enc)
     resp = await client.post("/embed", json={"inputs": TEXTS})
-    assert resp.status == 422
+    assert resp.status == 424  # TEI's Backend: the wrong deployment, not bad input
     body = await resp.json()
-    assert body["error_type"] == "Validation" and "sparse (SPLADE)" in body["error"]
+    assert body["error_type"] == "Backend" and "sparse (SPLADE)" in body["error"]
     assert (await client.post("/v1/embeddings", json={"input": TEXTS})).status == 400
     chunk = await client.post("/embed_sparse", json={"inputs": TEXTS, "long": "chunk"})
     assert chunk.status == 422 and "chunk" in (await chunk.json())["error"]
@@ -281,9 +281,9 @@ async def test_dense_routes_on_a_sparse_model_and_the_reverse(make_server, splad
     dense = warm_encoder(tiny.write_checkpoint(tmp_path / "dense"), TINY_TABLE)
     dense_client = await make_server(dense)
     resp = await dense_client.post("/embed_sparse", json={"inputs": TEXTS})
-    assert resp.status == 422
+    assert resp.status == 424
     body = await resp.json()
-    assert body["error_type"] == "Validation" and "needs a sparse (SPLADE) embedding model" in body["error"]
+    assert body["error_type"] == "Backend" and "needs a sparse (SPLADE) embedding model" in body["error"]
 
 
 def test_jaxserve_embed_writes_sparse_jsonl(splade, tmp_path, capsys):

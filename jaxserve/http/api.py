@@ -72,6 +72,12 @@ def empty(field: str) -> ApiError:
     return ApiError(400, f"`{field}` must not be empty", tei=(400, "Empty"))
 
 
+def wrong_model(message: str) -> ApiError:
+    """A route this server's model does not serve: a 400, and on TEI's routes TEI's 424 Backend ("model is not a
+    re-ranker model"), which clients and gateways read as the wrong deployment rather than bad input."""
+    return ApiError(400, message, tei=(424, "Backend"))
+
+
 @dataclasses.dataclass(frozen=True)
 class Limits:
     max_client_batch: int  # inputs per request

@@ -291,7 +291,7 @@ def require_kind(state: AppState, kind: str, route: str) -> None:
     if head.kind != kind:
         what = {"embedding": "an embedding model", "classifier": "a sequence-classification or cross-encoder model",
                 "sparse": "a sparse (SPLADE) embedding model", "multivector": "a multi-vector (ColBERT) model"}
-        raise ApiError(400, f"{route} needs {what[kind]}; this server serves {what[head.kind]} ({state.model_name})")
+        raise api.wrong_model(f"{route} needs {what[kind]}; this server serves {what[head.kind]} ({state.model_name})")
 
 
 def request_prompt(state: AppState, req: EmbedRequest) -> str | None:

@@ -28,8 +28,8 @@ FLAGS = ("return_dense", "return_sparse", "return_colbert_vecs")  # FlagEmbeddin
 
 def require_m3(state: AppState, route: str) -> None:
     if state.encoder.m3 is None:
-        raise ApiError(400, f"{route} needs a BGE-M3 model ({bge_m3.COLBERT_FILE} and {bge_m3.SPARSE_FILE} beside "
-                            f"its weights); this server serves {state.model_name}")
+        raise api.wrong_model(f"{route} needs a BGE-M3 model ({bge_m3.COLBERT_FILE} and {bge_m3.SPARSE_FILE} "
+                              f"beside its weights); this server serves {state.model_name}")
     if "tokens" not in state.encoder.engine.tables:
         raise ApiError(400, f"{route} needs token outputs, off on this server (started with --no-embed-all)")
 

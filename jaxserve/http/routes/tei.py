@@ -159,8 +159,8 @@ def require_cross_encoder(state: AppState, route: str) -> None:
     """A cross-encoder with one output (an LLM reranker included), else 400."""
     require_kind(state, "classifier", route)
     if state.encoder.head.num_labels != 1:
-        raise ApiError(400, f"{route} needs a cross-encoder with one output; this model has "
-                            f"{state.encoder.head.num_labels} labels (use /predict)")
+        raise api.wrong_model(f"{route} needs a cross-encoder with one output; this model has "
+                              f"{state.encoder.head.num_labels} labels (use /predict)")
 
 
 def instruction_of(state: AppState, body) -> str | None:
