@@ -33,7 +33,7 @@ the GET routes (/health, /info, /metrics, /openapi.json, /ping, /) in turn,
 with bounded concurrency, count and time. A response passes when it is 2xx or
 4xx, JSON (except /metrics' 2xx), and an error is in its route's shape
 (OpenAI's `{"error": {"message", "type"}}`, TEI's `{"error", "error_type"}` on
-TEI's routes; there a server error is TEI's 424). Per class it records bodies
+TEI's routes; there a server error is TEI's 424, unless it names the model a route needs). Per class it records bodies
 sent, the status histogram, 5xx, non-JSON and wrong-shape responses, transport
 errors (a dropped connection) and a few failing cases with their index;
 afterwards /health must say 200 and a good request must still succeed.
@@ -651,11 +651,20 @@ def cases(seed: int, per_class: int, limits: dict, classes=CLASSES):
 
 # ---- sending and judging ----
 
+def _wrong_model(raw: bytes) -> bool:
+    """A 424 saying the route needs another kind of model (TEI's answer: the wrong deployment), not a failure."""
+    try:
+        message = orjson.loads(raw).get("error", "")
+    except (orjson.JSONDecodeError, AttributeError):
+        return False
+    return isinstance(message, str) and " needs " in message and "this server serves" in message
+
+
 def judge(case: Case, status: int, ctype: str, raw: bytes) -> list[str]:
     """What is wrong with a response (empty: nothing)."""
     problems = []
-    if status >= 500 or (status == 424 and case.path in TEI_PATHS):  # TEI's routes write a server error as 424
-        problems.append("server_error")
+    if status >= 500 or (status == 424 and case.path in TEI_PATHS and not _wrong_model(raw)):
+        problems.append("server_error")  # TEI's routes write a server error as 424 (and a route the model lacks)
     if case.method == "HEAD" or (status < 400 and case.path.split("?")[0] == "/metrics" and case.method == "GET"):
         return problems
     try:

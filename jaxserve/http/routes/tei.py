@@ -159,7 +159,7 @@ def require_cross_encoder(state: AppState, route: str) -> None:
     """A cross-encoder with one output (an LLM reranker included), else 400."""
     require_kind(state, "classifier", route)
     if state.encoder.head.num_labels != 1:
-        raise api.wrong_model(f"{route} needs a cross-encoder with one output; this model has "
+        raise api.wrong_model(f"{route} needs a cross-encoder with one output; this server serves a model with "
                               f"{state.encoder.head.num_labels} labels (use /predict)")
 
 
