@@ -31,7 +31,7 @@ from conftest import (
 from jaxserve.http.state import STATE
 
 GOOD = {"input": ["the model", "a query"]}
-TEI_PATHS = ("/embed", "/embed_all", "/similarity", "/predict", "/rerank", "/tokenize", "/decode")
+TEI_PATHS = ("/embed", "/embed_all", "/embed_sparse", "/similarity", "/predict", "/rerank", "/tokenize", "/decode")
 TEI_ERROR_TYPES = ("Unhealthy", "Backend", "Overloaded", "Validation", "Tokenizer", "Empty")
 
 
@@ -84,6 +84,15 @@ BAD = [
     ("POST", "/embed", {"inputs": ["ok"], "truncation_direction": "Up"}, 422, "truncation_direction"),
     ("POST", "/embed", {"input": ["ok"]}, 422, "missing required field `inputs`"),
     ("POST", "/embed", {"inputs": []}, 400, "must not be empty"),
+    # an empty text: TEI's 400 Empty, not the vector of [CLS] [SEP] (OpenAI's route embeds it: LangChain sends them)
+    ("POST", "/embed", {"inputs": ["a", ""]}, 400, "`inputs[1]` must not be empty"),
+    ("POST", "/embed", {"inputs": ""}, 400, "`inputs[0]` must not be empty"),
+    ("POST", "/tokenize", {"inputs": ""}, 400, "must not be empty"),
+    ("POST", "/decode", {"ids": [[1], []]}, 400, "`ids[1]` must not be empty"),
+    ("POST", "/similarity", {"inputs": {"source_sentence": "", "sentences": ["b"]}}, 400,
+     "`inputs.source_sentence` must not be empty"),
+    ("POST", "/similarity", {"inputs": {"source_sentence": "a", "sentences": ["b", ""]}}, 400,
+     "`inputs.sentences[1]` must not be empty"),
     ("POST", "/embed", {"inputs": ["x"] * 9}, 422, "at most 8 per request"),
     ("POST", "/embed", b"{not json", 422, "not valid JSON"),
     ("POST", "/embed", b"[" * 30000 + b"]" * 30000, 413, "request body over"),

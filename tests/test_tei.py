@@ -129,6 +129,11 @@ async def test_root_predicts_for_a_classifier_and_mixes_texts_and_pairs(make_ser
     # huggingface_hub's `function_to_apply`: applied (test_clients.py), a value it does not name refused
     bad = await client.post("/predict", json={"inputs": "ab", "parameters": {"function_to_apply": "tanh"}})
     assert bad.status == 422 and "function_to_apply" in (await bad.json())["error"]
+    # an empty text, or a pair of two, is TEI's 400 Empty; a pair with one side empty is scored, as TEI's Dual
+    for empty in ("", [["ab"], [""]], [["", ""]]):
+        bad = await client.post("/predict", json={"inputs": empty})
+        assert bad.status == 400 and (await bad.json())["error_type"] == "Empty", empty
+    assert (await client.post("/predict", json={"inputs": [["", "a hypothesis"]]})).status == 200
     # a classifier has no prompts: /tokenize refuses one rather than drop it
     bad = await client.post("/tokenize", json={"inputs": ["ab"], "prompt": "query: "})
     assert bad.status == 422 and "prompt" in (await bad.json())["error"]

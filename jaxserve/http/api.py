@@ -103,8 +103,10 @@ class EmbedRequest:
         return len(self.texts if self.texts is not None else self.token_ids)
 
 
-def _inputs(value, field: str, limits: Limits, allow_tokens: bool) -> tuple[list[str] | None, list[np.ndarray] | None]:
-    """A string, a list of strings, or (OpenAI) a list of token ids or of token-id lists."""
+def _inputs(value, field: str, limits: Limits, allow_tokens: bool,
+            blank: bool = True) -> tuple[list[str] | None, list[np.ndarray] | None]:
+    """A string, a list of strings, or (OpenAI) a list of token ids or of token-id lists. `blank`: an empty string
+    is an input (OpenAI's routes: LangChain sends them), else TEI's 400 Empty."""
     if isinstance(value, str):
         value = [value]
     if not isinstance(value, list):
@@ -121,6 +123,8 @@ def _inputs(value, field: str, limits: Limits, allow_tokens: bool) -> tuple[list
     for i, x in enumerate(value):
         if not isinstance(x, str):
             raise ApiError(400, f"`{field}[{i}]` must be a string, not {type(x).__name__}")
+        if not (x or blank):
+            raise empty(f"{field}[{i}]")
         within_limit(x, f"{field}[{i}]", limits)
     return value, None
 
@@ -288,11 +292,12 @@ def _tei_long(body: dict, default_long: str) -> str:
 
 
 def parse_tei_embed(body, limits: Limits, dim: int, default_long: str) -> EmbedRequest:
-    """TEI /embed (and /embed_all): `inputs` texts or token-id lists (the model's vocabulary, as TEI)."""
+    """TEI /embed (and /embed_all): `inputs` texts or token-id lists (the model's vocabulary, as TEI); an empty text
+    is TEI's 400 Empty (`core/src/tokenization.rs`), not the vector of the special tokens alone."""
     body = _object(body)
     if "inputs" not in body:
         raise ApiError(400, "missing required field `inputs`")
-    texts, ids = _inputs(body["inputs"], "inputs", limits, allow_tokens=True)
+    texts, ids = _inputs(body["inputs"], "inputs", limits, allow_tokens=True, blank=False)
     return EmbedRequest(texts, ids, _tei_long(body, default_long), _bool(body, "normalize", True),
                         _dimensions(body, dim), "float", *_prompt(body, limits), direction=_direction(body))
 
@@ -335,7 +340,9 @@ def parse_similarity(body, limits: Limits, default_long: str) -> tuple[EmbedRequ
     if len(sentences) + 1 > limits.max_client_batch:
         raise ApiError(413, f"`inputs.sentences` has {len(sentences)} inputs; at most {limits.max_client_batch - 1} "
                             "besides `source_sentence`", "request_too_large")
-    sentences, _ = _inputs(sentences, "inputs.sentences", limits, allow_tokens=False)
+    sentences, _ = _inputs(sentences, "inputs.sentences", limits, allow_tokens=False, blank=False)
+    if not source:
+        raise empty("inputs.source_sentence")
     texts = [within_limit(source, "inputs.source_sentence", limits), *sentences]
     params = _parameters(body)
     return EmbedRequest(texts, None, _tei_long(params, default_long), False, None, "float", *_prompt(params, limits),
@@ -347,7 +354,7 @@ def parse_tokenize(body, limits: Limits) -> tuple[list[str], bool, str | None, s
     body = _object(body)
     if "inputs" not in body:
         raise ApiError(400, "missing required field `inputs`")
-    texts, _ = _inputs(body["inputs"], "inputs", limits, allow_tokens=False)
+    texts, _ = _inputs(body["inputs"], "inputs", limits, allow_tokens=False, blank=False)
     return texts, _bool(body, "add_special_tokens", True), *_prompt(body, limits)
 
 
@@ -370,6 +377,8 @@ def parse_decode(body, limits: Limits, vocab: int) -> tuple[list[list[int]], boo
         if not isinstance(seq, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
                                                 for t in seq):
             raise ApiError(400, f"`ids[{i}]` must be a list of token ids from 0 to {vocab - 1}")
+        if not seq:
+            raise empty(f"ids[{i}]")
         if len(seq) > limits.max_input_chars:
             raise ApiError(413, f"`ids[{i}]` has {len(seq)} ids; at most {limits.max_input_chars}", "request_too_large")
     return ids, _bool(body, "skip_special_tokens", True)
@@ -445,9 +454,12 @@ class ClassifyRequest:
 
 
 def _pair_or_text(x, field: str, limits: Limits):
-    """A /predict input, a text or a [text, text] pair, each text within `--max-input-chars`."""
+    """A /predict input, a text or a [text, text] pair, each text within `--max-input-chars`; an empty text, or a
+    pair of two, is TEI's 400 Empty."""
     texts = [x] if isinstance(x, str) else x
     if isinstance(texts, list) and len(texts) in (1, 2) and all(isinstance(s, str) for s in texts):
+        if not any(texts):
+            raise empty(field)
         for i, s in enumerate(texts):
             within_limit(s, field if isinstance(x, str) else f"{field}[{i}]", limits)
         return x if isinstance(x, str) else texts[0] if len(texts) == 1 else (texts[0], texts[1])
