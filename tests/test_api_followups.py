@@ -116,12 +116,16 @@ def test_input_type_reaches_the_served_tasks_prompt_and_not_another_tasks():
 
 
 def test_predict_holds_a_plain_text_to_the_input_limit():
-    """/predict checked the length of a pair's texts only: a plain text of any length was accepted."""
+    """/predict checked the length of a pair's texts only: a plain text of any length was accepted. Truncating, a
+    text past the limit is cut to it at the truncation's end, as TEI cuts it."""
     for inputs in ("x" * 1001, ["x" * 1001], [["x" * 1001]], ["ok", "x" * 1001, "ok"]):
         with pytest.raises(ApiError, match="has 1001 characters; at most 1000") as err:
-            api.parse_predict({"inputs": inputs}, LIMITS, True)
+            api.parse_predict({"inputs": inputs}, LIMITS, False)
         assert err.value.status == 413 and err.value.tei() == (422, {"error": err.value.message, "error_type": "Validation"})
     assert api.parse_predict({"inputs": ["x" * 1000, "y"]}, LIMITS, True).inputs == [("x" * 1000, "y")]
+    long = "a" + "x" * 999 + "b"
+    assert api.parse_predict({"inputs": [[long, "y"]]}, LIMITS, True).inputs == [(long[:1000], "y")]
+    assert api.parse_predict({"inputs": long, "truncation_direction": "Left"}, LIMITS, True).inputs == [long[1:]]
     assert api.parse_predict({"inputs": ["ok", ["a"], "b"]}, LIMITS, True).inputs == ["ok", "a", "b"]
 
 

@@ -13,6 +13,7 @@ import sys
 import threading
 
 import aiohttp
+import numpy as np
 import psutil
 import pytest
 import tiny
@@ -66,14 +67,15 @@ BAD = [
     ("POST", "/v1/embeddings", {"input": [[1, 2**40]]}, 400, "non-negative token ids"),
     ("POST", "/tokenize", {"inputs": ["ok"], "add_special_tokens": None}, 200, ""),
     ("POST", "/v1/embeddings", {"input": ["x"] * 9}, 413, "at most 8 per request"),
-    ("POST", "/v1/embeddings", {"input": ["y" * 2001]}, 413, "at most 2000"),
+    ("POST", "/v1/embeddings", {"input": ["y" * 2001], "long": "error"}, 413, "at most 2000"),  # (truncating: cut)
     ("POST", "/v1/embeddings", {"input": ["the " * 40], "long": "error"}, 400, "over the model's limit of 32"),
     ("POST", "/v1/embeddings", {"input": ["ok"], "long": "squash"}, 400, "`long` must be one of"),
     ("POST", "/v1/embeddings", {"input": ["ok"], "encoding_format": "hex"}, 400, "`encoding_format`"),
     ("POST", "/v1/embeddings", {"input": ["ok"], "encoding_format": False}, 400, "`encoding_format`"),  # not float
     ("POST", "/v1/embeddings", {"input": ["ok"], "encoding_format": None}, 200, ""),  # absent
     # cl100k's id 90280 decodes to 114 characters: 20 of them are past --max-input-chars, as the text would be
-    ("POST", "/v1/embeddings", {"input": [[1, 2], [90280] * 20]}, 413, "`input[1]` has 2280 characters; at most 2000"),
+    ("POST", "/v1/embeddings", {"input": [[1, 2], [90280] * 20], "long": "error"}, 413,
+     "`input[1]` has 2280 characters; at most 2000"),
     ("POST", "/v1/embeddings", {"input": ["ok"], "dimensions": 0}, 400, "`dimensions` must be an integer from 1 to 32"),
     ("POST", "/v1/embeddings", {"input": ["ok"], "dimensions": 33}, 400, "`dimensions`"),
     ("POST", "/v1/embeddings", {"input": ["ok"], "model": 7}, 400, "`model` must be a string"),
@@ -196,20 +198,51 @@ async def test_expect_100_continue_is_answered_after_the_checks_the_headers_deci
 
 async def test_token_ids_decoded_for_a_prompt_are_held_to_max_input_chars(make_server, tiny_enc):
     """The model's own ids with a prompt run as TEI runs them, decoded and tokenized as text: that text is held to
-    --max-input-chars as a text sent as such (TEI's 422 Validation), not tokenized whatever its size."""
+    --max-input-chars as a text sent as such (TEI's 422 Validation), not tokenized whatever its size; cut to it
+    where the request truncates."""
     client = await make_server(tiny_enc, max_input_chars=2000)
     word = tiny_enc.tokenizer.tokenizer.token_to_id("document")
-    for n, status in ((200, 200), (250, 422)):  # "document " x n: 1,799 and 2,249 characters
-        resp = await client.post("/embed", json={"inputs": [[word] * n], "prompt": "query: "})
+    for truncate, status in ((True, 200), (False, 422)):  # "document " x 250: 2,249 characters
+        resp = await client.post("/embed", json={"inputs": [[word] * 250], "prompt": "query: ", "truncate": truncate})
         assert resp.status == status, await resp.text()
     assert "`inputs[0]` has 2249 characters; at most 2000" in (await resp.json())["error"]
     await assert_good(client)
 
 
+async def test_a_text_past_max_input_chars_is_cut_where_the_request_truncates(make_server, tiny_enc):
+    """TEI cuts a text past its character limit before tokenizing where truncation is on
+    (`core/src/tokenization.rs`, `apply_limit`); jaxserve answered 413 (422 on TEI's routes), so one long page
+    failed its whole batch. Now the text is cut at the truncation's end and embedded as the cut text is; a request
+    that refuses truncation still gets the 413."""
+    client = await make_server(tiny_enc, max_input_chars=100)
+    text = "the model " * 6 + "a batch of documents " * 5  # 165 characters
+
+    async def ok(path, body):
+        resp = await client.post(path, json=body)
+        assert resp.status == 200, await resp.text()
+        return np.asarray(await resp.json())
+
+    sent = await ok("/embed", {"inputs": [text, "ok"]})
+    np.testing.assert_allclose(sent, await ok("/embed", {"inputs": [text[:100], "ok"]}), atol=1e-6)
+    left = await ok("/embed", {"inputs": [text], "truncation_direction": "Left"})
+    np.testing.assert_allclose(left, await ok("/embed", {"inputs": [text[-100:]]}), atol=1e-6)
+    similar = await ok("/similarity", {"inputs": {"source_sentence": text, "sentences": [text[:100]]}})
+    assert similar[0] == pytest.approx(1.0, abs=1e-5)
+    openai = (await (await client.post("/v1/embeddings", json={"input": [text]})).json())["data"][0]["embedding"]
+    np.testing.assert_allclose(openai, sent[0], atol=1e-6)
+    cohere = await client.post("/v2/embed", json={"texts": [text], "truncate": "START"})
+    np.testing.assert_allclose((await cohere.json())["embeddings"]["float"][0], left[0], atol=1e-6)
+    for path, body in (("/embed", {"inputs": [text], "truncate": False}), ("/v1/embeddings", {"input": [text],
+                       "long": "error"}), ("/v1/embeddings", {"input": [text], "long": "chunk"}),
+                       ("/v2/embed", {"texts": [text], "truncate": "NONE"})):
+        resp = await client.post(path, json=body)
+        assert resp.status in (413, 422) and "has 165 characters; at most 100" in await resp.text(), (path, body)
+
+
 async def test_error_messages_do_not_echo_documents(make_server, tiny_enc):
     client = await make_server(tiny_enc, max_input_chars=100)
     secret = "confidential-" + "z" * 200
-    resp = await client.post("/v1/embeddings", json={"input": ["ok", secret]})
+    resp = await client.post("/v1/embeddings", json={"input": ["ok", secret], "long": "error"})
     assert resp.status == 413 and "confidential" not in await resp.text()
 
 

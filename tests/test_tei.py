@@ -53,7 +53,7 @@ async def test_similarity_route(make_server, embedder):
     np.testing.assert_allclose(got, want, atol=1e-5)
     for inputs, field in (({"source_sentence": "q" * 41, "sentences": ["a"]}, "`inputs.source_sentence` has 41"),
                           ({"source_sentence": "q", "sentences": ["a", "b" * 41]}, "`inputs.sentences[1]` has 41")):
-        resp = await client.post("/similarity", json={"inputs": inputs})
+        resp = await client.post("/similarity", json={"inputs": inputs, "parameters": {"truncate": False}})
         assert resp.status == 422 and field in (await resp.json())["error"]  # TEI: 413s are Validation
 
 

@@ -103,10 +103,11 @@ class EmbedRequest:
         return len(self.texts if self.texts is not None else self.token_ids)
 
 
-def _inputs(value, field: str, limits: Limits, allow_tokens: bool,
-            blank: bool = True) -> tuple[list[str] | None, list[np.ndarray] | None]:
+def _inputs(value, field: str, limits: Limits, allow_tokens: bool, blank: bool = True,
+            cut: str | None = None) -> tuple[list[str] | None, list[np.ndarray] | None]:
     """A string, a list of strings, or (OpenAI) a list of token ids or of token-id lists. `blank`: an empty string
-    is an input (OpenAI's routes: LangChain sends them), else TEI's 400 Empty."""
+    is an input (OpenAI's routes: LangChain sends them), else TEI's 400 Empty. `cut`: the end a text past
+    `--max-input-chars` is cut at where the request truncates (`within_limit`)."""
     if isinstance(value, str):
         value = [value]
     if not isinstance(value, list):
@@ -120,21 +121,34 @@ def _inputs(value, field: str, limits: Limits, allow_tokens: bool,
                        "request_too_large")
     if allow_tokens and all(isinstance(x, list) for x in value):
         return None, [_token_ids(ids, f"{field}[{i}]") for i, ids in enumerate(value)]
+    texts = value
     for i, x in enumerate(value):
         if not isinstance(x, str):
             raise ApiError(400, f"`{field}[{i}]` must be a string, not {type(x).__name__}")
         if not (x or blank):
             raise empty(f"{field}[{i}]")
-        within_limit(x, f"{field}[{i}]", limits)
-    return value, None
+        if len(x) > limits.max_input_chars:
+            texts = value.copy() if texts is value else texts  # (the body's list is left as it was sent)
+            texts[i] = within_limit(x, f"{field}[{i}]", limits, cut)
+    return texts, None
 
 
-def within_limit(text: str, field: str, limits: Limits) -> str:
-    """`text` if it is within `--max-input-chars`, else the request's 413 naming `field`."""
-    if len(text) > limits.max_input_chars:
-        raise ApiError(413, f"`{field}` has {len(text)} characters; at most {limits.max_input_chars}",
-                       "request_too_large")
-    return text
+def within_limit(text: str, field: str, limits: Limits, cut: str | None = None) -> str:
+    """`text` if it is within `--max-input-chars`; past it, where the request truncates, cut to it at the `cut`
+    end ("right": its start kept), as TEI cuts a text past its character limit before tokenizing (the tokens of
+    the rest would be truncated anyway: `--max-input-chars` holds more than a model of up to ~20 k tokens takes);
+    else the request's 413 naming `field`."""
+    n = limits.max_input_chars
+    if len(text) <= n:
+        return text
+    if cut is None:
+        raise ApiError(413, f"`{field}` has {len(text)} characters; at most {n}", "request_too_large")
+    return text[:n] if cut == "right" else text[-n:]
+
+
+def cut_end(long: str, direction: str) -> str | None:
+    """The end a text past `--max-input-chars` is cut at: the request's truncation end where it truncates."""
+    return direction if long == "truncate" else None
 
 
 def _token_ids(ids: list, where: str) -> np.ndarray:
@@ -233,14 +247,14 @@ def parse_openai_embeddings(body, limits: Limits, dim: int, default_long: str, m
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise ApiError(400, "`model` must be a string")
-    texts, ids = _inputs(body["input"], "input", limits, allow_tokens=True)
-    fmt = "float" if body.get("encoding_format") is None else body["encoding_format"]  # a wrong type is refused
-    if fmt not in ENCODING_FORMATS:
-        raise ApiError(400, f"`encoding_format` must be one of {', '.join(ENCODING_FORMATS)}, not {_show(fmt)}")
     long, cut = vllm_truncation(body, default_long, max_length)
     long = _long_mode(body, long)
     if cut is not None and long != "truncate":
         raise ApiError(400, f"`truncate_prompt_tokens` truncates; `long` {_show(long)} does not")
+    texts, ids = _inputs(body["input"], "input", limits, allow_tokens=True, cut=cut_end(long, "right"))
+    fmt = "float" if body.get("encoding_format") is None else body["encoding_format"]  # a wrong type is refused
+    if fmt not in ENCODING_FORMATS:
+        raise ApiError(400, f"`encoding_format` must be one of {', '.join(ENCODING_FORMATS)}, not {_show(fmt)}")
     return EmbedRequest(texts, ids, long, True, _dimensions(body, dim, declared), fmt, *_prompt(body, limits),
                         model=model, cut=cut)
 
@@ -297,9 +311,10 @@ def parse_tei_embed(body, limits: Limits, dim: int, default_long: str) -> EmbedR
     body = _object(body)
     if "inputs" not in body:
         raise ApiError(400, "missing required field `inputs`")
-    texts, ids = _inputs(body["inputs"], "inputs", limits, allow_tokens=True, blank=False)
-    return EmbedRequest(texts, ids, _tei_long(body, default_long), _bool(body, "normalize", True),
-                        _dimensions(body, dim), "float", *_prompt(body, limits), direction=_direction(body))
+    long, direction = _tei_long(body, default_long), _direction(body)
+    texts, ids = _inputs(body["inputs"], "inputs", limits, allow_tokens=True, blank=False, cut=cut_end(long, direction))
+    return EmbedRequest(texts, ids, long, _bool(body, "normalize", True), _dimensions(body, dim), "float",
+                        *_prompt(body, limits), direction=direction)
 
 
 def _refuse(body, keys: tuple[str, ...], route: str, why: str) -> None:
@@ -340,13 +355,15 @@ def parse_similarity(body, limits: Limits, default_long: str) -> tuple[EmbedRequ
     if len(sentences) + 1 > limits.max_client_batch:
         raise ApiError(413, f"`inputs.sentences` has {len(sentences)} inputs; at most {limits.max_client_batch - 1} "
                             "besides `source_sentence`", "request_too_large")
-    sentences, _ = _inputs(sentences, "inputs.sentences", limits, allow_tokens=False, blank=False)
+    params = _parameters(body)
+    long, direction = _tei_long(params, default_long), _direction(params)
+    cut = cut_end(long, direction)
+    sentences, _ = _inputs(sentences, "inputs.sentences", limits, allow_tokens=False, blank=False, cut=cut)
     if not source:
         raise empty("inputs.source_sentence")
-    texts = [within_limit(source, "inputs.source_sentence", limits), *sentences]
-    params = _parameters(body)
-    return EmbedRequest(texts, None, _tei_long(params, default_long), False, None, "float", *_prompt(params, limits),
-                        direction=_direction(params)), len(texts) - 1
+    texts = [within_limit(source, "inputs.source_sentence", limits, cut), *sentences]
+    return EmbedRequest(texts, None, long, False, None, "float", *_prompt(params, limits),
+                        direction=direction), len(texts) - 1
 
 
 def parse_tokenize(body, limits: Limits) -> tuple[list[str], bool, str | None, str | None]:
@@ -453,16 +470,16 @@ class ClassifyRequest:
     function: str | None = None  # huggingface_hub's `function_to_apply` (FUNCTIONS); None: the model's default
 
 
-def _pair_or_text(x, field: str, limits: Limits):
-    """A /predict input, a text or a [text, text] pair, each text within `--max-input-chars`; an empty text, or a
-    pair of two, is TEI's 400 Empty."""
+def _pair_or_text(x, field: str, limits: Limits, cut: str | None):
+    """A /predict input, a text or a [text, text] pair, each text within `--max-input-chars` (or cut to it at the
+    `cut` end); an empty text, or a pair of two, is TEI's 400 Empty."""
     texts = [x] if isinstance(x, str) else x
     if isinstance(texts, list) and len(texts) in (1, 2) and all(isinstance(s, str) for s in texts):
         if not any(texts):
             raise empty(field)
-        for i, s in enumerate(texts):
-            within_limit(s, field if isinstance(x, str) else f"{field}[{i}]", limits)
-        return x if isinstance(x, str) else texts[0] if len(texts) == 1 else (texts[0], texts[1])
+        texts = [within_limit(s, field if isinstance(x, str) else f"{field}[{i}]", limits, cut)
+                 for i, s in enumerate(texts)]
+        return texts[0] if len(texts) == 1 else (texts[0], texts[1])
     raise ApiError(400, f"`{field}` must be a string or a [text, text] pair")
 
 
@@ -490,7 +507,9 @@ def parse_predict(body, limits: Limits, default_truncate: bool) -> ClassifyReque
     if len(items) > limits.max_client_batch:
         raise ApiError(413, f"`inputs` has {len(items)} inputs; at most {limits.max_client_batch} per request",
                        "request_too_large")
-    inputs = [_pair_or_text(x, f"inputs[{i}]", limits) for i, x in enumerate(items)]
+    truncate, direction = _bool(body, "truncate", default_truncate), _direction(body)
+    cut = direction if truncate else None
+    inputs = [_pair_or_text(x, f"inputs[{i}]", limits, cut) for i, x in enumerate(items)]
     params = _parameters(body)  # huggingface_hub's InferenceClient sends top_k there
     own = lambda key: body[key] if body.get(key) is not None else params.get(key)  # the body's, else parameters'
     top_k = own("top_k")
@@ -499,9 +518,7 @@ def parse_predict(body, limits: Limits, default_truncate: bool) -> ClassifyReque
     function = own("function_to_apply")
     if function is not None and function not in FUNCTIONS:
         raise ApiError(400, f"`function_to_apply` must be one of {', '.join(FUNCTIONS)}, not {_show(function)}")
-    truncate = _bool(body, "truncate", default_truncate)
-    return ClassifyRequest(inputs, single, _bool(body, "raw_scores", False), truncate, top_k, _direction(body),
-                           function)
+    return ClassifyRequest(inputs, single, _bool(body, "raw_scores", False), truncate, top_k, direction, function)
 
 
 def parse_rerank(body, limits: Limits, default_truncate: bool) -> tuple[str, list[str], bool, bool, bool, str]:
@@ -513,10 +530,11 @@ def parse_rerank(body, limits: Limits, default_truncate: bool) -> tuple[str, lis
     query = body["query"]
     if not isinstance(query, str) or not query:
         raise ApiError(400, "`query` must be a non-empty string")
-    within_limit(query, "query", limits)
-    texts, _ = _inputs(body["texts"], "texts", limits, allow_tokens=False)
-    return (query, texts, _bool(body, "raw_scores", False), _bool(body, "return_text", False),
-            _bool(body, "truncate", default_truncate), _direction(body))
+    truncate, direction = _bool(body, "truncate", default_truncate), _direction(body)
+    cut = direction if truncate else None
+    query = within_limit(query, "query", limits, cut)
+    texts, _ = _inputs(body["texts"], "texts", limits, allow_tokens=False, cut=cut)
+    return query, texts, _bool(body, "raw_scores", False), _bool(body, "return_text", False), truncate, direction
 
 
 def parse_classify(body, limits: Limits) -> list[str]:
@@ -600,7 +618,6 @@ def parse_cohere_embed(body, limits: Limits, dim: int, default_long: str, prompt
             raise ApiError(400, f"`{key}` is not supported: this server embeds text only; send `texts`")
     if "texts" not in body:
         raise ApiError(400, "missing required field `texts`")
-    texts, _ = _inputs(body["texts"], "texts", limits, allow_tokens=False)
     types = body.get("embedding_types")
     if types is None:
         types = []
@@ -614,6 +631,7 @@ def parse_cohere_embed(body, limits: Limits, dim: int, default_long: str, prompt
         long, direction = COHERE_TRUNCATE[truncate.upper()]
     else:
         raise ApiError(400, f"`truncate` must be one of {', '.join(COHERE_TRUNCATE)}, not {_show(truncate)}")
+    texts, _ = _inputs(body["texts"], "texts", limits, allow_tokens=False, cut=cut_end(long, direction))
     _cohere_max_tokens(body, "max_tokens", max_tokens)
     return EmbedRequest(texts, None, long, True, _dimensions(body, dim, declared, "output_dimension"), "float",
                         cohere_prompt(body.get("input_type"), prompts), direction=direction), tuple(dict.fromkeys(types))

@@ -317,8 +317,9 @@ def embedding_pieces(state: AppState, req: EmbedRequest, openai_ids: bool = Fals
     tok = enc.tokenizer
     prompt = request_prompt(state, req)
     texts, token_ids = req.texts, req.token_ids
+    cut = api.cut_end(req.long, req.direction)  # (a decoded text past --max-input-chars)
     if token_ids is not None and openai_ids and state.config.token_ids == "openai":
-        texts, token_ids = decoded(state, openai_token_texts(token_ids, req.model), "input"), None
+        texts, token_ids = decoded(state, openai_token_texts(token_ids, req.model), "input", cut), None
     if token_ids is not None:
         vocab = enc.arch.vocab_size
         for i, ids in enumerate(token_ids):
@@ -327,15 +328,15 @@ def embedding_pieces(state: AppState, req: EmbedRequest, openai_ids: bool = Fals
         if not prompt:
             return tok.given(token_ids, req.long, direction=req.direction, limit=req.cut)
         texts = decoded(state, tok.tokenizer.decode_batch([ids.tolist() for ids in token_ids],
-                                                          skip_special_tokens=True), "inputs")
+                                                          skip_special_tokens=True), "inputs", cut)
     return tok.documents(texts, req.long, prompt=prompt, direction=req.direction, limit=req.cut)
 
 
-def decoded(state: AppState, texts: list[str], field: str) -> list[str]:
-    """Texts decoded from token ids, held to `--max-input-chars` as texts sent as such are: one id decodes to up to
-    a hundred-odd characters, so a body of ids within `--max-body-bytes` would otherwise tokenize a text of many
-    megabytes (gigabytes of the tokenizer's memory)."""
-    return [api.within_limit(t, f"{field}[{i}]", state.limits) for i, t in enumerate(texts)]
+def decoded(state: AppState, texts: list[str], field: str, cut: str | None) -> list[str]:
+    """Texts decoded from token ids, held to `--max-input-chars` as texts sent as such are (cut to it at the `cut`
+    end where the request truncates): one id decodes to up to a hundred-odd characters, so a body of ids within
+    `--max-body-bytes` would otherwise tokenize a text of many megabytes (gigabytes of the tokenizer's memory)."""
+    return [api.within_limit(t, f"{field}[{i}]", state.limits, cut) for i, t in enumerate(texts)]
 
 
 def vectors_of(ran: Ran, req: EmbedRequest) -> np.ndarray:
