@@ -647,3 +647,36 @@ async def test_a_joined_job_refused_for_room_goes_again_query_by_query(tmp_path)
         await link.stop()
         await server.stop()
 
+
+
+async def test_an_explain_the_engine_does_not_answer_times_out_and_one_without_an_engine_is_draining(tmp_path):
+    """`EngineLink.explain` runs on a tokenizer thread: against a stalled engine it waited as long as the engine
+    stalled, holding that thread and the requests queued behind it (and /v1/plan never timed out), and with the
+    engine gone it raised a Draining the route answered as a 500. Now TimeoutError past its timeout, the ask
+    withdrawn, and Draining: each a 503 (`handling.explain_rows`)."""
+    from jaxserve.scheduling.pipeline import Draining
+    from jaxserve.scheduling.planner import pack
+
+    loop = asyncio.get_running_loop()
+    never = loop.create_future()
+
+    class Stalled(Echo):
+        def explain(self, *args):
+            async def unanswered():
+                return await never
+            return unanswered()
+
+    server, link, table = await linked(tmp_path, Stalled(loop))
+    rows, doc = pack([3], table), np.zeros(1, np.int64)
+    try:
+        with pytest.raises(TimeoutError, match="did not answer within 0.2 s"):
+            await asyncio.to_thread(link.explain, rows, doc, "pooled", 0.0, timeout_s=0.2)
+        await until(lambda: not link._pending)  # its reply is no longer waited for
+        await server.stop()
+        await until(lambda: link.healthy is not None)
+        with pytest.raises(Draining):
+            await asyncio.to_thread(link.explain, rows, doc, "pooled", 0.0, timeout_s=BOUND_S)
+    finally:
+        never.cancel()
+        await link.stop()
+        await server.stop()

@@ -427,6 +427,10 @@ def test_faults_fail_only_what_they_must_and_leave_no_process(files):
         await poll(lambda: _health_is(url, 503), "/health 503 once the engine is gone")
         status, body = await get_json(url, "/health")
         assert status == 503 and "engine" in json.dumps(body)
+        async with aiohttp.ClientSession() as s:  # the latency math asks the engine too: 503 (test_link's explain test)
+            for path in ("/v1/plan", "/v1/embeddings?explain=1"):
+                async with s.post(url + path, json={"input": ["a text"]}) as r:
+                    assert r.status == 503 and "engine" in (await r.json())["error"]["message"], path
         # /metrics still answers: the front-ends' own, without the engine's
         async with aiohttp.ClientSession() as s:
             async with s.get(url + "/metrics") as r:

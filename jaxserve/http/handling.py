@@ -223,11 +223,16 @@ def ask_for(request: web.Request, body, route: str | None = None, runs: str | No
 def explain_rows(state: AppState, rows, pieces, cls: int, output: str = "pooled") -> dict:
     """The latency math of one request's rows on its output's table, as a request of class `cls` (`decide`'s),
     given what waits ahead of it (of the classes it waits behind) and runs now; 413 where the queue could never
-    hold it."""
+    hold it, 503 where the engine process is gone or has not answered within --request-timeout-s."""
     try:
-        return state.service.explain(rows, pieces.doc, output, state.config.max_wait_ms / 1000, cls)
+        return state.service.explain(rows, pieces.doc, output, state.config.max_wait_ms / 1000, cls,
+                                     timeout_s=state.config.request_timeout_s)
     except TooLarge as err:
         raise too_large(err) from None
+    except TimeoutError as err:
+        raise ApiError(503, str(err), "timeout", {"Retry-After": str(RETRY_AFTER_S)}) from None
+    except Draining as err:
+        raise ApiError(503, str(err), "unavailable", {"Retry-After": str(RETRY_AFTER_S)}) from None
 
 
 def too_large(err: TooLarge) -> ApiError:

@@ -560,11 +560,18 @@ class EngineLink:
             self._pending.pop(rid, None)
             wire.post({"op": "cancel", "id": rid})
 
-    def explain(self, rows, doc, output: str, max_wait_s: float, cls: int = BULK) -> dict:
-        """The engine's latency math for these rows (blocking: called from a tokenizer thread)."""
+    def explain(self, rows, doc, output: str, max_wait_s: float, cls: int = BULK,
+                timeout_s: float | None = None) -> dict:
+        """The engine's latency math for these rows (blocking: called from a tokenizer thread); TimeoutError past
+        `timeout_s` (a stalled engine held the thread, and the requests queued behind it, for as long as it stalled)."""
         ask = self._ask({"op": "explain", "rows": rows, "doc": doc, "output": output, "max_wait_s": max_wait_s,
                          "cls": cls})
-        return asyncio.run_coroutine_threadsafe(ask, self._loop).result()
+        answer = asyncio.run_coroutine_threadsafe(ask, self._loop)
+        try:
+            return answer.result(timeout_s)
+        except TimeoutError:
+            answer.cancel()
+            raise TimeoutError(f"the engine did not answer within {timeout_s:g} s") from None
 
     async def metrics(self) -> dict:
         """The engine's metrics now (`LinkServer.metrics`)."""

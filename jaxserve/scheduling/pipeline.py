@@ -280,11 +280,13 @@ class Pipeline:
         """Batches on the device or prepared for it."""
         return self._pipeline
 
-    def explain(self, rows, doc, output: str, max_wait_s: float, cls: int = BULK) -> dict:
+    def explain(self, rows, doc, output: str, max_wait_s: float, cls: int = BULK,
+                timeout_s: float | None = None) -> dict:
         """The latency math of one request's rows (`scheduling.explain`) as a request of class `cls`, given what
         waits ahead of it now (of the classes it waits behind) and runs: its batches as the batchers would form them
         (a bulk request's capped while interactive work is likely), at the host time per dispatch they plan with.
-        TooLarge for rows more than the whole queue holds, as `run` would refuse them."""
+        TooLarge for rows more than the whole queue holds, as `run` would refuse them. (`timeout_s`: the engine
+        link's bound; here nothing waits on another process.)"""
         batcher = self.batchers[output]
         batcher.within(int(rows.seqlen.sum()))
         with self._lock:
