@@ -413,14 +413,16 @@ class Echo:
         self.cancelled.append(jid)
 
 
-async def linked(tmp_path, pipeline, max_queued=None):
+async def linked(tmp_path, pipeline, max_queued=None, **beats):
+    """`beats`: LinkServer's `beat_s`, EngineLink's `silent_s`."""
     from jaxserve.runtime.buckets import fixed
     from jaxserve.scheduling.link import EngineLink, LinkServer
 
     path = str(tmp_path / "engine.sock")
-    server = LinkServer(path, lambda: {"ready": True, "max_queued": max_queued})
+    server = LinkServer(path, lambda: {"ready": True, "max_queued": max_queued},
+                        **{k: v for k, v in beats.items() if k == "beat_s"})
     await server.start()
-    link = EngineLink(path, retry_s=0.01)
+    link = EngineLink(path, retry_s=0.01, **{k: v for k, v in beats.items() if k == "silent_s"})
     await link.start()
     table = fixed([(4, 16), (4, 64)], layout="packed")
     await server.ready(pipeline, {"table": table})
@@ -678,5 +680,22 @@ async def test_an_explain_the_engine_does_not_answer_times_out_and_one_without_a
             await asyncio.to_thread(link.explain, rows, doc, "pooled", 0.0, timeout_s=BOUND_S)
     finally:
         never.cancel()
+        await link.stop()
+        await server.stop()
+
+
+async def test_an_engine_that_stops_talking_is_unhealthy(tmp_path):
+    """The engine pushes its status on change and at least every beat; a front-end that hears nothing for
+    `silent_s` says so in `healthy` (/health 503). It trusted the last status: an engine stopped (SIGSTOP) or
+    with its loop blocked left every /health at 200 while every request timed out."""
+    server, link, _ = await linked(tmp_path, Echo(asyncio.get_running_loop()), beat_s=0.05, silent_s=0.5)
+    try:
+        heard = link.status["at"]
+        await until(lambda: link.status["at"] > heard + 1.0)  # unchanged, still pushed: past silent_s, and healthy
+        assert link.healthy is None
+        server._pusher.cancel()  # the engine goes quiet, its connection open
+        await until(lambda: link.healthy is not None)
+        assert "has not been heard from for" in link.healthy
+    finally:
         await link.stop()
         await server.stop()

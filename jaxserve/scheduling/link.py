@@ -51,6 +51,8 @@ from jaxserve.scheduling.wire import Wire
 log = logging.getLogger("jaxserve.scheduling.link")
 
 STATUS_EVERY_S = 0.25  # the engine's queue and health, pushed to each front-end this often (and on change)
+STATUS_BEAT_S = 2.0  # ... and at least this often unchanged: a front-end hearing nothing for SILENT_S says why
+SILENT_S = 10.0  # an engine silent this long is unhealthy (/health 503: stopped, or its event loop blocked)
 REPORT_TIMEOUT_S = 2.0  # /metrics: a front-end that has not reported its metrics by then is shown as last reported
 # an engine says it is ready once every front-end connected has loaded its card, or after this long without
 LOADED_TIMEOUT_S = 30.0
@@ -70,8 +72,10 @@ class LinkServer:
     """Serves a Pipeline to every front-end that connects. It listens before the model is loaded, so a front-end
     can say "warming" on /health; `ready` hands each front-end the card (the model view and its tables)."""
 
-    def __init__(self, path: str, status, metrics=dict, add_up=lambda first, *rest: first):
+    def __init__(self, path: str, status, metrics=dict, add_up=lambda first, *rest: first,
+                 beat_s: float = STATUS_BEAT_S):
         self.path = path
+        self.beat_s = beat_s  # the status is pushed at least this often, changed or not (`EngineLink.silent_s`)
         self.status = status  # () -> dict: the engine's state (ready, draining, healthy, queue)
         self.metrics = metrics  # () -> plain data: the engine's metrics now (`EngineMetrics.snapshot`)
         self.add_up = add_up  # (*snapshots) -> one: the metrics of several processes as one (`tally.combined`)
@@ -174,12 +178,12 @@ class LinkServer:
         return task
 
     async def _push_status(self) -> None:
-        last = None
+        last, pushed = None, -math.inf
         while True:
             status = self._status()
-            if status != last:
+            if status != last or time.monotonic() - pushed >= self.beat_s:
                 await self.push({"op": "status", **status})
-                last = status
+                last, pushed = status, time.monotonic()
             await asyncio.sleep(STATUS_EVERY_S)
 
     async def _serve(self, wire: Wire) -> None:
@@ -337,8 +341,10 @@ class EngineLink:
     `healthy`, ...) over the socket. It reconnects when the engine comes back (restarted by the supervisor);
     while it is gone, every waiting request fails with Draining (503) and `healthy` says why."""
 
-    def __init__(self, path: str, on_card=None, on_status=None, retry_s: float = 0.1, report=dict):
+    def __init__(self, path: str, on_card=None, on_status=None, retry_s: float = 0.1, report=dict,
+                 silent_s: float = SILENT_S):
         self.path = path
+        self.silent_s = silent_s  # an engine unheard from this long is unhealthy (it pushes its status every beat)
         self.on_card = on_card  # (card dict) -> None, on the loop, each time the engine hands one over
         self.on_status = on_status  # (status dict) -> None, on the loop, each status the engine pushes
         self.report = report  # () -> this front-end's metrics (`ServerMetrics.snapshot`), when the engine asks
@@ -406,6 +412,9 @@ class EngineLink:
             return self.gone or "the engine process is not connected"
         if not self.status.get("ready"):
             return self.status.get("failed") or "the engine process is warming up"
+        silent = time.monotonic() - self.status.get("at", math.inf)
+        if silent > self.silent_s:  # stopped, or its loop blocked: its last status no longer says anything
+            return f"the engine process has not been heard from for {silent:.0f} s"
         return self.status.get("healthy")
 
     @property
