@@ -30,7 +30,12 @@ os.environ.setdefault("RAY_worker_niceness", "0")
 import tempfile  # noqa: E402
 
 if "PYTEST_XDIST_WORKER" not in os.environ:
+    import atexit
+    import shutil
+
     os.environ["JAXSERVE_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxserve-test-cache-")
+    # removed when the run ends (its workers are gone by then): each run left ~120 MB of artifacts in /tmp
+    atexit.register(shutil.rmtree, os.environ["JAXSERVE_CACHE_DIR"], ignore_errors=True)
 
 
 def _offline_tiktoken() -> None:

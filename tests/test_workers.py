@@ -395,7 +395,8 @@ def holder(frontends: list[int], client_port: int) -> int | None:
 
 def test_faults_fail_only_what_they_must_and_leave_no_process(files):
     """A front-end killed: only its own requests fail; it is replaced. The engine killed: every waiting request
-    gets 503 and /health says 503 (no restarts allowed here). The supervisor killed: no child survives."""
+    gets 503 and /health says 503 (no restarts allowed here). The supervisor killed: no child survives, nor its
+    run directory."""
     path, _ = files
     # 1e-9 TFLOP/s: a dispatch takes hours; every request below is waiting when its process is killed
     url, proc = serve("--model", str(path), "--simulate-device", "1e-9", "--workers", "2", "--engine-restarts", "0")
@@ -441,12 +442,16 @@ def test_faults_fail_only_what_they_must_and_leave_no_process(files):
 
     try:
         frontends = asyncio.run(scenario())
+        (held,) = {f.path for p in frontends for f in psutil.Process(p).open_files() if f.path.endswith("/held")}
+        run_dir = os.path.dirname(held)
+        assert os.path.exists(os.path.join(run_dir, "processes.json"))
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
         deadline = time.monotonic() + BOUND_S
         while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in frontends):
             assert time.monotonic() < deadline, "a front-end outlived its supervisor's SIGKILL"
             time.sleep(POLL_S)
+        assert not os.path.exists(run_dir)  # the last child removed it (it was left in /tmp)
     finally:
         if proc.poll() is None:
             stop(proc)

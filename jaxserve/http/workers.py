@@ -20,8 +20,9 @@ to act). A model that the first engine cannot load (a wrong path, a task or
 prompt the checkpoint lacks) ends the server at once, as `--workers 1` does:
 one line, exit status 2. Every child asks the kernel for SIGTERM when the supervisor dies
 (PR_SET_PDEATHSIG) and checks its parent once more after asking: SIGKILL of
-the supervisor leaves no process behind. SIGTERM drains the front-ends first,
-then stops the engine.
+the supervisor leaves no process behind, and the last child to go removes the
+run directory the supervisor would have (`_hold`). SIGTERM drains the
+front-ends first, then stops the engine.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import contextlib
 import ctypes
 import dataclasses
 import errno
+import fcntl
 import json
 import logging
 import math
@@ -53,6 +55,7 @@ RESTART_BACKOFF_S = (0.5, 5.0)  # a child that died young waits this long (doubl
 YOUNG_S = 10.0  # a child that lived less than this died young
 PROCESSES_FILE = "processes.json"  # the supervisor's list of pids by role, read by /info
 LOAD_FAILED_FILE = "load-failed.txt"  # why the first engine could not load the model: the supervisor says it and exits
+HELD_FILE = "held"  # each process of the server holds a shared lock on it for its life (`_hold`)
 
 
 def frontend_config(config, workers: int):
@@ -79,6 +82,25 @@ def _follow_parent(parent: int) -> None:
         os._exit(0)
 
 
+def _hold(run_dir: str) -> int:
+    """A shared lock on the run directory's HELD_FILE, held for this process's life (the kernel drops it however
+    the process ends): `_leave` removes the directory once no process of the server holds one."""
+    fd = os.open(os.path.join(run_dir, HELD_FILE), os.O_RDONLY | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    return fd
+
+
+def _leave(run_dir: str, held: int) -> None:
+    """The run directory removed if this is the last process of the server to go. The supervisor removes it when it
+    stops (holding its lock till then); after a `kill -9` of the supervisor its children drain and end, and it was
+    left in /tmp (a test run left hundreds). Of two children converting their locks at once, one gets it."""
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return
+    shutil.rmtree(run_dir, ignore_errors=True)
+
+
 def _logging(role: str) -> None:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s {role}[%(process)d] %(name)s: %(message)s")
 
@@ -88,13 +110,18 @@ def engine_main(config, path: str, run_dir: str, first: bool, parent: int) -> No
     The `first` engine exits (status 2, the reason in LOAD_FAILED_FILE) if the model does not load: the
     supervisor ends the server with it. A restarted one stays, saying why on /health (503)."""
     _follow_parent(parent)
+    held = _hold(run_dir)
     _logging("engine")
     from jaxserve.http.server import new_loop
     from jaxserve.runtime import host
 
     host.keep_freed_memory()
 
-    if not asyncio.run(_engine(config, path, run_dir, first), loop_factory=new_loop):
+    try:
+        loaded = asyncio.run(_engine(config, path, run_dir, first), loop_factory=new_loop)
+    finally:
+        _leave(run_dir, held)
+    if not loaded:
         sys.exit(2)
 
 
@@ -188,7 +215,11 @@ def frontend_main(config, sock: socket.socket, path: str, run_dir: str, index: i
     app[STATE].server_config = config
     app[STATE].processes_file = os.path.join(run_dir, PROCESSES_FILE)
     app[STATE].settle_heap = True
-    run_app(app, config, sock=sock)
+    held = _hold(run_dir)
+    try:
+        run_app(app, config, sock=sock)
+    finally:
+        _leave(run_dir, held)
 
 
 # ---- the supervisor ----
@@ -221,6 +252,7 @@ class Supervisor:
         self.address = socks[0].family, socks[0].getsockname()[:2]
         self.workers = workers
         self.run_dir = tempfile.mkdtemp(prefix="jaxserve-")  # 0700: only this user may reach the engine's socket
+        self.held = _hold(self.run_dir)  # (its children remove the directory only once this process is gone)
         self.path = os.path.join(self.run_dir, "engine.sock")
         self.ctx = multiprocessing.get_context("spawn")
         self.engine: multiprocessing.Process | None = None
