@@ -622,3 +622,30 @@ def test_sigterm_drains_every_process_and_loses_no_accepted_request(files, to):
     assert all(isinstance(e, aiohttp.ClientConnectorError) for e in refused), refused  # never connected
     assert proc.returncode == 0
     assert not [p for p in psutil.Process().children(recursive=True) if "jaxserve" in " ".join(p.cmdline())]
+
+
+def test_sigterm_while_the_engine_warms_up_stops_it_at_once():
+    """SIGTERM while the engine compiles: nothing was accepted, so it stops there. It finished its warm-up first
+    (minutes on a GPU), and the supervisor, after its grace period, killed it; the server still exited 0."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    # the bundled MiniLM, compiled from nothing: tens of seconds of warm-up to stop in
+    proc = subprocess.Popen([sys.executable, "-m", "jaxserve.cli", "serve", "--no-cache", "--workers", "2", "--port",
+                             str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    async def compiling():
+        try:
+            async with aiohttp.ClientSession() as s, s.get(url + "/health") as r:
+                return "compiling" in await r.text()
+        except aiohttp.ClientError:
+            return False
+
+    try:
+        asyncio.run(poll(compiling, "/health saying the engine is compiling"))
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=BOUND_S)
+    finally:
+        if proc.poll() is None:
+            stop(proc)
+    assert proc.returncode == 0, out
+    assert "stopped while compiling" in out and "ready:" not in out, out

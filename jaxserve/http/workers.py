@@ -28,6 +28,7 @@ front-ends first, then stops the engine.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import ctypes
 import dataclasses
@@ -118,15 +119,23 @@ def engine_main(config, path: str, run_dir: str, first: bool, parent: int) -> No
     host.keep_freed_memory()
 
     try:
-        loaded = asyncio.run(_engine(config, path, run_dir, first), loop_factory=new_loop)
+        ended = asyncio.run(_engine(config, path, run_dir, first), loop_factory=new_loop)
     finally:
         _leave(run_dir, held)
-    if not loaded:
+    if ended == STOPPED_STARTING:  # a load or compile still runs on a thread, which a normal exit would wait for
+        logging.shutdown()
+        os._exit(0)
+    if ended == LOAD_FAILED:
         sys.exit(2)
 
 
-async def _engine(config, path: str, run_dir: str, first: bool) -> bool:
-    """Serve until SIGTERM (-> True); False when the first engine could not load the model."""
+SERVED, LOAD_FAILED, STOPPED_STARTING = "served", "load failed", "stopped while starting"
+
+
+async def _engine(config, path: str, run_dir: str, first: bool) -> str:
+    """Serve until SIGTERM (-> SERVED); LOAD_FAILED when the first engine could not load the model;
+    STOPPED_STARTING on a SIGTERM before the engine was ready (nothing was accepted: no drain; the supervisor
+    waited out its grace period, then killed it)."""
     from jaxserve.http.loading import check_prompt, load_encoder, make_pipeline, start_engine
     from jaxserve.http.metrics import EngineMetrics
     from jaxserve.http.server import DRAIN_TIMEOUT_S
@@ -156,12 +165,24 @@ async def _engine(config, path: str, run_dir: str, first: bool) -> bool:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     pipeline, loaded = None, False
+
+    starting = concurrent.futures.ThreadPoolExecutor(1, "engine-start")  # not the loop's: asyncio.run waits for that
+
+    async def unless_stopped(fn, *args):
+        """`fn(*args)` on a thread, or Stopping once SIGTERM comes first (the thread is left to `os._exit`)."""
+        work, stopped = loop.run_in_executor(starting, fn, *args), asyncio.ensure_future(stop.wait())
+        await asyncio.wait((work, stopped), return_when=asyncio.FIRST_COMPLETED)
+        stopped.cancel()
+        if not work.done():
+            raise Stopping
+        return work.result()
+
     try:
         with started.phase("weights", "loading weights"):
-            enc = await loop.run_in_executor(None, load_encoder, config)
+            enc = await unless_stopped(load_encoder, config)
         check_prompt(config, enc)
         loaded = True
-        table = await loop.run_in_executor(None, start_engine, config, enc, started)
+        table = await unless_stopped(start_engine, config, enc, started)
         pipeline = make_pipeline(config, enc, table, metrics)
         await pipeline.start()
         started.doing = "ready"
@@ -174,13 +195,18 @@ async def _engine(config, path: str, run_dir: str, first: bool) -> bool:
         await link.ready(pipeline, card)
         host.settle_heap()
         log.info("ready: %d buckets; %s", len(table.buckets), started.summary())
+        starting.shutdown()
+    except Stopping:
+        log.info("stopped while %s", started.doing)
+        await link.stop()
+        return STOPPED_STARTING
     except Exception as exc:
         if first and not loaded:  # the one-process server's message (cli.main's), for the supervisor to say
             why = str(exc) if isinstance(exc, JaxserveError) else f"{type(exc).__name__}: {exc}"
             log.error("the model did not load: %s", why, exc_info=not isinstance(exc, JaxserveError))
             Path(run_dir, LOAD_FAILED_FILE).write_text(why)
             await link.stop()
-            return False
+            return LOAD_FAILED
         held["failed"] = warmup_failed(exc)
         log.exception(held["failed"])
     await stop.wait()
@@ -189,7 +215,11 @@ async def _engine(config, path: str, run_dir: str, first: bool) -> bool:
         await pipeline.drain(DRAIN_TIMEOUT_S)
         await pipeline.stop()
     await link.stop()
-    return True
+    return SERVED
+
+
+class Stopping(Exception):
+    """SIGTERM came while the engine was still loading or warming up."""
 
 
 @dataclasses.dataclass
