@@ -122,6 +122,9 @@ async def test_root_predicts_for_a_classifier_and_mixes_texts_and_pairs(make_ser
     # as TEI, a list of exactly two texts is one pair, answered unwrapped
     pair = await (await client.post("/predict", json={"inputs": ["a premise", "a hypothesis"], "raw_scores": True})).json()
     assert max(p["score"] for p in pair) == pytest.approx(want[1].max(), abs=1e-4)
+    resp = await client.post("/predict", json={"inputs": [["a premise", "a hypothesis"], ["ab"]]})
+    tokens = enc.tokenizer.pairs([("a premise", "a hypothesis"), "ab"]).tokens
+    assert_tei_headers(resp, len("a premise") + len("a hypothesis") + 2, tokens)
     # and a list of one text is that text, answered unwrapped (TEI's PredictInput::Single)
     one = await (await client.post("/predict", json={"inputs": ["ab"], "raw_scores": True})).json()
     assert [p["label"] for p in one] == [p["label"] for p in got[0]]
@@ -148,6 +151,32 @@ async def test_root_reranks_for_a_cross_encoder(make_server, reranker):
     assert [g["index"] for g in got] == list(np.argsort(-want))
     info = await (await client.get("/info")).json()
     assert info["model_type"] == {"reranker": {"id2label": {"0": "label_a"}, "label2id": {"label_a": 0}}}
+    resp = await client.post("/rerank", json={"query": "the query", "texts": texts})
+    want = enc.tokenizer.pairs([("the query", t) for t in texts])
+    assert_tei_headers(resp, sum(len("the query") + len(t) for t in texts), want.tokens)
+
+
+def assert_tei_headers(resp, characters: int, tokens: int) -> None:
+    """TEI's response metadata (`router/src/lib.rs`): what TEI's clients read for billing and dashboards."""
+    h = resp.headers
+    assert resp.status == 200 and h["x-compute-type"] == "cpu"
+    assert (int(h["x-compute-characters"]), int(h["x-compute-tokens"])) == (characters, tokens)
+    times = {k: int(h[f"x-{k}-time"]) for k in ("compute", "total", "tokenization", "queue", "inference")}
+    assert all(t >= 0 for t in times.values()) and times["total"] == times["compute"] >= times["inference"], times
+
+
+async def test_tei_routes_send_teis_metadata_headers(make_server, embedder):
+    """x-compute-tokens and the rest, as TEI sends them on /embed, /embed_all, /similarity (none came before)."""
+    _, enc = embedder
+    client = await make_server(enc)
+    tokens = enc.tokenizer.documents(TEXTS).tokens
+    for route, body in (("/embed", {"inputs": TEXTS}), ("/embed_all", {"inputs": TEXTS})):
+        assert_tei_headers(await client.post(route, json=body), sum(map(len, TEXTS)), tokens)
+    sim = {"inputs": {"source_sentence": TEXTS[0], "sentences": TEXTS[1:]}}
+    assert_tei_headers(await client.post("/similarity", json=sim), sum(map(len, TEXTS)), tokens)
+    ids = enc.tokenizer.documents(["the model"])
+    resp = await client.post("/embed", json={"inputs": [ids.ids.tolist()]})  # token ids count as characters, as TEI
+    assert_tei_headers(resp, ids.tokens, ids.tokens)
 
 
 async def test_info_has_the_fields_tei_clients_read(make_server, embedder):

@@ -99,8 +99,13 @@ class EmbedRequest:
     cut: int | None = None  # tokens a sequence keeps (vLLM's `truncate_prompt_tokens`); None: the model's limit
 
     @property
+    def inputs(self) -> list:
+        """The texts, or the token-id arrays."""
+        return self.texts if self.texts is not None else self.token_ids
+
+    @property
     def count(self) -> int:
-        return len(self.texts if self.texts is not None else self.token_ids)
+        return len(self.inputs)
 
 
 def _inputs(value, field: str, limits: Limits, allow_tokens: bool, blank: bool = True,

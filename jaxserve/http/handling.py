@@ -361,5 +361,20 @@ async def respond(state: AppState, encode, floats: int) -> tuple[bytes, float]:
     return body, seconds
 
 
-def bytes_response(body: bytes) -> web.Response:
-    return web.Response(body=body, content_type="application/json")
+def bytes_response(body: bytes, headers: dict | None = None) -> web.Response:
+    return web.Response(body=body, content_type="application/json", headers=headers)
+
+
+def tei_headers(state: AppState, ran: Ran, inputs) -> dict:
+    """TEI's metadata of a response (`router/src/lib.rs`, ResponseMetadata), which its clients read (the tokens
+    for billing, the times for dashboards): the characters and tokens computed (of `inputs`: texts, token-id
+    arrays or text pairs) and, in milliseconds, the request's time from tokenizing to its outputs, its tokenizing,
+    its wait in the queue, and its time from its first batch to its last."""
+    p = ran.phases
+    tokenize, queue, service = p["tokenize_s"] + p["plan_s"], p["queue_s"], p["service_s"]
+    chars = sum(len(x) if isinstance(x, (str, np.ndarray)) else sum(map(len, x)) for x in inputs)
+    ms = lambda s: str(int(s * 1000))
+    return {"x-compute-type": state.device.get("platform", "") if state.device else "",
+            "x-compute-time": ms(tokenize + service), "x-total-time": ms(tokenize + service),
+            "x-compute-characters": str(chars), "x-compute-tokens": str(ran.tokens),
+            "x-tokenization-time": ms(tokenize), "x-queue-time": ms(queue), "x-inference-time": ms(service - queue)}

@@ -89,9 +89,9 @@ async def rerank(request: web.Request) -> web.Response:
 
 async def _cross_encoder(state: AppState, req: api.CohereRerank, ask: Ask):
     """(query, document) pairs through the cross-encoder, as /rerank -> (scores, lazily; tokens; output floats)."""
-    scores, tokens = await tei_routes.pair_scores(state, [(req.query, d) for d in req.documents], ask,
-                                                  state.config.long != "error")
-    return scores, tokens, len(req.documents)
+    scores, ran = await tei_routes.pair_scores(state, [(req.query, d) for d in req.documents], ask,
+                                               state.config.long != "error")
+    return scores, ran.tokens, len(req.documents)
 
 
 async def _cosine(state: AppState, req: api.CohereRerank, ask: Ask):

@@ -132,8 +132,9 @@ async def rerank(request: web.Request) -> web.Response:
     body = await json_body(request)
     query, documents, top_n, with_docs = _parse_rerank(body, state)
     truncate, cut = _vllm_cut(state, body)
-    scores, tokens = await pair_scores(state, [(query, d) for d in documents], ask_for(request, body), truncate,
-                                       instruction=instruction_of(state, body), limit=cut)
+    scores, ran = await pair_scores(state, [(query, d) for d in documents], ask_for(request, body), truncate,
+                                    instruction=instruction_of(state, body), limit=cut)
+    tokens = ran.tokens
 
     def encode():
         order = sorted(enumerate(scores().tolist()), key=lambda t: -t[1])[:top_n]
@@ -198,8 +199,9 @@ async def score(request: web.Request) -> web.Response:
         raise ApiError(400, f"`text_1` has {len(first)} texts and `text_2` {len(second)}: give one `text_1`, "
                             "or as many as `text_2`")
     truncate, cut = _vllm_cut(state, body)
-    scores, tokens = await pair_scores(state, list(zip(first, second)), ask_for(request, body), truncate,
-                                       instruction=instruction_of(state, body), limit=cut)
+    scores, ran = await pair_scores(state, list(zip(first, second)), ask_for(request, body), truncate,
+                                    instruction=instruction_of(state, body), limit=cut)
+    tokens = ran.tokens
 
     def encode():
         return orjson.dumps({

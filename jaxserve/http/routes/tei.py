@@ -35,6 +35,7 @@ from jaxserve.http.handling import (
     require_kind,
     respond,
     run_request,
+    tei_headers,
     tokenized,
     vectors_of,
 )
@@ -60,7 +61,7 @@ async def _embed(state: AppState, body, ask: Ask = NO_ASK) -> web.Response:
     ran = await run_request(state, lambda: embedding_pieces(state, req), ask=ask, inputs=req.count)
     encoded, _ = await respond(state, lambda: orjson.dumps(vectors_of(ran, req), option=orjson.OPT_SERIALIZE_NUMPY),
                                ran.floats)
-    return bytes_response(encoded)
+    return bytes_response(encoded, tei_headers(state, ran, req.inputs))
 
 
 async def _embed_sparse(state: AppState, body, ask: Ask = NO_ASK) -> web.Response:
@@ -80,7 +81,7 @@ async def _embed_sparse(state: AppState, body, ask: Ask = NO_ASK) -> web.Respons
         return b"".join((b"[", b",".join(sparse.json_rows(rows, enc.splade)), b"]"))
 
     encoded, _ = await respond(state, encode, floats)
-    return bytes_response(encoded)
+    return bytes_response(encoded, tei_headers(state, ran, req.inputs))
 
 
 async def _embed_all(state: AppState, body, ask: Ask = NO_ASK) -> web.Response:
@@ -98,7 +99,7 @@ async def _embed_all(state: AppState, body, ask: Ask = NO_ASK) -> web.Response:
     encoded, _ = await respond(
         state, lambda: orjson.dumps([ran.job.token_vectors(p) for p in range(ran.pieces.count)],
                                     option=orjson.OPT_SERIALIZE_NUMPY), ran.floats)
-    return bytes_response(encoded)
+    return bytes_response(encoded, tei_headers(state, ran, req.inputs))
 
 
 async def _similarity(state: AppState, body, ask: Ask = NO_ASK) -> web.Response:
@@ -113,7 +114,7 @@ async def _similarity(state: AppState, body, ask: Ask = NO_ASK) -> web.Response:
         return orjson.dumps((unit[1:] @ unit[0]).astype(np.float32), option=orjson.OPT_SERIALIZE_NUMPY)
 
     encoded, _ = await respond(state, similarities, ran.floats)
-    return bytes_response(encoded)
+    return bytes_response(encoded, tei_headers(state, ran, req.inputs))
 
 
 async def _predict(state: AppState, body, ask: Ask = NO_ASK) -> web.Response:
@@ -132,7 +133,7 @@ async def _predict(state: AppState, body, ask: Ask = NO_ASK) -> web.Response:
         return orjson.dumps(results[0] if req.single else results)
 
     encoded, _ = await respond(state, predictions, ran.floats * DICT_FLOATS)
-    return bytes_response(encoded)
+    return bytes_response(encoded, tei_headers(state, ran, [[x] if isinstance(x, str) else x for x in req.inputs]))
 
 
 async def _rerank(state: AppState, body, ask: Ask = NO_ASK) -> web.Response:
@@ -143,7 +144,8 @@ async def _rerank(state: AppState, body, ask: Ask = NO_ASK) -> web.Response:
     require_cross_encoder(state, "/rerank")
     query, texts, raw, return_text, truncate, direction = api.parse_rerank(body, state.limits,
                                                                            state.config.long != "error")
-    scores, _ = await pair_scores(state, [(query, t) for t in texts], ask, truncate, direction, raw, instruction)
+    pairs = [(query, t) for t in texts]
+    scores, ran = await pair_scores(state, pairs, ask, truncate, direction, raw, instruction)
 
     def ranked() -> bytes:
         values = scores()
@@ -152,7 +154,7 @@ async def _rerank(state: AppState, body, ask: Ask = NO_ASK) -> web.Response:
                              for i in api.tei_order(values)])
 
     encoded, _ = await respond(state, ranked, len(texts) * DICT_FLOATS)
-    return bytes_response(encoded)
+    return bytes_response(encoded, tei_headers(state, ran, pairs))
 
 
 def require_cross_encoder(state: AppState, route: str) -> None:
@@ -181,12 +183,12 @@ async def pair_scores(state: AppState, pairs: list[tuple[str, str]], ask: Ask, t
                       direction: str = "right", raw: bool = False, instruction: str | None = None,
                       limit: int | None = None):
     """(text, text) pairs through the cross-encoder, the one run behind /rerank, /v1/rerank and /score ->
-    (their scores, lazily: the sigmoid of each logit, as CrossEncoder.predict; `raw`: the logits; tokens).
+    (their scores, lazily: the sigmoid of each logit, as CrossEncoder.predict; `raw`: the logits; the run).
     `instruction`: in the prompt's slot (`instruction_of`); `limit`: a request's own length (vLLM's
     `truncate_prompt_tokens`)."""
     ran = await run_request(state, lambda: state.encoder.prepare_pairs(pairs, truncate, direction, instruction, limit),
                             ask=ask, inputs=len(pairs))
-    return (lambda: api.scores(ran.out, raw)[:, 0]), ran.tokens
+    return (lambda: api.scores(ran.out, raw)[:, 0]), ran
 
 
 async def _tokenize(state: AppState, body, ask: Ask = NO_ASK) -> web.Response:
