@@ -165,6 +165,28 @@ def assert_tei_headers(resp, characters: int, tokens: int) -> None:
     assert all(t >= 0 for t in times.values()) and times["total"] == times["compute"] >= times["inference"], times
 
 
+async def test_vertex_runs_each_instance_as_the_root_route_and_the_openapi_document_is_where_tei_has_it(
+        make_server, embedder):
+    """TEI's `POST /vertex` (404 before): `instances`, each run as `POST /` runs it, answered in order under
+    `predictions`; an instance refused fails the request in TEI's shape."""
+    _, enc = embedder
+    client = await make_server(enc)
+    sim = {"inputs": {"source_sentence": TEXTS[0], "sentences": TEXTS[1:]}}
+    resp = await client.post("/vertex", json={"instances": [{"inputs": TEXTS[:2]}, sim, {"inputs": TEXTS[2]}]})
+    assert resp.status == 200, await resp.text()
+    embedded, similar, one = (await resp.json())["predictions"]
+    vectors = enc.embed(TEXTS, normalize=True)
+    np.testing.assert_allclose(embedded, vectors[:2], atol=1e-5)
+    np.testing.assert_allclose(similar, vectors[1:] @ vectors[0], atol=1e-5)
+    np.testing.assert_allclose(one, vectors[2:3], atol=1e-5)
+    for body, status, kind in (({"instances": [{"inputs": ["ok"]}, {"inputs": []}]}, 400, "Empty"),
+                               ({"instances": []}, 400, "Empty"), ({"instances": 3}, 422, "Validation")):
+        bad = await client.post("/vertex", json=body)
+        assert bad.status == status and (await bad.json())["error_type"] == kind, body
+    spec = await client.get("/api-doc/openapi.json")
+    assert spec.status == 200 and "/v1/embeddings" in (await spec.json())["paths"]
+
+
 async def test_tei_routes_send_teis_metadata_headers(make_server, embedder):
     """x-compute-tokens and the rest, as TEI sends them on /embed, /embed_all, /similarity (none came before)."""
     _, enc = embedder

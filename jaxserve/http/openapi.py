@@ -182,6 +182,10 @@ def spec(version: str) -> dict:
                          {"type": "object"}, {"type": "array"}),
                   **_get("health (as TEI's GET /)")},
             "/invocations": _tei("SageMaker's route: as POST /", {"type": "object"}, {"type": "array"}),
+            "/vertex": _tei("TEI's Vertex AI route: each of `instances` run as POST / runs it", {
+                "type": "object", "required": ["instances"], "properties": {
+                    "instances": {"type": "array", "items": {"type": "object"}, "minItems": 1}}},
+                {"type": "object", "required": ["predictions"], "properties": {"predictions": {"type": "array"}}}),
             "/ping": _get("health (SageMaker)"),
             "/classify": _post("vLLM-style /classify (classifier models)", {"type": "object", "required": ["input"],
                                "properties": {"input": TEXTS, "model": {"type": "string"}, **VLLM_CUT}},
@@ -218,5 +222,6 @@ def spec(version: str) -> dict:
             "/info": _get("model, device, limits and the bucket table with its memory math"),
             "/metrics": _get("Prometheus metrics", "text/plain"),
             "/openapi.json": _get("this document"),
+            "/api-doc/openapi.json": _get("this document, where TEI serves it"),
         },
     }

@@ -133,3 +133,4 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/info", info)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/openapi.json", openapi_json)
+    app.router.add_get("/api-doc/openapi.json", openapi_json)  # where TEI serves it

@@ -5,12 +5,14 @@ kind, as TEI does: a classifier's `/predict`, a cross-encoder's (one label)
 `/rerank`, a SPLADE model's `/embed_sparse`, an embedding model's `/embed`, or `/similarity` when the body's
 `inputs` is a {source_sentence, sentences} object (huggingface_hub's
 `sentence_similarity`, which TEI serves only under TASK=sentence-similarity).
+`POST /vertex` runs a list of such bodies (Vertex AI's `instances`).
 Errors on these routes are TEI's `{"error", "error_type"}` with TEI's codes
 (the middleware writes them: `api.ApiError.tei`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 
 import numpy as np
@@ -43,8 +45,8 @@ from jaxserve.http.routes import bge_m3 as m3_routes
 from jaxserve.http.routes import multivector as multivector_routes
 from jaxserve.http.state import BODY_BYTES, DICT_FLOATS, STATE, AppState
 
-PATHS = ("/", "/invocations", "/embed", "/embed_all", "/embed_sparse", "/similarity", "/predict", "/rerank",
-         "/tokenize", "/decode", "/embed_m3")
+PATHS = ("/", "/invocations", "/vertex", "/embed", "/embed_all", "/embed_sparse", "/similarity", "/predict",
+         "/rerank", "/tokenize", "/decode", "/embed_m3")
 
 
 def kind(state: AppState) -> str:
@@ -250,21 +252,49 @@ def route(handler):
     return handle
 
 
+def kind_route(state: AppState, body) -> str:
+    """The route TEI's `POST /` runs a body on: the model kind's own (an embedding model's /similarity for a body
+    whose `inputs` is an object)."""
+    model = kind(state)
+    if model == "classifier":
+        return "/predict"
+    if model in ("reranker", "multivector"):
+        return "/rerank"
+    if model == "sparse":
+        return "/embed_sparse"
+    return "/similarity" if isinstance(body, dict) and isinstance(body.get("inputs"), dict) else "/embed"
+
+
 async def root(request: web.Request) -> web.Response:
     """TEI's `POST /`: the model kind's own route."""
     state = request.app[STATE]
     state.require_ready()
     body = await json_body(request)
-    model = kind(state)
-    if model == "classifier":
-        path = "/predict"
-    elif model in ("reranker", "multivector"):
-        path = "/rerank"
-    elif model == "sparse":
-        path = "/embed_sparse"
-    else:
-        path = "/similarity" if isinstance(body, dict) and isinstance(body.get("inputs"), dict) else "/embed"
+    path = kind_route(state, body)
     return await HANDLERS[path](state, body, ask_for(request, body, runs=path))  # held to that route's ceiling too
+
+
+async def vertex(request: web.Request) -> web.Response:
+    """TEI's `POST /vertex`, Vertex AI's prediction shape: `instances`, each a body as `POST /` takes it, run at
+    once -> `{"predictions": [each one's answer, in order]}`. An instance refused fails the request with its
+    error, as TEI's does."""
+    state = request.app[STATE]
+    state.require_ready()
+    body = await json_body(request)
+    instances = body.get("instances") if isinstance(body, dict) else None
+    if not isinstance(instances, list):
+        raise ApiError(400, "`instances` must be a list of request bodies")
+    if not instances:
+        raise api.empty("instances")
+    if len(instances) > state.limits.max_client_batch:
+        raise ApiError(413, f"`instances` has {len(instances)} bodies; at most {state.limits.max_client_batch}",
+                       "request_too_large")
+    paths = [kind_route(state, instance) for instance in instances]
+    answers = await asyncio.gather(*(HANDLERS[path](state, instance, ask_for(request, instance, runs=path))
+                                     for path, instance in zip(paths, instances)), return_exceptions=True)
+    if failed := next((a for a in answers if isinstance(a, BaseException)), None):
+        raise failed
+    return bytes_response(b"".join((b'{"predictions":[', b",".join(a.body for a in answers), b"]}")))
 
 
 def add_routes(app: web.Application) -> None:
@@ -272,3 +302,4 @@ def add_routes(app: web.Application) -> None:
         app.router.add_post(path, route(handler), expect_handler=expect_later)
     app.router.add_post("/", root, expect_handler=expect_later)
     app.router.add_post("/invocations", root, expect_handler=expect_later)
+    app.router.add_post("/vertex", vertex, expect_handler=expect_later)
