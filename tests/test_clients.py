@@ -65,6 +65,7 @@ class Row:
 class ClientTable:
     def __init__(self):
         self.rows: list[Row] = []
+        self.ran: set[str] = set()  # the tests this process has run
 
     @contextlib.contextmanager
     def call(self, package: str, call: str, works: str = "yes"):
@@ -85,12 +86,17 @@ def client_table():
     return ClientTable()
 
 
+@pytest.fixture(autouse=True)
+def count_run(request, client_table):
+    yield
+    client_table.ran.add(request.node.originalname)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def write_client_table(request, client_table):
     yield
-    ran = {item.name.split("[")[0] for item in request.session.items if item.module is request.module}
-    if ran != {name for name in vars(request.module) if name.startswith("test_")}:
-        return  # a partial run (-k, one node id): leave the docs' table as the last full run wrote it
+    if client_table.ran != {name for name in vars(request.module) if name.startswith("test_")}:
+        return  # a partial run (-k, a node id, the module split over xdist's workers): the last full table stays
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(
         "<!-- written by tests/test_clients.py: do not edit by hand -->\n"
