@@ -318,3 +318,26 @@ async def test_openai_token_ids_never_make_the_server_fetch_an_encoding(make_ser
         np.testing.assert_allclose([d["embedding"] for d in (await resp.json())["data"]],
                                    enc.embed(TEXTS, normalize=True), atol=1e-5)
     assert [a for a in asked if "://" in a] == []
+
+
+async def test_a_text_past_max_input_chars_is_cut_on_every_scoring_route(make_server, reranker, classifier):
+    """Where a request truncates, a text past --max-input-chars is cut to it on the scoring routes too (TEI's
+    /rerank, vLLM's /v1/rerank, /score and /classify, Cohere's /v2/rerank): they answered 413."""
+    long = "the model is a document " * 3  # 72 characters
+    client = await make_server(reranker[1], max_input_chars=40)
+    for path, body, score in (
+            ("/rerank", lambda t: {"query": "the query", "texts": [t]}, lambda out: out[0]["score"]),
+            ("/v1/rerank", lambda t: {"query": "the query", "documents": [t]},
+             lambda out: out["results"][0]["relevance_score"]),
+            ("/score", lambda t: {"text_1": "the query", "text_2": [t]}, lambda out: out["data"][0]["score"]),
+            ("/v2/rerank", lambda t: {"query": "the query", "documents": [t]},
+             lambda out: out["results"][0]["relevance_score"])):
+        got, cut = [await client.post(path, json=body(t)) for t in (long, long[:40])]
+        assert got.status == cut.status == 200, (path, await got.text())
+        assert score(await got.json()) == pytest.approx(score(await cut.json()), abs=1e-6), path
+    refusing = await make_server(reranker[1], max_input_chars=40, long="error")  # (--long error: no truncation)
+    refused = await refusing.post("/v1/rerank", json={"query": "q", "documents": [long]})
+    assert refused.status == 413 and "has 72 characters; at most 40" in await refused.text()
+    client = await make_server(classifier[1], max_input_chars=40)
+    got, cut = [await client.post("/classify", json={"input": [t]}) for t in (long, long[:40])]
+    assert got.status == 200 and (await got.json())["data"] == (await cut.json())["data"]

@@ -264,11 +264,11 @@ def parse_openai_embeddings(body, limits: Limits, dim: int, default_long: str, m
                         model=model, cut=cut)
 
 
-def parse_multivector_embeddings(body, limits: Limits) -> tuple[list[str], str]:
+def parse_multivector_embeddings(body, limits: Limits, cut: str | None = None) -> tuple[list[str], str]:
     """PyLate's EmbeddingRequest, OpenAI's shape: `input` (texts), `is_query` (default true, as PyLate's server)
-    -> (texts, query or document)."""
+    -> (texts, query or document). `cut`: `_inputs`'."""
     body = _openai_body(body)
-    texts, _ = _inputs(body["input"], "input", limits, allow_tokens=False)
+    texts, _ = _inputs(body["input"], "input", limits, allow_tokens=False, cut=cut)
     _refuse(body, ("dimensions", "prompt_name", "prompt"), "a multi-vector model",
             "its vectors are per token, and `is_query` picks the query or document marker")
     if body.get("truncate_prompt_tokens") not in (None, -1):
@@ -542,12 +542,12 @@ def parse_rerank(body, limits: Limits, default_truncate: bool) -> tuple[str, lis
     return query, texts, _bool(body, "raw_scores", False), _bool(body, "return_text", False), truncate, direction
 
 
-def parse_classify(body, limits: Limits) -> list[str]:
-    """vLLM-style /classify: `input` is a text or a list of texts."""
+def parse_classify(body, limits: Limits, cut: str | None = None) -> list[str]:
+    """vLLM-style /classify: `input` is a text or a list of texts (`cut`: `_inputs`')."""
     body = _object(body)
     if "input" not in body:
         raise ApiError(400, "missing required field `input`")
-    texts, _ = _inputs(body["input"], "input", limits, allow_tokens=False)
+    texts, _ = _inputs(body["input"], "input", limits, allow_tokens=False, cut=cut)
     return texts
 
 
@@ -667,10 +667,10 @@ class CohereRerank:
     return_documents: bool = False
 
 
-def parse_cohere_rerank(body, limits: Limits, max_tokens: int) -> CohereRerank:
+def parse_cohere_rerank(body, limits: Limits, max_tokens: int, cut: str | None = None) -> CohereRerank:
     """Cohere /v2/rerank: `query`, `documents` (strings), `top_n`, `return_documents` (v2's earlier field; the
     latest SDK sends none), `max_tokens_per_doc` (at least the model's limit); `relevant_spans` is accepted and
-    none are returned (Cohere returns spans only where the model found some)."""
+    none are returned (Cohere returns spans only where the model found some). `cut`: `_inputs`'."""
     body = _object(body)
     for key in ("query", "documents"):
         if key not in body:
@@ -678,8 +678,8 @@ def parse_cohere_rerank(body, limits: Limits, max_tokens: int) -> CohereRerank:
     query = body["query"]
     if not isinstance(query, str) or not query.strip():
         raise ApiError(400, "`query` must be a non-empty string")
-    within_limit(query, "query", limits)
-    documents, _ = _inputs(body["documents"], "documents", limits, allow_tokens=False)
+    query = within_limit(query, "query", limits, cut)
+    documents, _ = _inputs(body["documents"], "documents", limits, allow_tokens=False, cut=cut)
     top_n = body.get("top_n")
     if top_n is not None and (not isinstance(top_n, int) or isinstance(top_n, bool) or top_n < 1):
         raise ApiError(400, f"`top_n` must be a positive integer, not {_show(top_n)}")

@@ -47,8 +47,9 @@ def token_outputs(state: AppState, ran: Ran, kind: str) -> tuple[np.ndarray, np.
 
 
 async def embeddings(state: AppState, body, ask: Ask = NO_ASK) -> web.Response:
-    texts, kind = api.parse_multivector_embeddings(body, state.limits)
-    ran = await run(state, texts, kind, _long(state), ask)
+    long = _long(state)
+    texts, kind = api.parse_multivector_embeddings(body, state.limits, api.cut_end(long, "right"))
+    ran = await run(state, texts, kind, long, ask)
 
     def encode() -> bytes:
         """The body, one text's vectors at a time: orjson holds the GIL for the whole of one call (as `+` of bytes

@@ -103,8 +103,8 @@ async def classify(request: web.Request) -> web.Response:
     state.require_ready()
     require_kind(state, "classifier", "/classify")
     body = await json_body(request)
-    texts = api.parse_classify(body, state.limits)
     truncate, cut = _vllm_cut(state, body)
+    texts = api.parse_classify(body, state.limits, "right" if truncate else None)
     ran = await run_request(state, lambda: state.encoder.prepare_pairs(texts, truncate, limit=cut),
                             ask=ask_for(request, body), inputs=len(texts))
     labels = state.encoder.head.labels
@@ -130,8 +130,8 @@ async def rerank(request: web.Request) -> web.Response:
     state.require_ready()
     require_cross_encoder(state, request.path)
     body = await json_body(request)
-    query, documents, top_n, with_docs = _parse_rerank(body, state)
     truncate, cut = _vllm_cut(state, body)
+    query, documents, top_n, with_docs = _parse_rerank(body, state, "right" if truncate else None)
     scores, ran = await pair_scores(state, [(query, d) for d in documents], ask_for(request, body), truncate,
                                     instruction=instruction_of(state, body), limit=cut)
     tokens = ran.tokens
@@ -160,15 +160,16 @@ def _vllm_cut(state, body) -> tuple[bool, int | None]:
     return long != "error", cut
 
 
-def _parse_rerank(body, state) -> tuple[str, list[str], int, bool]:
+def _parse_rerank(body, state, chars_cut: str | None) -> tuple[str, list[str], int, bool]:
+    """`chars_cut`: the end a text past --max-input-chars is cut at (`api.within_limit`), where the body truncates."""
     body = api._object(body)
     query = body.get("query")
     if not isinstance(query, str) or not query:
         raise ApiError(400, "`query` must be a non-empty string")
     if "documents" not in body:
         raise ApiError(400, "missing required field `documents`")
-    documents, _ = api._inputs(body["documents"], "documents", state.limits, allow_tokens=False)
-    api._inputs([query], "query", state.limits, allow_tokens=False)  # its length, by the same limits as the documents'
+    documents, _ = api._inputs(body["documents"], "documents", state.limits, allow_tokens=False, cut=chars_cut)
+    query = api.within_limit(query, "query", state.limits, chars_cut)  # by the same limits as the documents'
     top_n = body.get("top_n")
     if top_n is not None and (not isinstance(top_n, int) or isinstance(top_n, bool) or top_n < 0):
         raise ApiError(400, "`top_n` must be a non-negative integer")
@@ -186,11 +187,12 @@ async def score(request: web.Request) -> web.Response:
     state.require_ready()
     require_cross_encoder(state, request.path)
     body = api._object(await json_body(request))
+    truncate, cut = _vllm_cut(state, body)
     sides = []
     for key in ("text_1", "text_2"):
         if key not in body:
             raise ApiError(400, f"missing required field `{key}`")
-        texts, _ = api._inputs(body[key], key, state.limits, allow_tokens=False)
+        texts, _ = api._inputs(body[key], key, state.limits, allow_tokens=False, cut="right" if truncate else None)
         sides.append(texts)
     first, second = sides
     if len(first) == 1:
@@ -198,7 +200,6 @@ async def score(request: web.Request) -> web.Response:
     if len(first) != len(second):
         raise ApiError(400, f"`text_1` has {len(first)} texts and `text_2` {len(second)}: give one `text_1`, "
                             "or as many as `text_2`")
-    truncate, cut = _vllm_cut(state, body)
     scores, ran = await pair_scores(state, list(zip(first, second)), ask_for(request, body), truncate,
                                     instruction=instruction_of(state, body), limit=cut)
     tokens = ran.tokens
