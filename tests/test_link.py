@@ -690,8 +690,8 @@ async def test_an_engine_that_stops_talking_is_unhealthy(tmp_path):
     with its loop blocked left every /health at 200 while every request timed out."""
     server, link, _ = await linked(tmp_path, Echo(asyncio.get_running_loop()), beat_s=0.05, silent_s=0.5)
     try:
-        heard = link.status["at"]
-        await until(lambda: link.status["at"] > heard + 1.0)  # unchanged, still pushed: past silent_s, and healthy
+        heard = link._heard
+        await until(lambda: link._heard > heard + 1.0)  # unchanged, still pushed: past silent_s, and healthy
         assert link.healthy is None
         server._pusher.cancel()  # the engine goes quiet, its connection open
         await until(lambda: link.healthy is not None)

@@ -182,8 +182,8 @@ class LinkServer:
         while True:
             status = self._status()
             if status != last or time.monotonic() - pushed >= self.beat_s:
+                last, pushed = status, time.monotonic()  # (before the push, which waits on a front-end not reading)
                 await self.push({"op": "status", **status})
-                last, pushed = status, time.monotonic()
             await asyncio.sleep(STATUS_EVERY_S)
 
     async def _serve(self, wire: Wire) -> None:
@@ -222,8 +222,7 @@ class LinkServer:
         elif op == "cancel" and (jid := running.pop(message["id"], None)) is not None:
             self.pipeline.cancel(jid)
         elif op == "explain":
-            self._spawn(self._answer_ask(wire, message["id"], lambda: self.pipeline.explain(
-                message["rows"], message["doc"], message["output"], message["max_wait_s"], message["cls"])))
+            self._spawn(self._answer_ask(wire, message["id"], lambda: self._explain(message)))
         elif op == "metrics":
             self._spawn(self._answer_ask(wire, message["id"], lambda: self._all_metrics(wire)))
         elif op == "report":
@@ -232,6 +231,14 @@ class LinkServer:
         elif op == "loaded":
             self._loaded.add(wire)
             self._check_loaded()
+
+    def _explain(self, message: dict) -> dict:
+        """A front-end's latency math (`Pipeline.explain`); Draining while a restarted engine warms up (a front-end
+        may ask before it has heard that the engine it saw ready went away)."""
+        if self.pipeline is None:
+            raise Draining("the engine is still warming up")
+        return self.pipeline.explain(message["rows"], message["doc"], message["output"], message["max_wait_s"],
+                                     message["cls"])
 
     def _run(self, wire: Wire, message: dict, running: dict) -> None:
         """Submit a job; its reply is posted when its future resolves (a callback: no task per request)."""
@@ -353,6 +360,7 @@ class EngineLink:
         self.card: dict | None = None
         self.batcher = RemoteBatcher(self)
         self.gone: str | None = None  # why the engine is unreachable (None: connected, or not yet tried)
+        self._heard = math.inf  # when the engine last sent anything (`healthy`: silent too long is unhealthy)
         self._wire: Wire | None = None
         self._pending: dict[int, asyncio.Future] = {}  # by request id: what the engine will answer
         self._ids = itertools.count()
@@ -412,7 +420,7 @@ class EngineLink:
             return self.gone or "the engine process is not connected"
         if not self.status.get("ready"):
             return self.status.get("failed") or "the engine process is warming up"
-        silent = time.monotonic() - self.status.get("at", math.inf)
+        silent = time.monotonic() - self._heard
         if silent > self.silent_s:  # stopped, or its loop blocked: its last status no longer says anything
             return f"the engine process has not been heard from for {silent:.0f} s"
         return self.status.get("healthy")
@@ -592,6 +600,8 @@ class EngineLink:
         try:
             await wire.send({**message, "id": rid})
             return await future
+        except ConnectionError as exc:  # closed before the reader saw it go: the engine is gone (503), not a 500
+            raise Draining(f"the engine process went away ({exc})") from None
         finally:
             self._pending.pop(rid, None)
 
@@ -638,13 +648,13 @@ class EngineLink:
         await wire.wait_closed()
 
     def _take_all(self, received: dict) -> None:
+        self._heard = time.monotonic()  # any message says the engine is alive (`healthy`)
         for message in received["messages"] if received["op"] == "many" else (received,):
             self._take(message)
 
     def _take(self, message: dict) -> None:
         op = message.pop("op")
         if op == "status":
-            message["at"] = time.monotonic()
             self.status = message
             if self.on_status is not None:
                 self.on_status(message)
