@@ -9,6 +9,8 @@ import pytest
 import tiny
 from conftest import TINY_TABLE, cosine_rows, warm_encoder
 
+from jaxserve.http.state import STATE
+
 TEXTS = ["the model", "a batch of jax documents is the query", "x", "hello, world! 42"]
 
 
@@ -183,6 +185,12 @@ async def test_vertex_runs_each_instance_as_the_root_route_and_the_openapi_docum
                                ({"instances": []}, 400, "Empty"), ({"instances": 3}, 422, "Validation")):
         bad = await client.post("/vertex", json=body)
         assert bad.status == status and (await bad.json())["error_type"] == kind, body
+    # each instance a request of its own to --max-concurrent-requests, as each takes a permit of TEI's
+    few = await make_server(enc, max_concurrent=2)
+    assert (await few.post("/vertex", json={"instances": [{"inputs": "a"}] * 2})).status == 200
+    over = await few.post("/vertex", json={"instances": [{"inputs": "a"}] * 3})
+    assert over.status == 429 and (await over.json())["error_type"] == "Overloaded"
+    assert few.app[STATE].active == 0
     spec = await client.get("/api-doc/openapi.json")
     assert spec.status == 200 and "/v1/embeddings" in (await spec.json())["paths"]
 

@@ -92,7 +92,7 @@ def _deadline(value, where: str) -> float:
 
 
 # Paths that serve one route: a `--route-priority` ceiling set on any of them holds on each
-SAME_ROUTE = (("/v1/embeddings", "/embeddings"), ("/score", "/v1/score"), ("/", "/invocations"),
+SAME_ROUTE = (("/v1/embeddings", "/embeddings"), ("/score", "/v1/score"), ("/", "/invocations", "/vertex"),
               ("/v2/embed", "/v1/embed"))
 
 

@@ -20,7 +20,7 @@ from jaxserve.heads import bge_m3
 from jaxserve.http import api
 from jaxserve.http.api import ApiError
 from jaxserve.http.classes import NO_ASK, Ask
-from jaxserve.http.handling import Ran, bytes_response, embedding_pieces, parsed, respond, run_request
+from jaxserve.http.handling import Ran, bytes_response, embedding_pieces, parsed, respond, run_request, tei_headers
 from jaxserve.http.state import AppState
 
 FLAGS = ("return_dense", "return_sparse", "return_colbert_vecs")  # FlagEmbedding's, in bge_m3.OUTPUTS' order
@@ -87,4 +87,4 @@ async def embed_sparse(state: AppState, body, ask: Ask = NO_ASK) -> web.Response
     ran = await run(state, req, ask)
     records = lambda: bge_m3.index_values(outputs(state, ran, ("sparse",))["sparse"])
     encoded, _ = await respond(state, lambda: orjson.dumps(records()), ran.floats)
-    return bytes_response(encoded)
+    return bytes_response(encoded, tei_headers(state, ran, req.inputs))

@@ -43,7 +43,7 @@ from jaxserve.http.handling import (
 )
 from jaxserve.http.routes import bge_m3 as m3_routes
 from jaxserve.http.routes import multivector as multivector_routes
-from jaxserve.http.state import BODY_BYTES, DICT_FLOATS, STATE, AppState
+from jaxserve.http.state import BODY_BYTES, DICT_FLOATS, RETRY_AFTER_S, STATE, AppState
 
 PATHS = ("/", "/invocations", "/vertex", "/embed", "/embed_all", "/embed_sparse", "/similarity", "/predict",
          "/rerank", "/tokenize", "/decode", "/embed_m3")
@@ -276,8 +276,9 @@ async def root(request: web.Request) -> web.Response:
 
 async def vertex(request: web.Request) -> web.Response:
     """TEI's `POST /vertex`, Vertex AI's prediction shape: `instances`, each a body as `POST /` takes it, run at
-    once -> `{"predictions": [each one's answer, in order]}`. An instance refused fails the request with its
-    error, as TEI's does."""
+    once -> `{"predictions": [each one's answer, in order]}`. Each instance is a request of its own to
+    `--max-concurrent-requests`, as each takes a permit of TEI's; an instance refused fails the request with its
+    error, as TEI's does, the others cancelled (their rows dropped)."""
     state = request.app[STATE]
     state.require_ready()
     body = await json_body(request)
@@ -289,12 +290,21 @@ async def vertex(request: web.Request) -> web.Response:
     if len(instances) > state.limits.max_client_batch:
         raise ApiError(413, f"`instances` has {len(instances)} bodies; at most {state.limits.max_client_batch}",
                        "request_too_large")
-    paths = [kind_route(state, instance) for instance in instances]
-    answers = await asyncio.gather(*(HANDLERS[path](state, instance, ask_for(request, instance, runs=path))
-                                     for path, instance in zip(paths, instances)), return_exceptions=True)
-    if failed := next((a for a in answers if isinstance(a, BaseException)), None):
-        raise failed
-    return bytes_response(b"".join((b'{"predictions":[', b",".join(a.body for a in answers), b"]}")))
+    more = len(instances) - 1  # the middleware counted this request once
+    if state.active + more > state.config.max_concurrent:
+        raise ApiError(429, f"{state.active} requests are being handled and this one has {len(instances)} "
+                            f"instances; the limit is {state.config.max_concurrent}", "rate_limit_error",
+                       {"Retry-After": str(RETRY_AFTER_S)})
+    state.active += more
+    try:
+        async with asyncio.TaskGroup() as group:
+            runs = [group.create_task(HANDLERS[path](state, instance, ask_for(request, instance, runs=path)))
+                    for path, instance in ((kind_route(state, i), i) for i in instances)]
+    except BaseExceptionGroup as failed:  # the first refused (the rest cancelled)
+        raise failed.exceptions[0] from None
+    finally:
+        state.active -= more
+    return bytes_response(b"".join((b'{"predictions":[', b",".join(run.result().body for run in runs), b"]}")))
 
 
 def add_routes(app: web.Application) -> None:
