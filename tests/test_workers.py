@@ -422,6 +422,7 @@ def test_faults_fail_only_what_they_must_and_leave_no_process(files):
         assert (await get_json(url, "/health"))[0] == 200
 
         engine = (await get_json(url, "/info"))[1]["processes"]["engine"]
+        (sock,) = {c.laddr for c in psutil.Process(engine).net_connections("unix") if c.laddr.endswith("engine.sock")}
         os.kill(engine, signal.SIGKILL)
         for i in survivors:  # waiting on the engine: 503, not a hang
             assert await asyncio.wait_for(status_of(sent[i][0]), BOUND_S) == 503
@@ -438,13 +439,12 @@ def test_faults_fail_only_what_they_must_and_leave_no_process(files):
                 assert r.status == 200
                 text = await r.text()
         assert "jaxserve_requests_total" in text and "jaxserve_sequences_total" not in text
-        return replaced
+        return replaced, os.path.dirname(sock)
 
     try:
-        frontends = asyncio.run(scenario())
-        (held,) = {f.path for p in frontends for f in psutil.Process(p).open_files() if f.path.endswith("/held")}
-        run_dir = os.path.dirname(held)
+        frontends, run_dir = asyncio.run(scenario())
         assert os.path.exists(os.path.join(run_dir, "processes.json"))
+        open("/tmp/leave.dbg", "a").write(f"{time.time():.3f} test kills supervisor {proc.pid}\n")
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
         deadline = time.monotonic() + BOUND_S

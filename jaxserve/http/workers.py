@@ -21,7 +21,7 @@ prompt the checkpoint lacks) ends the server at once, as `--workers 1` does:
 one line, exit status 2. Every child asks the kernel for SIGTERM when the supervisor dies
 (PR_SET_PDEATHSIG) and checks its parent once more after asking: SIGKILL of
 the supervisor leaves no process behind, and the last child to go removes the
-run directory the supervisor would have (`_hold`). SIGTERM drains the
+run directory the supervisor would have (`_leave`). SIGTERM drains the
 front-ends first, then stops the engine.
 """
 
@@ -33,7 +33,6 @@ import contextlib
 import ctypes
 import dataclasses
 import errno
-import fcntl
 import json
 import logging
 import math
@@ -56,7 +55,9 @@ RESTART_BACKOFF_S = (0.5, 5.0)  # a child that died young waits this long (doubl
 YOUNG_S = 10.0  # a child that lived less than this died young
 PROCESSES_FILE = "processes.json"  # the supervisor's list of pids by role, read by /info
 LOAD_FAILED_FILE = "load-failed.txt"  # why the first engine could not load the model: the supervisor says it and exits
-HELD_FILE = "held"  # each process of the server holds a shared lock on it for its life (`_hold`)
+LEAVE_WAIT_S = 40.0  # the longest the last child waits for the others to end (a drain, and the engine's after it)
+STOPPING_FILE = "stopping"  # the supervisor stopping its children: it removes the run directory after them
+SUPERVISOR_GONE_S = 1.0  # how long a child ending waits to see whether its supervisor is going too (`_leave`)
 
 
 def frontend_config(config, workers: int):
@@ -83,22 +84,38 @@ def _follow_parent(parent: int) -> None:
         os._exit(0)
 
 
-def _hold(run_dir: str) -> int:
-    """A shared lock on the run directory's HELD_FILE, held for this process's life (the kernel drops it however
-    the process ends): `_leave` removes the directory once no process of the server holds one."""
-    fd = os.open(os.path.join(run_dir, HELD_FILE), os.O_RDONLY | os.O_CREAT, 0o600)
-    fcntl.flock(fd, fcntl.LOCK_SH)
-    return fd
+def _leave(run_dir: str, parent: int) -> None:
+    """After a `kill -9` of the supervisor its children drain and end, and its run directory was left in /tmp (a test
+    run left hundreds): the child of the lowest pid still alive removes it once the others have ended (at most a
+    drain later). A supervisor that stops its children says so first (STOPPING_FILE) and removes the directory
+    itself; one still alive a moment later stopped this child alone (and starts another). The supervisor's
+    SIGKILL reaches a child (PR_SET_PDEATHSIG) as the threads of the supervisor end, before it is gone: hence
+    the wait, not a look at `os.getppid()`."""
+    import psutil
 
+    def alive(pid: int) -> bool:
+        with contextlib.suppress(psutil.Error):
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        return False
 
-def _leave(run_dir: str, held: int) -> None:
-    """The run directory removed if this is the last process of the server to go. The supervisor removes it when it
-    stops (holding its lock till then); after a `kill -9` of the supervisor its children drain and end, and it was
-    left in /tmp (a test run left hundreds). Of two children converting their locks at once, one gets it."""
-    try:
-        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
+    stopping, until = Path(run_dir, STOPPING_FILE), time.monotonic() + SUPERVISOR_GONE_S
+    while not stopping.exists() and alive(parent):
+        if time.monotonic() > until:
+            return
+        time.sleep(0.02)
+    if stopping.exists():
         return
+    try:
+        pids = json.loads(Path(run_dir, PROCESSES_FILE).read_text())
+    except (OSError, ValueError):
+        return
+    me = os.getpid()
+    others = [p for p in (pids.get("engine"), *pids.get("frontends", ())) if p and p != me and alive(p)]
+    if any(p < me for p in others):
+        return  # that one removes it
+    deadline = time.monotonic() + LEAVE_WAIT_S
+    while any(alive(p) for p in others) and time.monotonic() < deadline:
+        time.sleep(0.05)
     shutil.rmtree(run_dir, ignore_errors=True)
 
 
@@ -111,7 +128,6 @@ def engine_main(config, path: str, run_dir: str, first: bool, parent: int) -> No
     The `first` engine exits (status 2, the reason in LOAD_FAILED_FILE) if the model does not load: the
     supervisor ends the server with it. A restarted one stays, saying why on /health (503)."""
     _follow_parent(parent)
-    held = _hold(run_dir)
     _logging("engine")
     from jaxserve.http.server import new_loop
     from jaxserve.runtime import host
@@ -121,7 +137,7 @@ def engine_main(config, path: str, run_dir: str, first: bool, parent: int) -> No
     try:
         ended = asyncio.run(_engine(config, path, run_dir, first), loop_factory=new_loop)
     finally:
-        _leave(run_dir, held)
+        _leave(run_dir, parent)
     if ended == STOPPED_STARTING:  # a load or compile still runs on a thread, which a normal exit would wait for
         logging.shutdown()
         os._exit(0)
@@ -245,11 +261,10 @@ def frontend_main(config, sock: socket.socket, path: str, run_dir: str, index: i
     app[STATE].server_config = config
     app[STATE].processes_file = os.path.join(run_dir, PROCESSES_FILE)
     app[STATE].settle_heap = True
-    held = _hold(run_dir)
     try:
         run_app(app, config, sock=sock)
     finally:
-        _leave(run_dir, held)
+        _leave(run_dir, parent)
 
 
 # ---- the supervisor ----
@@ -282,7 +297,6 @@ class Supervisor:
         self.address = socks[0].family, socks[0].getsockname()[:2]
         self.workers = workers
         self.run_dir = tempfile.mkdtemp(prefix="jaxserve-")  # 0700: only this user may reach the engine's socket
-        self.held = _hold(self.run_dir)  # (its children remove the directory only once this process is gone)
         self.path = os.path.join(self.run_dir, "engine.sock")
         self.ctx = multiprocessing.get_context("spawn")
         self.engine: multiprocessing.Process | None = None
@@ -384,6 +398,7 @@ class Supervisor:
         process's copies of the listening sockets are closed first: the port then refuses new connections once each
         front-end has closed its own, as one process's does, where the kernel would queue them through the drain."""
         self.stopping = True
+        Path(self.run_dir, STOPPING_FILE).touch()  # (children ending now leave the run directory to this process)
         for i in range(self.workers):
             self.close_listener(i)
         for proc in self.frontends:
