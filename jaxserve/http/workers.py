@@ -134,10 +134,12 @@ def engine_main(config, path: str, run_dir: str, first: bool, parent: int) -> No
 
     host.keep_freed_memory()
 
+    ended = None
     try:
         ended = asyncio.run(_engine(config, path, run_dir, first), loop_factory=new_loop)
     finally:
-        _leave(run_dir, parent)
+        if ended != LOAD_FAILED:  # (that one's supervisor reads why in the run directory, then stops)
+            _leave(run_dir, parent)
     if ended == STOPPED_STARTING:  # a load or compile still runs on a thread, which a normal exit would wait for
         logging.shutdown()
         os._exit(0)
@@ -393,12 +395,16 @@ class Supervisor:
             self.socks[i].close()
             self.socks[i] = None
 
+    def mark_stopping(self) -> None:
+        """Stopping: children ending from now on leave the run directory to this process (`_leave`)."""
+        self.stopping = True
+        Path(self.run_dir, STOPPING_FILE).touch()
+
     def stop(self, drain_s: float) -> None:
         """Front-ends first (each finishes what it accepted), then the engine; whatever is left is killed. This
         process's copies of the listening sockets are closed first: the port then refuses new connections once each
         front-end has closed its own, as one process's does, where the kernel would queue them through the drain."""
-        self.stopping = True
-        Path(self.run_dir, STOPPING_FILE).touch()  # (children ending now leave the run directory to this process)
+        self.mark_stopping()
         for i in range(self.workers):
             self.close_listener(i)
         for proc in self.frontends:
@@ -497,7 +503,7 @@ def serve_workers(config, host: str, port: int) -> None:
     supervisor = Supervisor(config, socks, config.workers, malloc)
 
     def on_signal(signum, frame):
-        supervisor.stopping = True
+        supervisor.mark_stopping()  # at once: a SIGTERM to the group reaches the children as it reaches this process
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
