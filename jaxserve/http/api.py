@@ -151,9 +151,10 @@ def within_limit(text: str, field: str, limits: Limits, cut: str | None = None) 
     return text[:n] if cut == "right" else text[-n:]
 
 
-def cut_end(long: str, direction: str) -> str | None:
-    """The end a text past `--max-input-chars` is cut at: the request's truncation end where it truncates."""
-    return direction if long == "truncate" else None
+def cut_end(truncates: bool, direction: str = "right") -> str | None:
+    """The end a text past `--max-input-chars` is cut at (`within_limit`): the request's truncation end where it
+    truncates, else None (the 413)."""
+    return direction if truncates else None
 
 
 def _token_ids(ids: list, where: str) -> np.ndarray:
@@ -256,7 +257,7 @@ def parse_openai_embeddings(body, limits: Limits, dim: int, default_long: str, m
     long = _long_mode(body, long)
     if cut is not None and long != "truncate":
         raise ApiError(400, f"`truncate_prompt_tokens` truncates; `long` {_show(long)} does not")
-    texts, ids = _inputs(body["input"], "input", limits, allow_tokens=True, cut=cut_end(long, "right"))
+    texts, ids = _inputs(body["input"], "input", limits, allow_tokens=True, cut=cut_end(long == "truncate"))
     fmt = "float" if body.get("encoding_format") is None else body["encoding_format"]  # a wrong type is refused
     if fmt not in ENCODING_FORMATS:
         raise ApiError(400, f"`encoding_format` must be one of {', '.join(ENCODING_FORMATS)}, not {_show(fmt)}")
@@ -317,7 +318,8 @@ def parse_tei_embed(body, limits: Limits, dim: int, default_long: str) -> EmbedR
     if "inputs" not in body:
         raise ApiError(400, "missing required field `inputs`")
     long, direction = _tei_long(body, default_long), _direction(body)
-    texts, ids = _inputs(body["inputs"], "inputs", limits, allow_tokens=True, blank=False, cut=cut_end(long, direction))
+    texts, ids = _inputs(body["inputs"], "inputs", limits, allow_tokens=True, blank=False,
+                         cut=cut_end(long == "truncate", direction))
     return EmbedRequest(texts, ids, long, _bool(body, "normalize", True), _dimensions(body, dim), "float",
                         *_prompt(body, limits), direction=direction)
 
@@ -362,7 +364,7 @@ def parse_similarity(body, limits: Limits, default_long: str) -> tuple[EmbedRequ
                             "besides `source_sentence`", "request_too_large")
     params = _parameters(body)
     long, direction = _tei_long(params, default_long), _direction(params)
-    cut = cut_end(long, direction)
+    cut = cut_end(long == "truncate", direction)
     sentences, _ = _inputs(sentences, "inputs.sentences", limits, allow_tokens=False, blank=False, cut=cut)
     if not source:
         raise empty("inputs.source_sentence")
@@ -513,7 +515,7 @@ def parse_predict(body, limits: Limits, default_truncate: bool) -> ClassifyReque
         raise ApiError(413, f"`inputs` has {len(items)} inputs; at most {limits.max_client_batch} per request",
                        "request_too_large")
     truncate, direction = _bool(body, "truncate", default_truncate), _direction(body)
-    cut = direction if truncate else None
+    cut = cut_end(truncate, direction)
     inputs = [_pair_or_text(x, f"inputs[{i}]", limits, cut) for i, x in enumerate(items)]
     params = _parameters(body)  # huggingface_hub's InferenceClient sends top_k there
     own = lambda key: body[key] if body.get(key) is not None else params.get(key)  # the body's, else parameters'
@@ -536,7 +538,7 @@ def parse_rerank(body, limits: Limits, default_truncate: bool) -> tuple[str, lis
     if not isinstance(query, str) or not query:
         raise ApiError(400, "`query` must be a non-empty string")
     truncate, direction = _bool(body, "truncate", default_truncate), _direction(body)
-    cut = direction if truncate else None
+    cut = cut_end(truncate, direction)
     query = within_limit(query, "query", limits, cut)
     texts, _ = _inputs(body["texts"], "texts", limits, allow_tokens=False, cut=cut)
     return query, texts, _bool(body, "raw_scores", False), _bool(body, "return_text", False), truncate, direction
@@ -636,7 +638,8 @@ def parse_cohere_embed(body, limits: Limits, dim: int, default_long: str, prompt
         long, direction = COHERE_TRUNCATE[truncate.upper()]
     else:
         raise ApiError(400, f"`truncate` must be one of {', '.join(COHERE_TRUNCATE)}, not {_show(truncate)}")
-    texts, _ = _inputs(body["texts"], "texts", limits, allow_tokens=False, cut=cut_end(long, direction))
+    texts, _ = _inputs(body["texts"], "texts", limits, allow_tokens=False,
+                       cut=cut_end(long == "truncate", direction))
     _cohere_max_tokens(body, "max_tokens", max_tokens)
     return EmbedRequest(texts, None, long, True, _dimensions(body, dim, declared, "output_dimension"), "float",
                         cohere_prompt(body.get("input_type"), prompts), direction=direction), tuple(dict.fromkeys(types))

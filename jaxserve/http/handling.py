@@ -322,7 +322,7 @@ def embedding_pieces(state: AppState, req: EmbedRequest, openai_ids: bool = Fals
     tok = enc.tokenizer
     prompt = request_prompt(state, req)
     texts, token_ids = req.texts, req.token_ids
-    cut = api.cut_end(req.long, req.direction)  # (a decoded text past --max-input-chars)
+    cut = api.cut_end(req.long == "truncate", req.direction)  # (a decoded text past --max-input-chars)
     if token_ids is not None and openai_ids and state.config.token_ids == "openai":
         texts, token_ids = decoded(state, openai_token_texts(token_ids, req.model), "input", cut), None
     if token_ids is not None:

@@ -79,7 +79,7 @@ async def rerank(request: web.Request) -> web.Response:
         raise ApiError(400, f"/v2/rerank needs a cross-encoder (one label), an embedding or a multi-vector model; "
                             f"this server serves {what} ({state.model_name})")
     score = SCORERS[kind]
-    cut = None if state.config.long == "error" else "right"  # (each scorer truncates unless the server refuses)
+    cut = api.cut_end(state.config.long != "error")  # (each scorer truncates unless the server refuses)
     req = await parsed(state, ask, lambda: api.parse_cohere_rerank(body, state.limits,
                                                                     state.encoder.tokenizer.max_length, cut))
     scores, tokens, size = await score(state, req, ask)

@@ -48,7 +48,7 @@ def token_outputs(state: AppState, ran: Ran, kind: str) -> tuple[np.ndarray, np.
 
 async def embeddings(state: AppState, body, ask: Ask = NO_ASK) -> web.Response:
     long = _long(state)
-    texts, kind = api.parse_multivector_embeddings(body, state.limits, api.cut_end(long, "right"))
+    texts, kind = api.parse_multivector_embeddings(body, state.limits, api.cut_end(long == "truncate"))
     ran = await run(state, texts, kind, long, ask)
 
     def encode() -> bytes:

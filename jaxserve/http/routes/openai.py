@@ -104,7 +104,7 @@ async def classify(request: web.Request) -> web.Response:
     require_kind(state, "classifier", "/classify")
     body = await json_body(request)
     truncate, cut = _vllm_cut(state, body)
-    texts = api.parse_classify(body, state.limits, "right" if truncate else None)
+    texts = api.parse_classify(body, state.limits, api.cut_end(truncate))
     ran = await run_request(state, lambda: state.encoder.prepare_pairs(texts, truncate, limit=cut),
                             ask=ask_for(request, body), inputs=len(texts))
     labels = state.encoder.head.labels
@@ -131,7 +131,7 @@ async def rerank(request: web.Request) -> web.Response:
     require_cross_encoder(state, request.path)
     body = await json_body(request)
     truncate, cut = _vllm_cut(state, body)
-    query, documents, top_n, with_docs = _parse_rerank(body, state, "right" if truncate else None)
+    query, documents, top_n, with_docs = _parse_rerank(body, state, api.cut_end(truncate))
     scores, ran = await pair_scores(state, [(query, d) for d in documents], ask_for(request, body), truncate,
                                     instruction=instruction_of(state, body), limit=cut)
     tokens = ran.tokens
@@ -192,7 +192,7 @@ async def score(request: web.Request) -> web.Response:
     for key in ("text_1", "text_2"):
         if key not in body:
             raise ApiError(400, f"missing required field `{key}`")
-        texts, _ = api._inputs(body[key], key, state.limits, allow_tokens=False, cut="right" if truncate else None)
+        texts, _ = api._inputs(body[key], key, state.limits, allow_tokens=False, cut=api.cut_end(truncate))
         sides.append(texts)
     first, second = sides
     if len(first) == 1:
