@@ -232,11 +232,16 @@ def explain_rows(state: AppState, rows, pieces, cls: int, output: str = "pooled"
     except TimeoutError as err:
         raise ApiError(503, str(err), "timeout", {"Retry-After": str(RETRY_AFTER_S)}) from None
     except Draining as err:
-        raise ApiError(503, str(err), "unavailable", {"Retry-After": str(RETRY_AFTER_S)}) from None
+        raise unavailable(err) from None
 
 
 def too_large(err: TooLarge) -> ApiError:
     return ApiError(413, f"{err} (--max-queue-tokens); send fewer or shorter inputs", "request_too_large")
+
+
+def unavailable(err: Draining) -> ApiError:
+    """The engine gone, or the server draining: 503, try again (another replica)."""
+    return ApiError(503, str(err), "unavailable", {"Retry-After": str(RETRY_AFTER_S)})
 
 
 async def run_request(state: AppState, make_pieces, want_explain: bool = False, output: str = "pooled",
@@ -277,7 +282,7 @@ async def run_request(state: AppState, make_pieces, want_explain: bool = False, 
     except QueueFull as err:
         raise ApiError(429, f"queue full: {err}", "rate_limit_error", {"Retry-After": str(RETRY_AFTER_S)}) from None
     except Draining as err:
-        raise ApiError(503, str(err), "unavailable", {"Retry-After": str(RETRY_AFTER_S)}) from None
+        raise unavailable(err) from None
     except BatchError as err:
         raise ApiError(500, str(err), "server_error") from None
     phases.update(queue_s=timing.queue_s, service_s=timing.total_s)

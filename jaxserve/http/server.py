@@ -149,9 +149,8 @@ async def errors_middleware(request: web.Request, handler):
         request[API_KEY_CLASS] = _authorize(request, cfg.keys)
         if size > cfg.max_body_bytes:  # declared, not sent: refused before it holds the in-flight budget
             raise ApiError(413, f"request body over {cfg.max_body_bytes} bytes ({size} declared)", "body_too_large")
-        if model_route and state.active >= cfg.max_concurrent:
-            raise ApiError(429, f"{state.active} requests are being handled; the limit is "
-                                f"{cfg.max_concurrent}", "rate_limit_error", {"Retry-After": str(RETRY_AFTER_S)})
+        if model_route:
+            state.require_room()
         charge = request[CHARGE] = state.budget.charge()
         if model_route and not charge.take(size):
             raise ApiError(429, f"{state.budget.held} bytes of requests are being handled; {size} more would pass "

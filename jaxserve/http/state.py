@@ -265,6 +265,13 @@ class AppState:
             await asyncio.sleep(0.01)
         return True
 
+    def require_room(self, more: int = 1, detail: str = "") -> None:
+        """429 unless `more` requests may be handled beside those being handled (--max-concurrent-requests)."""
+        if self.active + more > self.config.max_concurrent:
+            raise ApiError(429, f"{self.active} requests are being handled{detail}; the limit is "
+                                f"{self.config.max_concurrent}", "rate_limit_error",
+                           {"Retry-After": str(RETRY_AFTER_S)})
+
     def require_ready(self) -> None:
         if self.service is not None and self.service.draining:
             raise ApiError(503, "the server is draining; retry on another replica", "unavailable",

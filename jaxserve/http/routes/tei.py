@@ -43,7 +43,7 @@ from jaxserve.http.handling import (
 )
 from jaxserve.http.routes import bge_m3 as m3_routes
 from jaxserve.http.routes import multivector as multivector_routes
-from jaxserve.http.state import BODY_BYTES, DICT_FLOATS, RETRY_AFTER_S, STATE, AppState
+from jaxserve.http.state import BODY_BYTES, DICT_FLOATS, STATE, AppState
 
 PATHS = ("/", "/invocations", "/vertex", "/embed", "/embed_all", "/embed_sparse", "/similarity", "/predict",
          "/rerank", "/tokenize", "/decode", "/embed_m3")
@@ -135,7 +135,7 @@ async def _predict(state: AppState, body, ask: Ask = NO_ASK) -> web.Response:
         return orjson.dumps(results[0] if req.single else results)
 
     encoded, _ = await respond(state, predictions, ran.floats * DICT_FLOATS)
-    return bytes_response(encoded, tei_headers(state, ran, [[x] if isinstance(x, str) else x for x in req.inputs]))
+    return bytes_response(encoded, tei_headers(state, ran, req.inputs))
 
 
 async def _rerank(state: AppState, body, ask: Ask = NO_ASK) -> web.Response:
@@ -291,10 +291,7 @@ async def vertex(request: web.Request) -> web.Response:
         raise ApiError(413, f"`instances` has {len(instances)} bodies; at most {state.limits.max_client_batch}",
                        "request_too_large")
     more = len(instances) - 1  # the middleware counted this request once
-    if state.active + more > state.config.max_concurrent:
-        raise ApiError(429, f"{state.active} requests are being handled and this one has {len(instances)} "
-                            f"instances; the limit is {state.config.max_concurrent}", "rate_limit_error",
-                       {"Retry-After": str(RETRY_AFTER_S)})
+    state.require_room(more, f" and this one has {len(instances)} instances")
     state.active += more
     try:
         async with asyncio.TaskGroup() as group:
