@@ -232,22 +232,24 @@ class LinkServer:
             self._loaded.add(wire)
             self._check_loaded()
 
-    def _explain(self, message: dict) -> dict:
-        """A front-end's latency math (`Pipeline.explain`); Draining while a restarted engine warms up (a front-end
-        may ask before it has heard that the engine it saw ready went away)."""
+    def _serving(self) -> Pipeline:
+        """The pipeline; Draining while a restarted engine warms up (a front-end may send before it has heard that
+        the engine it saw ready went away)."""
         if self.pipeline is None:
             raise Draining("the engine is still warming up")
-        return self.pipeline.explain(message["rows"], message["doc"], message["output"], message["max_wait_s"],
-                                     message["cls"])
+        return self.pipeline
+
+    def _explain(self, message: dict) -> dict:
+        """A front-end's latency math (`Pipeline.explain`)."""
+        return self._serving().explain(message["rows"], message["doc"], message["output"], message["max_wait_s"],
+                                       message["cls"])
 
     def _run(self, wire: Wire, message: dict, running: dict) -> None:
         """Submit a job; its reply is posted when its future resolves (a callback: no task per request)."""
         rid, job = message["id"], message["job"]
         try:
-            if self.pipeline is None:
-                raise Draining("the engine is still warming up")
-            jid, future, timing = self.pipeline.submit(job, message["cls"], message["deadline_s"],
-                                                       message.get("requests", 1))
+            jid, future, timing = self._serving().submit(job, message["cls"], message["deadline_s"],
+                                                         message.get("requests", 1))
         except Exception as exc:  # the request's own outcome (queue full, too large, draining)
             wire.post({"op": "error", "id": rid, "error": exc})
             return
