@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import uvloop
 
+from jaxserve.scheduling.link import SILENT_S, STATUS_BEAT_S
 from jaxserve.scheduling.wire import DIRECT_BYTES, JOIN_BYTES, STAGE_BYTES, Wire
 
 BOUND_S = 60.0  # the most a state is waited for
@@ -413,16 +414,14 @@ class Echo:
         self.cancelled.append(jid)
 
 
-async def linked(tmp_path, pipeline, max_queued=None, **beats):
-    """`beats`: LinkServer's `beat_s`, EngineLink's `silent_s`."""
+async def linked(tmp_path, pipeline, max_queued=None, beat_s=STATUS_BEAT_S, silent_s=SILENT_S):
     from jaxserve.runtime.buckets import fixed
     from jaxserve.scheduling.link import EngineLink, LinkServer
 
     path = str(tmp_path / "engine.sock")
-    server = LinkServer(path, lambda: {"ready": True, "max_queued": max_queued},
-                        **{k: v for k, v in beats.items() if k == "beat_s"})
+    server = LinkServer(path, lambda: {"ready": True, "max_queued": max_queued}, beat_s=beat_s)
     await server.start()
-    link = EngineLink(path, retry_s=0.01, **{k: v for k, v in beats.items() if k == "silent_s"})
+    link = EngineLink(path, retry_s=0.01, silent_s=silent_s)
     await link.start()
     table = fixed([(4, 16), (4, 64)], layout="packed")
     await server.ready(pipeline, {"table": table})
