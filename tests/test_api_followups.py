@@ -118,7 +118,7 @@ def test_input_type_reaches_the_served_tasks_prompt_and_not_another_tasks():
 def test_predict_holds_a_plain_text_to_the_input_limit():
     """/predict checked the length of a pair's texts only: a plain text of any length was accepted. Truncating, a
     text past the limit is cut to it at the truncation's end, as TEI cuts it."""
-    for inputs in ("x" * 1001, ["x" * 1001], [["x" * 1001]], ["ok", "x" * 1001, "ok"]):
+    for inputs in ("x" * 1001, ["x" * 1001], [["x" * 1001]], [["ok"], ["x" * 1001], ["ok", "ok"]]):
         with pytest.raises(ApiError, match="has 1001 characters; at most 1000") as err:
             api.parse_predict({"inputs": inputs}, LIMITS, False)
         assert err.value.status == 413 and err.value.tei() == (422, {"error": err.value.message, "error_type": "Validation"})
@@ -126,7 +126,20 @@ def test_predict_holds_a_plain_text_to_the_input_limit():
     long = "a" + "x" * 999 + "b"
     assert api.parse_predict({"inputs": [[long, "y"]]}, LIMITS, True).inputs == [(long[:1000], "y")]
     assert api.parse_predict({"inputs": long, "truncation_direction": "Left"}, LIMITS, True).inputs == [long[1:]]
-    assert api.parse_predict({"inputs": ["ok", ["a"], "b"]}, LIMITS, True).inputs == ["ok", "a", "b"]
+    assert api.parse_predict({"inputs": [["ok"], ["a", "b"], ["c"]]}, LIMITS, True).inputs == ["ok", ("a", "b"), "c"]
+
+
+@pytest.mark.parametrize("inputs", [["a", "b", "c"], ["a", ["b"]], [["a"], "b"], [["a"], ["b", "c", "d"]], [[]], 3])
+def test_predict_reads_inputs_as_tei_does(inputs):
+    """TEI's `PredictInput`: a list that starts with a text is one input (a text or a pair); a batch is a list of
+    [text] and [text, text] lists. A flat list of three texts was read as a batch of three, where two texts are a
+    pair: TEI refuses it, and so does this server now (its 422 on TEI's routes)."""
+    with pytest.raises(ApiError) as err:
+        api.parse_predict({"inputs": inputs}, LIMITS, True)
+    assert err.value.status == 400 and err.value.tei()[0] == 422
+    one = api.parse_predict({"inputs": ["a", "b"]}, LIMITS, True)
+    assert one.inputs == [("a", "b")] and one.single
+    assert api.parse_predict({"inputs": [["a", "b"]]}, LIMITS, True).single is False
 
 
 def test_a_wrong_multivector_encoding_format_is_shown_cut_short():

@@ -88,7 +88,7 @@ async def test_predict_and_classify_routes(make_server, classifier):
     path, enc = classifier
     client = await make_server(enc)
     want = softmax(reference(path, TEXTS, enc))
-    resp = await client.post("/predict", json={"inputs": TEXTS})
+    resp = await client.post("/predict", json={"inputs": [[t] for t in TEXTS]})
     assert resp.status == 200
     for got, p in zip(await resp.json(), want):
         assert [g["label"] for g in got] == [enc.head.labels[i] for i in np.argsort(-p)]

@@ -27,7 +27,7 @@ ROUTES = {  # route: (model, body, results in the response)
     "/embed_all": ("embedding", {"inputs": TEXTS}, len(TEXTS)),
     "/decode": ("embedding", {"ids": [[7, 8, 9, 10] * 8] * MAX_CLIENT_BATCH}, MAX_CLIENT_BATCH),
     "/tokenize": ("embedding", {"inputs": ["the model " * 8] * MAX_CLIENT_BATCH}, MAX_CLIENT_BATCH),
-    "/predict": ("classifier", {"inputs": TEXTS}, len(TEXTS)),
+    "/predict": ("classifier", {"inputs": [[t] for t in TEXTS]}, len(TEXTS)),
     "/rerank": ("reranker", {"query": "the model", "texts": TEXTS, "return_text": True}, len(TEXTS)),
     "/classify": ("classifier", {"input": TEXTS}, len(TEXTS)),
     # token ids: a body past the offload size, each input's ids checked off the loop (api._token_ids)

@@ -113,7 +113,7 @@ async def test_left_truncation_keeps_the_end(make_server, embedder):
 async def test_root_predicts_for_a_classifier_and_mixes_texts_and_pairs(make_server, classifier):
     _, enc = classifier
     client = await make_server(enc)
-    mixed = ["ab", ["a premise", "a hypothesis"], "the model"]
+    mixed = [["ab"], ["a premise", "a hypothesis"], ["the model"]]
     want = enc.classify(["ab", ("a premise", "a hypothesis"), "the model"])
     got = await (await client.post("/", json={"inputs": mixed, "raw_scores": True})).json()
     for preds, logits in zip(got, want):
@@ -127,6 +127,10 @@ async def test_root_predicts_for_a_classifier_and_mixes_texts_and_pairs(make_ser
     resp = await client.post("/predict", json={"inputs": [["a premise", "a hypothesis"], ["ab"]]})
     tokens = enc.tokenizer.pairs([("a premise", "a hypothesis"), "ab"]).tokens
     assert_tei_headers(resp, len("a premise") + len("a hypothesis") + 2, tokens)
+    # a list that starts with a text is one input, as TEI reads it: three texts, or a text then a pair, are refused
+    for flat in (["ab", "a premise", "a hypothesis"], ["ab", ["a premise", "a hypothesis"]]):
+        bad = await client.post("/", json={"inputs": flat})
+        assert bad.status == 422 and "one input" in (await bad.json())["error"], flat
     # and a list of one text is that text, answered unwrapped (TEI's PredictInput::Single)
     one = await (await client.post("/predict", json={"inputs": ["ab"], "raw_scores": True})).json()
     assert [p["label"] for p in one] == [p["label"] for p in got[0]]

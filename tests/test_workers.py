@@ -492,7 +492,7 @@ ROUTES = {  # model kind: the requests sent to both servers
         ("/v1/embeddings", {"input": []}),
     ],
     "classifier": [
-        ("/predict", {"inputs": TEXTS}), ("/classify", {"input": TEXTS}),
+        ("/predict", {"inputs": [[t] for t in TEXTS]}), ("/classify", {"input": TEXTS}),
         ("/predict", {"inputs": [["a question", "an answer"]]}),
     ],
     "reranker": [

@@ -477,16 +477,20 @@ class ClassifyRequest:
     function: str | None = None  # huggingface_hub's `function_to_apply` (FUNCTIONS); None: the model's default
 
 
-def _pair_or_text(x, field: str, limits: Limits, cut: str | None):
-    """A /predict input, a text or a [text, text] pair, each text within `--max-input-chars` (or cut to it at the
-    `cut` end); an empty text, or a pair of two, is TEI's 400 Empty."""
-    texts = [x] if isinstance(x, str) else x
+def _pair_or_text(x, field: str, limits: Limits, cut: str | None, batch: bool = False):
+    """A /predict input, a text or a [text, text] pair (`batch`: a [text] or [text, text] list, as a batch's items
+    are in TEI), each text within `--max-input-chars` (or cut to it at the `cut` end); an empty text, or a pair of
+    two, is TEI's 400 Empty."""
+    texts = [x] if isinstance(x, str) and not batch else x
     if isinstance(texts, list) and len(texts) in (1, 2) and all(isinstance(s, str) for s in texts):
         if not any(texts):
             raise empty(field)
-        texts = [within_limit(s, field if isinstance(x, str) else f"{field}[{i}]", limits, cut)
+        texts = [within_limit(s, field if texts is not x else f"{field}[{i}]", limits, cut)
                  for i, s in enumerate(texts)]
         return texts[0] if len(texts) == 1 else (texts[0], texts[1])
+    if batch:
+        raise ApiError(400, f"`{field}` must be a [text] or [text, text] list: a batch of `inputs` is a list of "
+                            "those, as TEI reads it")
     raise ApiError(400, f"`{field}` must be a string or a [text, text] pair")
 
 
@@ -494,29 +498,30 @@ FUNCTIONS = ("sigmoid", "softmax", "none")  # a classifier's scores, as huggingf
 
 
 def parse_predict(body, limits: Limits, default_truncate: bool) -> ClassifyRequest:
-    """TEI /predict: `inputs` is one input (a text, or a [text, text] pair) or a list of inputs, texts and
-    pairs mixed. As in TEI, a list of one text is that text and a list of exactly two texts is one pair (each
-    answered flat); a batch of two texts is [[a], [b]]."""
+    """TEI /predict: `inputs` is one input (a text, or a [text, text] pair, answered flat) or a batch: a list of
+    [text] and [text, text] lists, mixed. As TEI reads it, a list that starts with a text is one input, so a list
+    of three texts is refused rather than read as three (a batch of two texts is [[a], [b]])."""
     body = _object(body)
     if "inputs" not in body:
         raise ApiError(400, "missing required field `inputs`")
     raw = body["inputs"]
-    single = isinstance(raw, str) or (isinstance(raw, list) and len(raw) in (1, 2)
-                                      and all(isinstance(x, str) for x in raw))
-    if single:
-        items = [raw]
-    elif isinstance(raw, list):
-        items = raw
-    else:
-        raise ApiError(400, f"`inputs` must be a text, a [text, text] pair, or a list of them, not {type(raw).__name__}")
-    if not items:
+    if not isinstance(raw, (str, list)):
+        raise ApiError(400, f"`inputs` must be a text, a [text, text] pair, or a list of [text] and [text, text] "
+                            f"lists, not {type(raw).__name__}")
+    if not raw and isinstance(raw, list):
         raise empty("inputs")
+    single = isinstance(raw, str) or isinstance(raw[0], str)
+    if single and isinstance(raw, list) and (len(raw) > 2 or not all(isinstance(x, str) for x in raw)):
+        raise ApiError(400, "`inputs` that starts with a text is one input, a text or a [text, text] pair; a batch "
+                            "is a list of [text] and [text, text] lists, e.g. [[\"a\"], [\"b\"], [\"c\"]]")
+    items = [raw] if single else raw
     if len(items) > limits.max_client_batch:
         raise ApiError(413, f"`inputs` has {len(items)} inputs; at most {limits.max_client_batch} per request",
                        "request_too_large")
     truncate, direction = _bool(body, "truncate", default_truncate), _direction(body)
     cut = cut_end(truncate, direction)
-    inputs = [_pair_or_text(x, f"inputs[{i}]", limits, cut) for i, x in enumerate(items)]
+    inputs = [_pair_or_text(x, f"inputs[{i}]" if not single else "inputs", limits, cut, batch=not single)
+              for i, x in enumerate(items)]
     params = _parameters(body)  # huggingface_hub's InferenceClient sends top_k there
     own = lambda key: body[key] if body.get(key) is not None else params.get(key)  # the body's, else parameters'
     top_k = own("top_k")

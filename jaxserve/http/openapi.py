@@ -126,8 +126,7 @@ def spec(version: str) -> dict:
         "usage": {"type": "object"},
         "explain": {"type": "object"},
     }}
-    pair_or_text = {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "minItems": 1,
-                                                   "maxItems": 2}]}
+    text_or_pair = {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 2}  # [text] or a pair
     return {
         "openapi": "3.1.0",
         "info": {"title": "jaxserve", "version": version,
@@ -166,7 +165,8 @@ def spec(version: str) -> dict:
                 "ids": TOKEN_IDS, "skip_special_tokens": {"type": "boolean"}}},
                 {"type": "array", "items": {"type": "string"}}),
             "/predict": _tei("TEI /predict (classifier models)", {"type": "object", "required": ["inputs"], "properties": {
-                "inputs": {"oneOf": [{"type": "string"}, {"type": "array", "items": pair_or_text, "minItems": 1}]},
+                "inputs": {"oneOf": [{"type": "string"}, text_or_pair,  # one input; else a batch of [text] and pairs
+                                     {"type": "array", "items": text_or_pair, "minItems": 1}]},
                 "raw_scores": {"type": "boolean"}, "truncate": {"type": "boolean"}, "truncation_direction": DIRECTION,
                 "top_k": {"type": "integer", "minimum": 1}, "function_to_apply": FUNCTION,
                 "parameters": {"type": "object", "properties": {  # huggingface_hub's text_classification
