@@ -290,6 +290,34 @@ async def test_token_ids_run_as_given_as_teis_embed_runs_them(make_server, embed
     np.testing.assert_allclose(prompted, enc.embed(TEXTS[:1], prompt="the query "), atol=1e-5)
 
 
+async def test_a_batch_mixes_texts_and_token_ids_as_teis_input_does(make_server, embedder):
+    """TEI's `Input::Batch` holds texts and token-id lists mixed (each a `String` or `Ids`); it was refused. Each
+    input is answered in the order sent, as it is alone: a text with its special tokens, ids as given, long inputs
+    chunked into windows of their own; TEI's headers count them all."""
+    _, enc = embedder
+    client = await make_server(enc)
+    tokens = await (await client.post("/tokenize", json={"inputs": TEXTS[:2]})).json()
+    ids = [[t["id"] for t in seq] for seq in tokens]
+    mixed = [ids[0], TEXTS[2], ids[1], TEXTS[3]]
+    resp = await client.post("/embed", json={"inputs": mixed})
+    assert resp.status == 200, await resp.text()
+    np.testing.assert_allclose(await resp.json(), enc.embed([TEXTS[i] for i in (0, 2, 1, 3)], normalize=True),
+                               atol=1e-5)
+    texts_alone = enc.tokenizer.documents([TEXTS[2], TEXTS[3]])
+    assert_tei_headers(resp, len(ids[0]) + len(TEXTS[2]) + len(ids[1]) + len(TEXTS[3]),
+                       texts_alone.tokens + len(ids[0]) + len(ids[1]))
+    long = "the batch of jax documents " * 40  # past the tiny model's limit: several windows
+    chunked = {"inputs": [long, ids[0], long], "long": "chunk"}
+    got = await (await client.post("/embed", json=chunked)).json()
+    alone = await (await client.post("/embed", json={"inputs": [long], "long": "chunk"})).json()
+    np.testing.assert_allclose(got, [alone[0], enc.embed(TEXTS[:1], normalize=True)[0], alone[0]], atol=1e-5)
+    both = await client.post("/v1/embeddings", json={"input": [TEXTS[0], [1, 2]], "model": "m"})
+    assert both.status == 200 and len((await both.json())["data"]) == 2  # tiktoken's ids, decoded to text
+    for bad, where in (([ids[0], 5], "inputs[1]"), (["ok", []], "inputs[1]"), (["", ids[0]], "inputs[0]")):
+        resp = await client.post("/embed", json={"inputs": bad})
+        assert resp.status in (400, 422) and where in (await resp.json())["error"], bad
+
+
 async def test_openai_token_ids_never_make_the_server_fetch_an_encoding(make_server, embedder, monkeypatch, tmp_path):
     """A client-chosen `model` selects tiktoken's encoding; one not on the host is a 400, never a fetch on the
     tokenizer thread (was: tiktoken's loader asked for its URL, with no timeout). A model tiktoken does not know

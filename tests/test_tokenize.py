@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, normalizers, pre_tokenizers
 
 from jaxserve.checkpoint import loader
-from jaxserve.checkpoint.tokenize import TextTokenizer
+from jaxserve.checkpoint.tokenize import TextTokenizer, from_sequences, interleaved
 from jaxserve.errors import InputError, TooLongError
 
 MAX_LEN = 64  # short, so that truncation is reached too
@@ -297,3 +297,18 @@ def test_do_lower_case_puts_a_lowercase_in_front_of_another_normalizer(norm):
     assert _lowercasing(got) is got
     bert = normalizers.BertNormalizer()  # lowercases (and strips accents) already
     assert _lowercasing(bert) is bert
+
+
+def test_interleaved_puts_each_kinds_pieces_back_in_document_order():
+    """A TEI batch of texts and token ids, tokenized apart: document j of a part is document `positions[j]`, a
+    document's windows stay together and in their order, and token types follow their sequences."""
+    seq = lambda *ids: np.array(ids, np.int32)
+    texts = from_sequences([seq(1, 2), seq(3), seq(4, 5)], np.array([0, 0, 1]), np.array([2.0, 1.0, 2.0]),
+                           [seq(0, 1), seq(0), seq(1, 1)])
+    ids = from_sequences([seq(7, 8, 9)], np.array([0]), np.array([3.0]))
+    both = interleaved([(texts, [0, 2]), (ids, [1])])
+    assert [s.tolist() for s in both.seqs] == [[1, 2], [3], [7, 8, 9], [4, 5]]
+    assert both.doc.tolist() == [0, 0, 1, 2] and both.weight.tolist() == [2.0, 1.0, 3.0, 2.0]
+    assert [t.tolist() for t in both.type_seqs] == [[0, 1], [0], [0, 0, 0], [1, 1]]
+    vectors = np.arange(8, dtype=np.float32).reshape(4, 2)
+    np.testing.assert_allclose(both.combine(vectors, 3)[1:], vectors[2:])

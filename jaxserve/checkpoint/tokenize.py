@@ -426,6 +426,21 @@ def from_sequences(seqs: list[np.ndarray], doc: np.ndarray, weight: np.ndarray,
     return Pieces(ids, offsets, np.asarray(doc, np.int64), np.asarray(weight, np.float64), flat_types)
 
 
+def interleaved(parts: list[tuple[Pieces, list[int] | tuple[int, ...]]]) -> Pieces:
+    """The pieces of several lists of documents as one list: document j of a part is document `positions[j]` of the
+    whole (a TEI batch of texts and token ids, each kind tokenized its own way). Pieces stay in document order, a
+    document's windows in theirs, as `Pieces.combine` reads them."""
+    doc = np.concatenate([np.asarray(pos, np.int64)[p.doc] for p, pos in parts])
+    order = np.argsort(doc, kind="stable")
+    seqs = [s for p, _ in parts for s in p.seqs]
+    weight = np.concatenate([p.weight for p, _ in parts])
+    types = None
+    if any(p.types is not None for p, _ in parts):
+        types = [t for p, _ in parts for t in (p.type_seqs or [np.zeros(len(s), np.int32) for s in p.seqs])]
+        types = [types[i] for i in order]
+    return from_sequences([seqs[i] for i in order], doc[order], weight[order], types)
+
+
 def _lowercasing(norm):
     """`norm` lowercasing first, as sentence-transformers' `do_lower_case` puts a Lowercase in front of a
     normalizer that has none. BERT's without accent stripping stays BERT's with `lowercase` on (the same text:

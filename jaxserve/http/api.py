@@ -87,7 +87,7 @@ class Limits:
 @dataclasses.dataclass(frozen=True)
 class EmbedRequest:
     texts: list[str] | None  # either texts ...
-    token_ids: list[np.ndarray] | None  # ... or token ids: whole model sequences, run as given
+    token_ids: list[np.ndarray] | None  # ... or token ids: whole model sequences, run as given (or both, `ids_at`)
     long: str  # truncate | chunk | error
     normalize: bool = True
     dimensions: int | None = None
@@ -97,10 +97,15 @@ class EmbedRequest:
     direction: str = "right"  # which end truncation cuts
     model: str | None = None  # the `model` field of an OpenAI request (names the tokenizer of its token ids)
     cut: int | None = None  # tokens a sequence keeps (vLLM's `truncate_prompt_tokens`); None: the model's limit
+    ids_at: tuple[int, ...] = ()  # a TEI batch of both: where its token ids are (`texts_or_ids`), texts elsewhere
 
     @property
     def inputs(self) -> list:
-        """The texts, or the token-id arrays."""
+        """The texts, or the token-id arrays, or both in the order sent."""
+        if self.ids_at:
+            texts, ids = iter(self.texts), iter(self.token_ids)
+            at = set(self.ids_at)
+            return [next(ids) if i in at else next(texts) for i in range(len(self.texts) + len(self.token_ids))]
         return self.texts if self.texts is not None else self.token_ids
 
     @property
@@ -108,24 +113,15 @@ class EmbedRequest:
         return len(self.inputs)
 
 
-def _inputs(value, field: str, limits: Limits, allow_tokens: bool, blank: bool = True,
-            cut: str | None = None) -> tuple[list[str] | None, list[np.ndarray] | None]:
-    """A string, a list of strings, or (OpenAI) a list of token ids or of token-id lists. `blank`: an empty string
-    is an input (OpenAI's routes: LangChain sends them), else TEI's 400 Empty. `cut`: the end a text past
-    `--max-input-chars` is cut at where the request truncates (`within_limit`)."""
+def texts_of(value, field: str, limits: Limits, blank: bool = True, cut: str | None = None) -> list[str]:
+    """A string or a list of strings. `blank`: an empty string is an input (OpenAI's routes: LangChain sends them),
+    else TEI's 400 Empty. `cut`: the end a text past `--max-input-chars` is cut at where the request truncates
+    (`within_limit`)."""
     if isinstance(value, str):
         value = [value]
     if not isinstance(value, list):
         raise ApiError(400, f"`{field}` must be a string or a list of strings, not {type(value).__name__}")
-    if not value:
-        raise empty(field)
-    if allow_tokens and all(isinstance(x, int) and not isinstance(x, bool) for x in value):
-        value = [value]  # one pre-tokenized input
-    if len(value) > limits.max_client_batch:
-        raise ApiError(413, f"`{field}` has {len(value)} inputs; at most {limits.max_client_batch} per request",
-                       "request_too_large")
-    if allow_tokens and all(isinstance(x, list) for x in value):
-        return None, [_token_ids(ids, f"{field}[{i}]") for i, ids in enumerate(value)]
+    _count(value, field, limits)
     texts = value
     for i, x in enumerate(value):
         if not isinstance(x, str):
@@ -135,7 +131,42 @@ def _inputs(value, field: str, limits: Limits, allow_tokens: bool, blank: bool =
         if len(x) > limits.max_input_chars:
             texts = value.copy() if texts is value else texts  # (the body's list is left as it was sent)
             texts[i] = within_limit(x, f"{field}[{i}]", limits, cut)
-    return texts, None
+    return texts
+
+
+def texts_or_ids(value, field: str, limits: Limits, blank: bool = True,
+                 cut: str | None = None) -> tuple[list[str] | None, list[np.ndarray] | None, tuple[int, ...]]:
+    """Texts (`texts_of`), one list of token ids, or a list of token-id lists -> (texts, token ids, where the token
+    ids are). A batch of texts and token-id lists mixed, which TEI's `Input` reads (each item a `String` or `Ids`),
+    gives both lists, the token ids at the positions of the third."""
+    if isinstance(value, list) and value and all(isinstance(x, int) and not isinstance(x, bool) for x in value):
+        value = [value]  # one pre-tokenized input
+    if not (isinstance(value, list) and any(isinstance(x, list) for x in value)):
+        return texts_of(value, field, limits, blank, cut), None, ()
+    _count(value, field, limits)
+    at = tuple(i for i, x in enumerate(value) if isinstance(x, list))
+    ids = [_token_ids(value[i], f"{field}[{i}]") for i in at]
+    if len(at) == len(value):
+        return None, ids, ()
+    texts = []
+    for i, x in enumerate(value):
+        if isinstance(x, list):
+            continue
+        if not isinstance(x, str):
+            raise ApiError(400, f"`{field}[{i}]` must be a string or a list of token ids, not {type(x).__name__}")
+        if not (x or blank):
+            raise empty(f"{field}[{i}]")
+        texts.append(within_limit(x, f"{field}[{i}]", limits, cut))
+    return texts, ids, at
+
+
+def _count(value: list, field: str, limits: Limits) -> None:
+    """A list of inputs: not empty, and at most `--max-client-batch` of them (413)."""
+    if not value:
+        raise empty(field)
+    if len(value) > limits.max_client_batch:
+        raise ApiError(413, f"`{field}` has {len(value)} inputs; at most {limits.max_client_batch} per request",
+                       "request_too_large")
 
 
 def within_limit(text: str, field: str, limits: Limits, cut: str | None = None) -> str:
@@ -257,19 +288,19 @@ def parse_openai_embeddings(body, limits: Limits, dim: int, default_long: str, m
     long = _long_mode(body, long)
     if cut is not None and long != "truncate":
         raise ApiError(400, f"`truncate_prompt_tokens` truncates; `long` {_show(long)} does not")
-    texts, ids = _inputs(body["input"], "input", limits, allow_tokens=True, cut=cut_end(long == "truncate"))
+    texts, ids, ids_at = texts_or_ids(body["input"], "input", limits, cut=cut_end(long == "truncate"))
     fmt = "float" if body.get("encoding_format") is None else body["encoding_format"]  # a wrong type is refused
     if fmt not in ENCODING_FORMATS:
         raise ApiError(400, f"`encoding_format` must be one of {', '.join(ENCODING_FORMATS)}, not {_show(fmt)}")
     return EmbedRequest(texts, ids, long, True, _dimensions(body, dim, declared), fmt, *_prompt(body, limits),
-                        model=model, cut=cut)
+                        model=model, cut=cut, ids_at=ids_at)
 
 
 def parse_multivector_embeddings(body, limits: Limits, cut: str | None = None) -> tuple[list[str], str]:
     """PyLate's EmbeddingRequest, OpenAI's shape: `input` (texts), `is_query` (default true, as PyLate's server)
-    -> (texts, query or document). `cut`: `_inputs`'."""
+    -> (texts, query or document). `cut`: `texts_of`'."""
     body = _openai_body(body)
-    texts, _ = _inputs(body["input"], "input", limits, allow_tokens=False, cut=cut)
+    texts = texts_of(body["input"], "input", limits, cut=cut)
     _refuse(body, ("dimensions", "prompt_name", "prompt"), "a multi-vector model",
             "its vectors are per token, and `is_query` picks the query or document marker")
     if body.get("truncate_prompt_tokens") not in (None, -1):
@@ -318,10 +349,10 @@ def parse_tei_embed(body, limits: Limits, dim: int, default_long: str) -> EmbedR
     if "inputs" not in body:
         raise ApiError(400, "missing required field `inputs`")
     long, direction = _tei_long(body, default_long), _direction(body)
-    texts, ids = _inputs(body["inputs"], "inputs", limits, allow_tokens=True, blank=False,
+    texts, ids, ids_at = texts_or_ids(body["inputs"], "inputs", limits, blank=False,
                          cut=cut_end(long == "truncate", direction))
     return EmbedRequest(texts, ids, long, _bool(body, "normalize", True), _dimensions(body, dim), "float",
-                        *_prompt(body, limits), direction=direction)
+                        *_prompt(body, limits), direction=direction, ids_at=ids_at)
 
 
 def _refuse(body, keys: tuple[str, ...], route: str, why: str) -> None:
@@ -365,7 +396,7 @@ def parse_similarity(body, limits: Limits, default_long: str) -> tuple[EmbedRequ
     params = _parameters(body)
     long, direction = _tei_long(params, default_long), _direction(params)
     cut = cut_end(long == "truncate", direction)
-    sentences, _ = _inputs(sentences, "inputs.sentences", limits, allow_tokens=False, blank=False, cut=cut)
+    sentences = texts_of(sentences, "inputs.sentences", limits, blank=False, cut=cut)
     if not source:
         raise empty("inputs.source_sentence")
     texts = [within_limit(source, "inputs.source_sentence", limits, cut), *sentences]
@@ -378,7 +409,7 @@ def parse_tokenize(body, limits: Limits) -> tuple[list[str], bool, str | None, s
     body = _object(body)
     if "inputs" not in body:
         raise ApiError(400, "missing required field `inputs`")
-    texts, _ = _inputs(body["inputs"], "inputs", limits, allow_tokens=False, blank=False)
+    texts = texts_of(body["inputs"], "inputs", limits, blank=False)
     return texts, _bool(body, "add_special_tokens", True), *_prompt(body, limits)
 
 
@@ -392,11 +423,7 @@ def parse_decode(body, limits: Limits, vocab: int) -> tuple[list[list[int]], boo
         ids = [ids]
     if not isinstance(ids, list):
         raise ApiError(400, "`ids` must be a list of token ids or a list of such lists")
-    if not ids:
-        raise empty("ids")
-    if len(ids) > limits.max_client_batch:
-        raise ApiError(413, f"`ids` has {len(ids)} inputs; at most {limits.max_client_batch} per request",
-                       "request_too_large")
+    _count(ids, "ids", limits)
     for i, seq in enumerate(ids):
         if not isinstance(seq, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
                                                 for t in seq):
@@ -515,9 +542,7 @@ def parse_predict(body, limits: Limits, default_truncate: bool) -> ClassifyReque
         raise ApiError(400, "`inputs` that starts with a text is one input, a text or a [text, text] pair; a batch "
                             "is a list of [text] and [text, text] lists, e.g. [[\"a\"], [\"b\"], [\"c\"]]")
     items = [raw] if single else raw
-    if len(items) > limits.max_client_batch:
-        raise ApiError(413, f"`inputs` has {len(items)} inputs; at most {limits.max_client_batch} per request",
-                       "request_too_large")
+    _count(items, "inputs", limits)
     truncate, direction = _bool(body, "truncate", default_truncate), _direction(body)
     cut = cut_end(truncate, direction)
     inputs = [_pair_or_text(x, f"inputs[{i}]" if not single else "inputs", limits, cut, batch=not single)
@@ -545,7 +570,7 @@ def parse_rerank(body, limits: Limits, default_truncate: bool) -> tuple[str, lis
     truncate, direction = _bool(body, "truncate", default_truncate), _direction(body)
     cut = cut_end(truncate, direction)
     query = within_limit(query, "query", limits, cut)
-    texts, _ = _inputs(body["texts"], "texts", limits, allow_tokens=False, cut=cut)
+    texts = texts_of(body["texts"], "texts", limits, cut=cut)
     return query, texts, _bool(body, "raw_scores", False), _bool(body, "return_text", False), truncate, direction
 
 
@@ -554,7 +579,7 @@ def parse_classify(body, limits: Limits, cut: str | None = None) -> list[str]:
     body = _object(body)
     if "input" not in body:
         raise ApiError(400, "missing required field `input`")
-    texts, _ = _inputs(body["input"], "input", limits, allow_tokens=False, cut=cut)
+    texts = texts_of(body["input"], "input", limits, cut=cut)
     return texts
 
 
@@ -643,8 +668,7 @@ def parse_cohere_embed(body, limits: Limits, dim: int, default_long: str, prompt
         long, direction = COHERE_TRUNCATE[truncate.upper()]
     else:
         raise ApiError(400, f"`truncate` must be one of {', '.join(COHERE_TRUNCATE)}, not {_show(truncate)}")
-    texts, _ = _inputs(body["texts"], "texts", limits, allow_tokens=False,
-                       cut=cut_end(long == "truncate", direction))
+    texts = texts_of(body["texts"], "texts", limits, cut=cut_end(long == "truncate", direction))
     _cohere_max_tokens(body, "max_tokens", max_tokens)
     return EmbedRequest(texts, None, long, True, _dimensions(body, dim, declared, "output_dimension"), "float",
                         cohere_prompt(body.get("input_type"), prompts), direction=direction), tuple(dict.fromkeys(types))
@@ -678,7 +702,7 @@ class CohereRerank:
 def parse_cohere_rerank(body, limits: Limits, max_tokens: int, cut: str | None = None) -> CohereRerank:
     """Cohere /v2/rerank: `query`, `documents` (strings), `top_n`, `return_documents` (v2's earlier field; the
     latest SDK sends none), `max_tokens_per_doc` (at least the model's limit); `relevant_spans` is accepted and
-    none are returned (Cohere returns spans only where the model found some). `cut`: `_inputs`'."""
+    none are returned (Cohere returns spans only where the model found some). `cut`: `texts_of`'."""
     body = _object(body)
     for key in ("query", "documents"):
         if key not in body:
@@ -687,7 +711,7 @@ def parse_cohere_rerank(body, limits: Limits, max_tokens: int, cut: str | None =
     if not isinstance(query, str) or not query.strip():
         raise ApiError(400, "`query` must be a non-empty string")
     query = within_limit(query, "query", limits, cut)
-    documents, _ = _inputs(body["documents"], "documents", limits, allow_tokens=False, cut=cut)
+    documents = texts_of(body["documents"], "documents", limits, cut=cut)
     top_n = body.get("top_n")
     if top_n is not None and (not isinstance(top_n, int) or isinstance(top_n, bool) or top_n < 1):
         raise ApiError(400, f"`top_n` must be a positive integer, not {_show(top_n)}")

@@ -17,7 +17,7 @@ import numpy as np
 import orjson
 from aiohttp import hdrs, web
 
-from jaxserve.checkpoint.tokenize import openai_token_texts
+from jaxserve.checkpoint.tokenize import interleaved, openai_token_texts
 from jaxserve.errors import InputError, TokenizerError
 from jaxserve.http import api
 from jaxserve.http.api import ApiError, EmbedRequest
@@ -323,6 +323,11 @@ def embedding_pieces(state: AppState, req: EmbedRequest, openai_ids: bool = Fals
     decoded to text first (`openai_token_texts`). The model's own ids run as given
     (`TextTokenizer.given`), or with a prompt, as TEI runs them: decoded without their
     special tokens, the prompt put in front of the text, and tokenized as text."""
+    if req.ids_at:  # a TEI batch of texts and token ids: each kind as it runs alone, put back in the order sent
+        at = set(req.ids_at)
+        alone = lambda **kind: embedding_pieces(state, dataclasses.replace(req, ids_at=(), **kind), openai_ids)
+        return interleaved([(alone(token_ids=None), [i for i in range(req.count) if i not in at]),
+                            (alone(texts=None), req.ids_at)])
     enc = state.encoder
     tok = enc.tokenizer
     prompt = request_prompt(state, req)

@@ -168,7 +168,7 @@ def _parse_rerank(body, state, chars_cut: str | None) -> tuple[str, list[str], i
         raise ApiError(400, "`query` must be a non-empty string")
     if "documents" not in body:
         raise ApiError(400, "missing required field `documents`")
-    documents, _ = api._inputs(body["documents"], "documents", state.limits, allow_tokens=False, cut=chars_cut)
+    documents = api.texts_of(body["documents"], "documents", state.limits, cut=chars_cut)
     query = api.within_limit(query, "query", state.limits, chars_cut)  # by the same limits as the documents'
     top_n = body.get("top_n")
     if top_n is not None and (not isinstance(top_n, int) or isinstance(top_n, bool) or top_n < 0):
@@ -192,7 +192,7 @@ async def score(request: web.Request) -> web.Response:
     for key in ("text_1", "text_2"):
         if key not in body:
             raise ApiError(400, f"missing required field `{key}`")
-        texts, _ = api._inputs(body[key], key, state.limits, allow_tokens=False, cut=api.cut_end(truncate))
+        texts = api.texts_of(body[key], key, state.limits, cut=api.cut_end(truncate))
         sides.append(texts)
     first, second = sides
     if len(first) == 1:
