@@ -5,9 +5,11 @@ from __future__ import annotations
 from jaxserve.http.api import COHERE_EMBEDDING_TYPES, ENCODING_FORMATS, FUNCTIONS
 
 TEXTS = {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "minItems": 1}]}
-TOKEN_IDS = {"oneOf": [{"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
-                       {"type": "array", "items": {"type": "array", "items": {"type": "integer", "minimum": 0},
-                                                   "minItems": 1}, "minItems": 1}]}
+ONE_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+TOKEN_IDS = {"oneOf": [ONE_IDS, {"type": "array", "items": ONE_IDS, "minItems": 1}]}
+# texts, token ids, or (TEI's `Input::Batch`) both in one list
+TEXTS_OR_IDS = {"anyOf": [TEXTS, TOKEN_IDS, {"type": "array", "items": {"oneOf": [{"type": "string"}, ONE_IDS]},
+                                             "minItems": 1}]}
 LONG = {"type": "string", "enum": ["truncate", "chunk", "error"],
         "description": "what to do with an input over the model's limit (extension)"}
 
@@ -23,7 +25,7 @@ VLLM_CUT = {"truncate_prompt_tokens": {"type": "integer", "minimum": -1, "descri
                                         "the model's limit"}}
 
 EMBED_BODY = {"type": "object", "required": ["inputs"], "properties": {
-    "inputs": {"oneOf": [TEXTS, TOKEN_IDS]}, "normalize": {"type": "boolean"}, "truncate": {"type": "boolean"},
+    "inputs": TEXTS_OR_IDS, "normalize": {"type": "boolean"}, "truncate": {"type": "boolean"},
     "truncation_direction": DIRECTION, "dimensions": {"type": "integer", "minimum": 1}, "long": LONG, **PROMPT}}
 FUNCTION = {"type": "string", "enum": list(FUNCTIONS)}
 # /embed's body less what a per-token or per-vocabulary-entry output has no use for (refused there: api._refuse)
@@ -44,7 +46,7 @@ EMBEDDINGS_BODY = {
     "type": "object",
     "required": ["input"],
     "properties": {
-        "input": {"oneOf": [TEXTS, TOKEN_IDS]},
+        "input": TEXTS_OR_IDS,
         "model": {"type": "string"},
         "encoding_format": {"type": "string", "enum": list(ENCODING_FORMATS)},
         "dimensions": {"type": "integer", "minimum": 1},
