@@ -254,6 +254,13 @@ def test_openai_sync(embedder, client_table):
             oai.embeddings.create(model=MODEL, input=["x"] * 33)
         assert err.value.status_code == 413 and "at most 32" in err.value.message
         row.parity = "413, the server's message"
+    with client_table.call("openai", "`models.list()`, `models.retrieve(name)`") as row:
+        (card,) = oai.models.list().data
+        assert (card.id, card.object, card.to_dict()["max_model_len"]) == (MODEL, "model", enc.embedding_config.max_seq_length)
+        assert oai.models.retrieve(MODEL).id == MODEL
+        with pytest.raises(openai.NotFoundError):
+            oai.models.retrieve("another/model")
+        row.parity = "the served model (404 for another)"
 
 
 async def test_openai_async(embedder, client_table):

@@ -381,3 +381,20 @@ async def test_a_text_past_max_input_chars_is_cut_on_every_scoring_route(make_se
     client = await make_server(classifier[1], max_input_chars=40)
     got, cut = [await client.post("/classify", json={"input": [t]}) for t in (long, long[:40])]
     assert got.status == 200 and (await got.json())["data"] == (await cut.json())["data"]
+
+
+async def test_models_lists_the_served_model_as_openai_vllm_and_infinity_do(make_server, embedder):
+    """`GET /v1/models` (404 before), which the openai SDK's `models.list()`, LiteLLM and chat front-ends read to
+    find the served model; `/v1/models/{name}` takes a name with its organisation's slash; behind the API key."""
+    _, enc = embedder
+    client = await make_server(enc, model_name="org/tiny-model", api_key="s3cret")
+    assert (await client.get("/v1/models")).status == 401
+    key = {"Authorization": "Bearer s3cret"}
+    listed = await (await client.get("/v1/models", headers=key)).json()
+    (card,) = listed["data"]
+    assert listed["object"] == "list" and card["id"] == card["root"] == "org/tiny-model"
+    assert card["object"] == "model" and card["max_model_len"] == enc.embedding_config.max_seq_length
+    assert (await (await client.get("/models", headers=key)).json())["data"][0]["id"] == "org/tiny-model"  # Infinity's
+    assert (await (await client.get("/v1/models/org/tiny-model", headers=key)).json())["id"] == "org/tiny-model"
+    missing = await client.get("/v1/models/org/other", headers=key)
+    assert missing.status == 404 and "does not exist" in (await missing.json())["error"]["message"]

@@ -224,6 +224,11 @@ def spec(version: str) -> dict:
             "/info": _get("model, device, limits and the bucket table with its memory math"),
             "/metrics": _get("Prometheus metrics", "text/plain"),
             "/openapi.json": _get("this document"),
+            "/v1/models": _get("OpenAI's model list: the served model (also /models, as Infinity)"),
+            "/models": _get("OpenAI's model list, where Infinity serves it"),
+            "/v1/models/{model}": {"get": {**_get("the served model by its name; 404 for another")["get"],
+                                           "parameters": [{"name": "model", "in": "path", "required": True,
+                                                           "schema": {"type": "string"}}]}},
             "/api-doc/openapi.json": _get("this document, where TEI serves it"),
         },
     }

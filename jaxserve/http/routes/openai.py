@@ -18,6 +18,7 @@ from jaxserve.http.handling import (
     expect_later,
     explain_rows,
     json_body,
+    json_response,
     on_tokenizer,
     parsed,
     require_kind,
@@ -216,8 +217,35 @@ async def score(request: web.Request) -> web.Response:
     return bytes_response(encoded)
 
 
+def model_card(state) -> dict:
+    """The served model as OpenAI lists it, with vLLM's `root` and `max_model_len` (tokens a sequence holds)."""
+    enc = state.encoder
+    return {"id": state.model_name, "object": "model", "created": int(time.time()), "owned_by": "jaxserve",
+            "root": state.model_name, "parent": None,
+            "max_model_len": enc.embedding_config.max_seq_length if enc is not None else None}
+
+
+async def models(request: web.Request) -> web.Response:
+    """OpenAI's model list (`GET /v1/models`), as vLLM and Infinity serve it: what the openai SDK's
+    `models.list()`, LiteLLM and chat front-ends such as Open WebUI read to find (and check) the served model."""
+    return json_response({"object": "list", "data": [model_card(request.app[STATE])]})
+
+
+async def model(request: web.Request) -> web.Response:
+    """OpenAI's `GET /v1/models/{model}` (the SDK's `models.retrieve`): the served model, else 404."""
+    state = request.app[STATE]
+    name = request.match_info["model"]
+    if name != state.model_name:
+        raise ApiError(404, f"the model {api._show(name)} does not exist; this server serves {state.model_name!r}",
+                       "not_found_error")
+    return json_response(model_card(state))
+
+
 def add_routes(app: web.Application) -> None:
     routes = {"/v1/embeddings": embeddings, "/embeddings": embeddings,  # TEI serves OpenAI's route under this name too
               "/v1/plan": plan, "/classify": classify, "/v1/rerank": rerank, "/score": score, "/v1/score": score}
     for path, handler in routes.items():
         app.router.add_post(path, handler, expect_handler=expect_later)
+    for prefix in ("/v1/models", "/models"):  # Infinity's is /models
+        app.router.add_get(prefix, models)
+        app.router.add_get(prefix + "/{model:.+}", model)  # a model's name holds its organisation's slash
