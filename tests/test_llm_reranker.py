@@ -153,6 +153,12 @@ async def test_served_rerank_routes(reranker, make_server):
     np.testing.assert_allclose([r["relevance_score"] for r in out["results"]], np.sort(probs)[::-1][:3], atol=1e-3)
     assert out["results"][0]["document"] == {"text": DOCS[out["results"][0]["index"]]}
     assert out["usage"]["total_tokens"] > 0
+    # vLLM serves Jina's shape on /rerank too, and Infinity's clients send it there: a body with `documents` and no
+    # `texts` is answered as /v1/rerank answers it (TEI's 422 "missing `texts`" before); a TEI body stays TEI's
+    jina = await client.post("/rerank", json={"model": "m", "query": QUERY, "documents": DOCS, "top_n": 3})
+    assert jina.status == 200 and (await jina.json())["results"] == out["results"]
+    bad = await client.post("/rerank", json={"query": QUERY, "documents": DOCS, "top_n": -1})
+    assert bad.status == 422 and "top_n" in (await bad.json())["error"]  # TEI's route: TEI's error shape
     for path in ("/score", "/v1/score"):
         resp = await client.post(path, json={"model": "m", "text_1": QUERY, "text_2": DOCS})
         assert resp.status == 200, await resp.text()

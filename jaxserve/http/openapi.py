@@ -24,6 +24,11 @@ VLLM_CUT = {"truncate_prompt_tokens": {"type": "integer", "minimum": -1, "descri
                                         "input (or pair) keeps, special tokens included, 1 to the model's limit; -1: "
                                         "the model's limit"}}
 
+JINA_RERANK = {"type": "object", "required": ["query", "documents"], "properties": {  # vLLM's (Jina's) rerank body
+    "query": {"type": "string", "minLength": 1}, "model": {"type": "string"},
+    "documents": {"type": "array", "items": {"type": "string"}, "minItems": 1},
+    "top_n": {"type": "integer", "minimum": 0}, "return_documents": {"type": "boolean"}, **INSTRUCTION, **VLLM_CUT}}
+
 EMBED_BODY = {"type": "object", "required": ["inputs"], "properties": {
     "inputs": TEXTS_OR_IDS, "normalize": {"type": "boolean"}, "truncate": {"type": "boolean"},
     "truncation_direction": DIRECTION, "dimensions": {"type": "integer", "minimum": 1}, "long": LONG, **PROMPT}}
@@ -173,13 +178,17 @@ def spec(version: str) -> dict:
                 "top_k": {"type": "integer", "minimum": 1}, "function_to_apply": FUNCTION,
                 "parameters": {"type": "object", "properties": {  # huggingface_hub's text_classification
                     "top_k": {"type": "integer", "minimum": 1}, "function_to_apply": FUNCTION}}}}, {"type": "array"}),
-            "/rerank": _tei("TEI /rerank (cross-encoder models; multi-vector models score by MaxSim)", {"type": "object", "required": ["query", "texts"],
-                            "properties": {"query": {"type": "string", "minLength": 1},
-                                           "texts": {"type": "array", "items": {"type": "string"}, "minItems": 1},
-                                           "raw_scores": {"type": "boolean"}, "return_text": {"type": "boolean"},
-                                           "truncate": {"type": "boolean"}, "truncation_direction": DIRECTION,
-                                           **INSTRUCTION}},
-                            {"type": "array", "items": {"type": "object", "required": ["index", "score"]}}),
+            "/rerank": _tei("TEI /rerank (cross-encoder models; multi-vector models score by MaxSim); a body in Jina's "
+                            "shape (documents, no texts) as vLLM's /v1/rerank", {"oneOf": [
+                                {"type": "object", "required": ["query", "texts"],
+                                 "properties": {"query": {"type": "string", "minLength": 1},
+                                                "texts": {"type": "array", "items": {"type": "string"}, "minItems": 1},
+                                                "raw_scores": {"type": "boolean"}, "return_text": {"type": "boolean"},
+                                                "truncate": {"type": "boolean"}, "truncation_direction": DIRECTION,
+                                                **INSTRUCTION}},
+                                JINA_RERANK]},
+                            {"oneOf": [{"type": "array", "items": {"type": "object", "required": ["index", "score"]}},
+                                       {"type": "object"}]}),
             "/": {**_tei("TEI's root: the model kind's route (/embed, /embed_sparse, /similarity, /predict or /rerank)",
                          {"type": "object"}, {"type": "array"}),
                   **_get("health (as TEI's GET /)")},
@@ -192,13 +201,7 @@ def spec(version: str) -> dict:
             "/classify": _post("vLLM-style /classify (classifier models)", {"type": "object", "required": ["input"],
                                "properties": {"input": TEXTS, "model": {"type": "string"}, **VLLM_CUT}},
                                {"type": "object"}),
-            "/v1/rerank": _post("vLLM's /v1/rerank (cross-encoder and LLM rerankers)", {
-                "type": "object", "required": ["query", "documents"], "properties": {
-                    "query": {"type": "string", "minLength": 1}, "model": {"type": "string"},
-                    "documents": {"type": "array", "items": {"type": "string"}, "minItems": 1},
-                    "top_n": {"type": "integer", "minimum": 0}, "return_documents": {"type": "boolean"},
-                    **INSTRUCTION, **VLLM_CUT}},
-                {"type": "object"}),
+            "/v1/rerank": _post("vLLM's /v1/rerank (cross-encoder and LLM rerankers)", JINA_RERANK, {"type": "object"}),
             **{path: _post("vLLM's /score: text_1 against each of text_2, or pairwise", {
                 "type": "object", "required": ["text_1", "text_2"], "properties": {
                     "text_1": TEXTS, "text_2": TEXTS, "model": {"type": "string"}, **INSTRUCTION, **VLLM_CUT}},
@@ -226,9 +229,10 @@ def spec(version: str) -> dict:
             "/openapi.json": _get("this document"),
             "/v1/models": _get("OpenAI's model list: the served model (also /models, as Infinity)"),
             "/models": _get("OpenAI's model list, where Infinity serves it"),
-            "/v1/models/{model}": {"get": {**_get("the served model by its name; 404 for another")["get"],
-                                           "parameters": [{"name": "model", "in": "path", "required": True,
-                                                           "schema": {"type": "string"}}]}},
+            **{f"{prefix}/{{model}}": {"get": {**_get("the served model by its name; 404 for another")["get"],
+                                               "parameters": [{"name": "model", "in": "path", "required": True,
+                                                               "schema": {"type": "string"}}]}}
+               for prefix in ("/v1/models", "/models")},
             "/api-doc/openapi.json": _get("this document, where TEI serves it"),
         },
     }

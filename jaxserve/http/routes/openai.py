@@ -125,15 +125,21 @@ async def classify(request: web.Request) -> web.Response:
 
 
 async def rerank(request: web.Request) -> web.Response:
-    """vLLM's /v1/rerank (Jina's shape): `query`, `documents`, `top_n` -> results best first with
-    `relevance_score` (the cross-encoder's sigmoid, as /rerank) and, unless `return_documents` is false, the text."""
+    """vLLM's /v1/rerank (Jina's shape)."""
     state = request.app[STATE]
     state.require_ready()
-    require_cross_encoder(state, request.path)
     body = await json_body(request)
+    return await jina_rerank(state, body, ask_for(request, body), request.path)
+
+
+async def jina_rerank(state, body, ask, path: str = "/v1/rerank") -> web.Response:
+    """Jina's rerank shape, which vLLM serves on /v1/rerank and /rerank (and Infinity on /rerank): `query`,
+    `documents`, `top_n` -> results best first with `relevance_score` (the cross-encoder's sigmoid, as TEI's
+    /rerank) and, unless `return_documents` is false, the text."""
+    require_cross_encoder(state, path)
     truncate, cut = _vllm_cut(state, body)
     query, documents, top_n, with_docs = _parse_rerank(body, state, api.cut_end(truncate))
-    scores, ran = await pair_scores(state, [(query, d) for d in documents], ask_for(request, body), truncate,
+    scores, ran = await pair_scores(state, [(query, d) for d in documents], ask, truncate,
                                     instruction=instruction_of(state, body), limit=cut)
     tokens = ran.tokens
 

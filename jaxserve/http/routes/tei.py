@@ -252,6 +252,15 @@ def route(handler):
     return handle
 
 
+def _either(tei_rerank, jina_rerank):
+    async def rerank(state: AppState, body, ask: Ask = NO_ASK) -> web.Response:
+        if isinstance(body, dict) and "texts" not in body and "documents" in body:
+            return await jina_rerank(state, body, ask, "/rerank")
+        return await tei_rerank(state, body, ask)
+
+    return rerank
+
+
 def kind_route(state: AppState, body) -> str:
     """The route TEI's `POST /` runs a body on: the model kind's own (an embedding model's /similarity for a body
     whose `inputs` is an object)."""
@@ -304,8 +313,12 @@ async def vertex(request: web.Request) -> web.Response:
     return bytes_response(b"".join((b'{"predictions":[', b",".join(run.result().body for run in runs), b"]}")))
 
 
-def add_routes(app: web.Application) -> None:
+def add_routes(app: web.Application, jina_rerank=None) -> None:
+    """TEI's routes; a /rerank body in Jina's shape (`documents`, no `texts`: what vLLM and Infinity serve on
+    /rerank, and their clients send there) goes to `jina_rerank(state, body, ask, path)` where one is given."""
     for path, handler in HANDLERS.items():
+        if path == "/rerank" and jina_rerank is not None:
+            handler = _either(handler, jina_rerank)
         app.router.add_post(path, route(handler), expect_handler=expect_later)
     app.router.add_post("/", root, expect_handler=expect_later)
     app.router.add_post("/invocations", root, expect_handler=expect_later)
