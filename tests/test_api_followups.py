@@ -169,7 +169,10 @@ def test_vllms_truncate_prompt_tokens_and_add_special_tokens_are_served_or_refus
         with pytest.raises(ApiError, match=f"`{field}`") as err:
             parse(**kw)
         assert err.value.status == 400
-    assert api.vllm_truncation({"truncate_prompt_tokens": -1}, "error", 16) == ("truncate", None)  # score, rerank
+    assert api.vllm_truncation({"truncate_prompt_tokens": -1}, "error", 16) == ("truncate", None, "right")  # score
+    assert api.vllm_truncation({"truncation_side": "left"}, "error", 16) == ("error", None, "left")
+    with pytest.raises(ApiError, match="`truncation_side` must be left or right"):
+        api.vllm_truncation({"truncation_side": "Left"}, "truncate", 16)
     with pytest.raises(ApiError, match="`truncate_prompt_tokens` must be -1 .* from 1 to the model's limit of 16"):
         api.vllm_truncation({"truncate_prompt_tokens": 0}, "truncate", 16)
 
@@ -223,6 +226,39 @@ async def test_vllms_truncate_prompt_tokens_cuts_each_input_to_its_first_n_token
     assert got["usage"]["prompt_tokens"] == N
     resp = await post(input="jax", truncate_prompt_tokens=1)  # no room for [CLS] and [SEP]
     assert resp.status == 400 and "special tokens" in (await resp.json())["error"]["message"]
+
+
+async def test_vllms_truncation_side_and_use_activation_are_served_not_dropped(make_server, embedder, cross_encoder):
+    """vLLM's `truncation_side: left` keeps an input's last N tokens, and `use_activation: false` (older vLLM's
+    `normalize: false` on embeddings) answers the pooler's output without its activation: the embedding not
+    normalised, the cross-encoder's and classifier's logits. Both were dropped: the first N tokens, normalised
+    vectors and probabilities answered instead."""
+    words = one_token_a_word(embedder, LONG)
+    client = await make_server(embedder, token_ids="model")
+    post = lambda **kw: client.post("/v1/embeddings", json={"encoding_format": "float", **kw})
+    got = await (await post(input=[LONG], truncate_prompt_tokens=N, truncation_side="left")).json()
+    want = await (await client.post("/embed", json={"inputs": [" ".join(words[-(N - 2):])]})).json()
+    np.testing.assert_allclose(got["data"][0]["embedding"], want[0], atol=1e-6)
+    ids = [int(t) for t in embedder.tokenizer.encode([LONG])[0]]
+    got = await (await post(input=[ids], truncate_prompt_tokens=N, truncation_side="left")).json()
+    want = await (await post(input=[ids[-N:]])).json()
+    np.testing.assert_allclose(got["data"][0]["embedding"], want["data"][0]["embedding"], atol=1e-6)
+    raw = embedder.embed(["jax"], normalize=False)
+    for field in ("use_activation", "normalize"):
+        got = await (await post(input="jax", **{field: False})).json()
+        np.testing.assert_allclose(got["data"][0]["embedding"], raw[0], rtol=1e-5, atol=1e-6)
+    assert np.linalg.norm(raw) != pytest.approx(1.0, abs=1e-3)
+    client = await make_server(cross_encoder)
+    logit = (await (await client.post("/rerank", json={"query": "q", "texts": ["jax"], "raw_scores": True})).json())
+    for path, body, read in (
+            ("/v1/rerank", {"query": "q", "documents": ["jax"]}, lambda r: r["results"][0]["relevance_score"]),
+            ("/score", {"text_1": "q", "text_2": ["jax"]}, lambda r: r["data"][0]["score"])):
+        got = read(await (await client.post(path, json={**body, "use_activation": False})).json())
+        assert got == pytest.approx(logit[0]["score"], abs=1e-5), path
+        assert read(await (await client.post(path, json=body)).json()) == pytest.approx(1 / (1 + np.exp(-got)), abs=1e-5)
+    got = await (await client.post("/classify", json={"input": "jax", "use_activation": False})).json()
+    want = await (await client.post("/predict", json={"inputs": "jax", "raw_scores": True})).json()
+    assert got["data"][0]["probs"][0] == pytest.approx(want[0]["score"], abs=1e-5)  # a text's logit
 
 
 async def test_vllms_truncate_prompt_tokens_cuts_a_pair_longest_first(make_server, cross_encoder):

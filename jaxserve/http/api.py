@@ -207,14 +207,19 @@ def _long_mode(body: dict, default: str) -> str:
     return long
 
 
-def vllm_truncation(body: dict, default: str, max_length: int) -> tuple[str, int | None]:
-    """(long-input mode, cut) of a body with vLLM's `truncate_prompt_tokens` and `add_special_tokens` (its embeddings,
-    classify, score and rerank requests), as vLLM's renderer applies them (`TokenizeParams`): N keeps N tokens of each
-    sequence, special tokens included (a text or pair truncated by the tokenizer at N, `longest_first` for a pair;
-    token ids cut at the same end, the first N kept), -1 truncates at the model's limit, `max_length`; absent, the
-    mode is `default`. The cut is None at the model's limit. vLLM refuses N past the model's limit, and a cut to no
+def vllm_truncation(body: dict, default: str, max_length: int) -> tuple[str, int | None, str]:
+    """(long-input mode, cut, side) of a body with vLLM's `truncate_prompt_tokens`, `truncation_side` and
+    `add_special_tokens` (its embeddings, classify, score and rerank requests), as vLLM's renderer applies them
+    (`TokenizeParams`): N keeps N tokens of each sequence, special tokens included (a text or pair truncated by the
+    tokenizer at N, `longest_first` for a pair; token ids cut at the same end), -1 truncates at the model's limit,
+    `max_length`; absent, the mode is `default`. The cut is None at the model's limit. `truncation_side` "right"
+    (the default) keeps the first tokens, "left" the last. vLLM refuses N past the model's limit, and a cut to no
     tokens fails there too; `add_special_tokens: false` is refused rather than dropped, which would answer 200 with
     the vectors of other sequences."""
+    side = body.get("truncation_side")
+    if side not in (None, "left", "right"):
+        raise ApiError(400, f"`truncation_side` must be left or right, not {_show(side)}")
+    side = side or "right"
     cut = body.get("truncate_prompt_tokens")
     if cut is not None and (not isinstance(cut, int) or isinstance(cut, bool)
                             or not (cut == -1 or 1 <= cut <= max_length)):
@@ -224,8 +229,18 @@ def vllm_truncation(body: dict, default: str, max_length: int) -> tuple[str, int
         raise ApiError(400, "`add_special_tokens` must be true: this server always adds the model's special tokens "
                             "to a text")
     if cut is None:
-        return default, None
-    return "truncate", None if cut in (-1, max_length) else cut
+        return default, None, side
+    return "truncate", None if cut in (-1, max_length) else cut, side
+
+
+def vllm_activation(body: dict, *also: str) -> bool:
+    """vLLM's `use_activation` (else each field of `also`, as older vLLM's `normalize`), default true: false asks
+    for the pooler's output without its activation (an embedding not normalised, a classifier's or cross-encoder's
+    logits)."""
+    for key in ("use_activation", *also):
+        if body.get(key) is not None:
+            return _bool(body, key, True)
+    return True
 
 
 def _parameters(body: dict) -> dict:
@@ -284,16 +299,16 @@ def parse_openai_embeddings(body, limits: Limits, dim: int, default_long: str, m
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise ApiError(400, "`model` must be a string")
-    long, cut = vllm_truncation(body, default_long, max_length)
+    long, cut, side = vllm_truncation(body, default_long, max_length)
     long = _long_mode(body, long)
     if cut is not None and long != "truncate":
         raise ApiError(400, f"`truncate_prompt_tokens` truncates; `long` {_show(long)} does not")
-    texts, ids, ids_at = texts_or_ids(body["input"], "input", limits, cut=cut_end(long == "truncate"))
+    texts, ids, ids_at = texts_or_ids(body["input"], "input", limits, cut=cut_end(long == "truncate", side))
     fmt = "float" if body.get("encoding_format") is None else body["encoding_format"]  # a wrong type is refused
     if fmt not in ENCODING_FORMATS:
         raise ApiError(400, f"`encoding_format` must be one of {', '.join(ENCODING_FORMATS)}, not {_show(fmt)}")
-    return EmbedRequest(texts, ids, long, True, _dimensions(body, dim, declared), fmt, *_prompt(body, limits),
-                        model=model, cut=cut, ids_at=ids_at)
+    return EmbedRequest(texts, ids, long, vllm_activation(body, "normalize"), _dimensions(body, dim, declared), fmt,
+                        *_prompt(body, limits), direction=side, model=model, cut=cut, ids_at=ids_at)
 
 
 def parse_multivector_embeddings(body, limits: Limits, cut: str | None = None) -> tuple[list[str], str]:

@@ -20,14 +20,18 @@ DIRECTION = {"type": "string", "enum": ["Right", "Left", "right", "left"]}
 INSTRUCTION = {"instruction": {"type": "string", "description": "the task in the prompt's instruction slot (LLM "
                                "rerankers with one, as Qwen3-Reranker); others refuse it with a 4xx"}}
 
-VLLM_CUT = {"truncate_prompt_tokens": {"type": "integer", "minimum": -1, "description": "vLLM's: the tokens each "
-                                        "input (or pair) keeps, special tokens included, 1 to the model's limit; -1: "
-                                        "the model's limit"}}
+VLLM_FIELDS = {  # vLLM's pooling fields
+    "truncate_prompt_tokens": {"type": "integer", "minimum": -1, "description": "the tokens each input (or pair) keeps, "
+                               "special tokens included, 1 to the model's limit; -1: the model's limit"},
+    "truncation_side": {"type": "string", "enum": ["right", "left"],
+                        "description": "which end a cut keeps (right: the first tokens)"},
+    "use_activation": {"type": "boolean", "description": "false: the pooler's output without its activation (an "
+                       "embedding not normalised, a logit)"}}
 
 JINA_RERANK = {"type": "object", "required": ["query", "documents"], "properties": {  # vLLM's (Jina's) rerank body
     "query": {"type": "string", "minLength": 1}, "model": {"type": "string"},
     "documents": {"type": "array", "items": {"type": "string"}, "minItems": 1},
-    "top_n": {"type": "integer", "minimum": 0}, "return_documents": {"type": "boolean"}, **INSTRUCTION, **VLLM_CUT}}
+    "top_n": {"type": "integer", "minimum": 0}, "return_documents": {"type": "boolean"}, **INSTRUCTION, **VLLM_FIELDS}}
 
 EMBED_BODY = {"type": "object", "required": ["inputs"], "properties": {
     "inputs": TEXTS_OR_IDS, "normalize": {"type": "boolean"}, "truncate": {"type": "boolean"},
@@ -57,7 +61,7 @@ EMBEDDINGS_BODY = {
         "dimensions": {"type": "integer", "minimum": 1},
         "user": {"type": "string"},
         "long": LONG,
-        **VLLM_CUT,
+        **VLLM_FIELDS,
         "is_query": {"type": "boolean", "description": "multi-vector (ColBERT) models, as PyLate's server: "
                      "encode as queries (default) or documents"},
         **PROMPT,
@@ -199,12 +203,12 @@ def spec(version: str) -> dict:
                 {"type": "object", "required": ["predictions"], "properties": {"predictions": {"type": "array"}}}),
             "/ping": _get("health (SageMaker)"),
             "/classify": _post("vLLM-style /classify (classifier models)", {"type": "object", "required": ["input"],
-                               "properties": {"input": TEXTS, "model": {"type": "string"}, **VLLM_CUT}},
+                               "properties": {"input": TEXTS, "model": {"type": "string"}, **VLLM_FIELDS}},
                                {"type": "object"}),
             "/v1/rerank": _post("vLLM's /v1/rerank (cross-encoder and LLM rerankers)", JINA_RERANK, {"type": "object"}),
             **{path: _post("vLLM's /score: text_1 against each of text_2, or pairwise", {
                 "type": "object", "required": ["text_1", "text_2"], "properties": {
-                    "text_1": TEXTS, "text_2": TEXTS, "model": {"type": "string"}, **INSTRUCTION, **VLLM_CUT}},
+                    "text_1": TEXTS, "text_2": TEXTS, "model": {"type": "string"}, **INSTRUCTION, **VLLM_FIELDS}},
                 {"type": "object"})
                for path in ("/score", "/v1/score")},
             **{path: _post(f"Cohere's {version} embed: float, int8, uint8, binary, ubinary and base64 embeddings", {

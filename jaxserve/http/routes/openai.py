@@ -104,14 +104,15 @@ async def classify(request: web.Request) -> web.Response:
     state.require_ready()
     require_kind(state, "classifier", "/classify")
     body = await json_body(request)
-    truncate, cut = _vllm_cut(state, body)
-    texts = api.parse_classify(body, state.limits, api.cut_end(truncate))
-    ran = await run_request(state, lambda: state.encoder.prepare_pairs(texts, truncate, limit=cut),
+    truncate, cut, side = _vllm_cut(state, body)
+    texts = api.parse_classify(body, state.limits, api.cut_end(truncate, side))
+    raw = not api.vllm_activation(body)
+    ran = await run_request(state, lambda: state.encoder.prepare_pairs(texts, truncate, side, limit=cut),
                             ask=ask_for(request, body), inputs=len(texts))
     labels = state.encoder.head.labels
 
     def encode():
-        probs = api.scores(ran.out, raw=False)
+        probs = api.scores(ran.out, raw=raw)
         return orjson.dumps({
             "id": f"classify-{time.time_ns():x}", "object": "list", "created": int(time.time()),
             "model": state.model_name,
@@ -137,10 +138,10 @@ async def jina_rerank(state, body, ask, path: str = "/v1/rerank") -> web.Respons
     `documents`, `top_n` -> results best first with `relevance_score` (the cross-encoder's sigmoid, as TEI's
     /rerank) and, unless `return_documents` is false, the text."""
     require_cross_encoder(state, path)
-    truncate, cut = _vllm_cut(state, body)
-    query, documents, top_n, with_docs = _parse_rerank(body, state, api.cut_end(truncate))
-    scores, ran = await pair_scores(state, [(query, d) for d in documents], ask, truncate,
-                                    instruction=instruction_of(state, body), limit=cut)
+    truncate, cut, side = _vllm_cut(state, body)
+    query, documents, top_n, with_docs = _parse_rerank(body, state, api.cut_end(truncate, side))
+    scores, ran = await pair_scores(state, [(query, d) for d in documents], ask, truncate, side,
+                                    not api.vllm_activation(body), instruction_of(state, body), cut)
     tokens = ran.tokens
 
     def encode():
@@ -155,16 +156,16 @@ async def jina_rerank(state, body, ask, path: str = "/v1/rerank") -> web.Respons
     return bytes_response(encoded)
 
 
-def _vllm_cut(state, body) -> tuple[bool, int | None]:
+def _vllm_cut(state, body) -> tuple[bool, int | None, str]:
     """A vLLM classify, score or rerank body's truncation (`api.vllm_truncation`): (truncate at all, the request's own
-    length or None). vLLM cuts a score template's whole rendered prompt at N, its end included; an LLM reranker's
-    template here keeps its end, so N is refused for one, where -1 is served."""
+    length or None, the side cut). vLLM cuts a score template's whole rendered prompt at N, its end included; an LLM
+    reranker's template here keeps its end, so N is refused for one, where -1 is served."""
     enc = state.encoder
-    long, cut = api.vllm_truncation(api._object(body), state.config.long, enc.tokenizer.max_length)
+    long, cut, side = api.vllm_truncation(api._object(body), state.config.long, enc.tokenizer.max_length)
     if cut is not None and enc.pair_template is not None:
         raise ApiError(400, f"`truncate_prompt_tokens` {cut} is not served for an LLM reranker: its prompt template is "
                             "cut at the model's length only (-1), keeping the template's end")
-    return long != "error", cut
+    return long != "error", cut, side
 
 
 def _parse_rerank(body, state, chars_cut: str | None) -> tuple[str, list[str], int, bool]:
@@ -194,12 +195,12 @@ async def score(request: web.Request) -> web.Response:
     state.require_ready()
     require_cross_encoder(state, request.path)
     body = api._object(await json_body(request))
-    truncate, cut = _vllm_cut(state, body)
+    truncate, cut, side = _vllm_cut(state, body)
     sides = []
     for key in ("text_1", "text_2"):
         if key not in body:
             raise ApiError(400, f"missing required field `{key}`")
-        texts = api.texts_of(body[key], key, state.limits, cut=api.cut_end(truncate))
+        texts = api.texts_of(body[key], key, state.limits, cut=api.cut_end(truncate, side))
         sides.append(texts)
     first, second = sides
     if len(first) == 1:
@@ -207,8 +208,8 @@ async def score(request: web.Request) -> web.Response:
     if len(first) != len(second):
         raise ApiError(400, f"`text_1` has {len(first)} texts and `text_2` {len(second)}: give one `text_1`, "
                             "or as many as `text_2`")
-    scores, ran = await pair_scores(state, list(zip(first, second)), ask_for(request, body), truncate,
-                                    instruction=instruction_of(state, body), limit=cut)
+    scores, ran = await pair_scores(state, list(zip(first, second)), ask_for(request, body), truncate, side,
+                                    not api.vllm_activation(body), instruction_of(state, body), cut)
     tokens = ran.tokens
 
     def encode():
