@@ -303,3 +303,32 @@ def test_a_nan_score_fails_its_request_as_teis_backend_error():
 def test_tei_orders_equal_scores_highest_index_first():
     """TEI's /rerank and /predict sort ascending (stable) and reverse: best first, equal scores from the last."""
     assert api.tei_order(np.array([0.5, 0.9, 0.5, 0.1, 0.5], np.float32)) == [1, 4, 2, 0, 3]
+
+
+async def test_vllms_embed_dtype_and_endianness_shape_base64_as_vllm_encodes_it(make_server, embedder):
+    """vLLM's base64 vectors in `embed_dtype` and `endianness`: the bytes of torch's conversion, as vLLM's
+    `tensor2binary` makes them (a float16 or bfloat16 asked for was answered float32, which its client decodes as
+    twice as many wrong numbers). Float JSON ignores them, as vLLM does."""
+    import base64
+
+    import torch
+
+    client = await make_server(embedder)
+    want = embedder.embed(["the jax model", "x"], normalize=True)
+    post = lambda **kw: client.post("/v1/embeddings", json={"input": ["the jax model", "x"], **kw})
+    kinds = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+             "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+    for embed_dtype, kind in kinds.items():
+        for endianness in ("native", "big", "little"):
+            got = await (await post(encoding_format="base64", embed_dtype=embed_dtype, endianness=endianness)).json()
+            for row, v in zip(got["data"], want):
+                bits = torch.from_numpy(v).to(kind).view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[
+                    kind.itemsize]).numpy()
+                if endianness == "big":
+                    bits = bits.byteswap()
+                assert base64.b64decode(row["embedding"]) == bits.tobytes(), (embed_dtype, endianness)
+    floats = await (await post(encoding_format="float", embed_dtype="float16")).json()
+    np.testing.assert_allclose([d["embedding"] for d in floats["data"]], want, atol=1e-6)
+    for field, value in (("embed_dtype", "int4"), ("endianness", "middle")):
+        resp = await post(encoding_format="base64", **{field: value})
+        assert resp.status == 400 and f"`{field}` must be one of" in (await resp.json())["error"]["message"]

@@ -11,6 +11,7 @@ Cohere's `{"id", "message"}` on Cohere's /v2 routes (`cohere()`).
 from __future__ import annotations
 
 import dataclasses
+import sys
 import uuid
 
 import numpy as np
@@ -98,6 +99,7 @@ class EmbedRequest:
     model: str | None = None  # the `model` field of an OpenAI request (names the tokenizer of its token ids)
     cut: int | None = None  # tokens a sequence keeps (vLLM's `truncate_prompt_tokens`); None: the model's limit
     ids_at: tuple[int, ...] = ()  # a TEI batch of both: where its token ids are (`texts_or_ids`), texts elsewhere
+    element: tuple[str, str] = ("float32", "native")  # base64's (vLLM's `embed_dtype`, `endianness`)
 
     @property
     def inputs(self) -> list:
@@ -201,10 +203,7 @@ def _token_ids(ids: list, where: str) -> np.ndarray:
 
 
 def _long_mode(body: dict, default: str) -> str:
-    long = body.get("long", default)
-    if long not in LONG_MODES:
-        raise ApiError(400, f"`long` must be one of {', '.join(LONG_MODES)}, not {_show(long)}")
-    return long
+    return _one_of(body, "long", LONG_MODES, default)
 
 
 def vllm_truncation(body: dict, default: str, max_length: int) -> tuple[str, int | None, str]:
@@ -251,6 +250,16 @@ def _parameters(body: dict) -> dict:
     if not isinstance(params, dict):
         raise ApiError(400, "`parameters` must be an object")
     return params
+
+
+def _one_of(body: dict, key: str, values: tuple[str, ...], default: str) -> str:
+    """A field that names one of `values`; absent or null means `default`."""
+    value = body.get(key)
+    if value is None:
+        return default
+    if value not in values:
+        raise ApiError(400, f"`{key}` must be one of {', '.join(values)}, not {_show(value)}")
+    return value
 
 
 def _object(body) -> dict:
@@ -304,11 +313,11 @@ def parse_openai_embeddings(body, limits: Limits, dim: int, default_long: str, m
     if cut is not None and long != "truncate":
         raise ApiError(400, f"`truncate_prompt_tokens` truncates; `long` {_show(long)} does not")
     texts, ids, ids_at = texts_or_ids(body["input"], "input", limits, cut=cut_end(long == "truncate", side))
-    fmt = "float" if body.get("encoding_format") is None else body["encoding_format"]  # a wrong type is refused
-    if fmt not in ENCODING_FORMATS:
-        raise ApiError(400, f"`encoding_format` must be one of {', '.join(ENCODING_FORMATS)}, not {_show(fmt)}")
+    fmt = _one_of(body, "encoding_format", ENCODING_FORMATS, "float")
+    element = tuple(_one_of(body, key, values, default) for key, values, default in (
+        ("embed_dtype", EMBED_DTYPES, "float32"), ("endianness", ENDIANNESS, "native")))
     return EmbedRequest(texts, ids, long, vllm_activation(body, "normalize"), _dimensions(body, dim, declared), fmt,
-                        *_prompt(body, limits), direction=side, model=model, cut=cut, ids_at=ids_at)
+                        *_prompt(body, limits), direction=side, model=model, cut=cut, ids_at=ids_at, element=element)
 
 
 def parse_multivector_embeddings(body, limits: Limits, cut: str | None = None) -> tuple[list[str], str]:
@@ -484,18 +493,36 @@ def quantize(vectors: np.ndarray, kind: str) -> np.ndarray:
     return q if kind == "int8" else q.view(np.uint8) ^ np.uint8(0x80)
 
 
-def b64_rows(vectors: np.ndarray) -> list[str]:
-    """Each vector's little-endian float32 bytes in base64 (OpenAI's and Cohere's `base64`; the OpenAI client's
-    default). pybase64's SIMD encoder reads each row from the array itself and returns its str: the standard
-    library's encodes a byte at a time and needs a bytes copy before and after (docs/benchmarks.md)."""
-    return [pybase64.b64encode_as_string(v) for v in np.ascontiguousarray(vectors, "<f4")]
+EMBED_DTYPES = ("float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2")  # vLLM's `embed_dtype` of base64 vectors
+ENDIANNESS = ("native", "big", "little")  # ... and its `endianness`
 
 
-def openai_body(vectors: np.ndarray, model: str, prompt_tokens: int, encoding_format: str) -> bytes:
+def b64_rows(vectors: np.ndarray, embed_dtype: str = "float32", endianness: str = "native") -> list[str]:
+    """Each vector's bytes in base64 (OpenAI's and Cohere's `base64`; the OpenAI client's default): float32, or
+    vLLM's `embed_dtype`, in the host's byte order or vLLM's `endianness`. pybase64's SIMD encoder reads each row
+    from the array itself and returns its str: the standard library's encodes a byte at a time and needs a bytes
+    copy before and after (docs/benchmarks.md)."""
+    big = endianness == "big" or (endianness == "native" and sys.byteorder == "big")
+    if embed_dtype == "float32":
+        rows = np.ascontiguousarray(vectors, ">f4" if big else "<f4")
+    elif embed_dtype == "float16":
+        rows = np.ascontiguousarray(vectors, ">f2" if big else "<f2")
+    else:  # numpy has no bfloat16 or fp8: ml_dtypes' (what JAX's come from), rounded to nearest even as torch's
+        import ml_dtypes
+
+        kind = {"bfloat16": ml_dtypes.bfloat16, "fp8_e4m3": ml_dtypes.float8_e4m3fn,
+                "fp8_e5m2": ml_dtypes.float8_e5m2}[embed_dtype]
+        bits = np.asarray(vectors, np.float32).astype(kind).view(np.uint16 if embed_dtype == "bfloat16" else np.uint8)
+        rows = np.ascontiguousarray(bits, bits.dtype.newbyteorder(">" if big else "<"))
+    return [pybase64.b64encode_as_string(v) for v in rows]
+
+
+def openai_body(vectors: np.ndarray, model: str, prompt_tokens: int, encoding_format: str,
+                element: tuple[str, str] = ("float32", "native")) -> bytes:
     """The OpenAI embeddings response as JSON bytes: float32 vectors written at float32's shortest repr, base64
-    of their bytes, or (`QUANTIZED`) integers."""
+    of their bytes (`element`: vLLM's `embed_dtype` and `endianness`), or (`QUANTIZED`) integers."""
     if encoding_format == "base64":
-        rows = b64_rows(vectors)
+        rows = b64_rows(vectors, *element)
     elif encoding_format in QUANTIZED:
         rows = quantize(vectors, encoding_format)
     else:

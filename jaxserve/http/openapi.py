@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from jaxserve.http.api import COHERE_EMBEDDING_TYPES, ENCODING_FORMATS, FUNCTIONS
+from jaxserve.http.api import COHERE_EMBEDDING_TYPES, EMBED_DTYPES, ENCODING_FORMATS, ENDIANNESS, FUNCTIONS
 
 TEXTS = {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "minItems": 1}]}
 ONE_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
@@ -58,6 +58,8 @@ EMBEDDINGS_BODY = {
         "input": TEXTS_OR_IDS,
         "model": {"type": "string"},
         "encoding_format": {"type": "string", "enum": list(ENCODING_FORMATS)},
+        "embed_dtype": {"type": "string", "enum": list(EMBED_DTYPES), "description": "vLLM's: base64's element type"},
+        "endianness": {"type": "string", "enum": list(ENDIANNESS), "description": "vLLM's: base64's byte order"},
         "dimensions": {"type": "integer", "minimum": 1},
         "user": {"type": "string"},
         "long": LONG,

@@ -51,7 +51,8 @@ async def embeddings(request: web.Request) -> web.Response:
     ran = await run_request(state, lambda: embedding_pieces(state, req, openai_ids=True), want_explain=wants_explain,
                             ask=ask, inputs=req.count)
     body, encode_s = await respond(  # every format combines and normalises the vectors first: request-sized
-        state, lambda: api.openai_body(vectors_of(ran, req), state.model_name, ran.tokens, req.encoding_format),
+        state, lambda: api.openai_body(vectors_of(ran, req), state.model_name, ran.tokens, req.encoding_format,
+                                      req.element),
         ran.floats)
     if wants_explain:
         measured = dict(ran.phases, encode_s=encode_s, total_s=time.perf_counter() - start)
