@@ -86,6 +86,33 @@ async def test_decode_and_tokenize_round_trip(make_server, embedder):
     assert [t["id"] for t in tokens[0]] == ids[0]
 
 
+async def test_vllms_tokenize_and_detokenize_shapes(make_server, embedder):
+    """vLLM's /tokenize (`prompt`, no `inputs`: TEI's /tokenize answered 422 missing `inputs`) gives the ids, their
+    count, the model's length and (`return_token_strs`) the tokenizer's strings; /detokenize (404 before) their text,
+    special tokens kept, as vLLM decodes them. TEI's bodies stay TEI's, its `prompt` extension included."""
+    _, enc = embedder
+    client = await make_server(enc)
+    tok = enc.tokenizer.tokenizer
+    want = tok.encode(TEXTS[0])
+    got = await (await client.post("/tokenize", json={"model": "m", "prompt": TEXTS[0]})).json()
+    assert got == {"count": len(want.ids), "max_model_len": enc.tokenizer.max_length, "tokens": want.ids,
+                   "token_strs": None}
+    bare = await (await client.post("/tokenize", json={"prompt": TEXTS[0], "add_special_tokens": False,
+                                                       "return_token_strs": True})).json()
+    assert bare["tokens"] == want.ids[1:-1] and bare["token_strs"] == want.tokens[1:-1]
+    tei = await (await client.post("/tokenize", json={"inputs": TEXTS[0], "prompt": "query: "})).json()
+    assert [t["id"] for t in tei[0]] == tok.encode("query: " + TEXTS[0]).ids  # TEI's body with its prompt extension
+    text = await (await client.post("/detokenize", json={"model": "m", "tokens": want.ids})).json()
+    assert text == {"prompt": tok.decode(want.ids, skip_special_tokens=False)} and "[CLS]" in text["prompt"]
+    for path, body, status, field in (("/tokenize", {"prompt": 5}, 422, "prompt"),
+                                      ("/detokenize", {"tokens": [10**6]}, 400, "tokens"),
+                                      ("/detokenize", {"tokens": "1 2"}, 400, "tokens"),
+                                      ("/detokenize", {"tokens": []}, 400, "tokens")):
+        resp = await client.post(path, json=body)
+        message = json.dumps(await resp.json())
+        assert resp.status == status and f"`{field}`" in message, (path, body, message)
+
+
 async def test_tokenize_answers_byte_offsets_as_tei(make_server, embedder):
     """TEI's /tokenize gives UTF-8 byte offsets (Rust's tokenizers); they were character offsets, the same in ASCII
     only."""

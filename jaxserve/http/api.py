@@ -437,6 +437,29 @@ def parse_tokenize(body, limits: Limits) -> tuple[list[str], bool, str | None, s
     return texts, _bool(body, "add_special_tokens", True), *_prompt(body, limits)
 
 
+def parse_vllm_tokenize(body, limits: Limits) -> tuple[str, bool, bool]:
+    """vLLM's /tokenize (a completion's shape) -> (prompt, add_special_tokens, return_token_strs)."""
+    body = _object(body)
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str):
+        raise ApiError(400, f"`prompt` must be a string, not {type(prompt).__name__}")
+    return (within_limit(prompt, "prompt", limits), _bool(body, "add_special_tokens", True),
+            _bool(body, "return_token_strs", False))
+
+
+def parse_detokenize(body, limits: Limits, vocab: int) -> np.ndarray:
+    """vLLM's /detokenize: `tokens`, one list of the model's token ids (each from 0 to `vocab` - 1)."""
+    body = _object(body)
+    if not isinstance(body.get("tokens"), list):
+        raise ApiError(400, "`tokens` must be a list of token ids")
+    ids = _token_ids(body["tokens"], "tokens")
+    if len(ids) > limits.max_input_chars:
+        raise ApiError(413, f"`tokens` has {len(ids)} ids; at most {limits.max_input_chars}", "request_too_large")
+    if ids.max() >= vocab:
+        raise ApiError(400, f"`tokens` has token id {int(ids.max())}, outside the vocabulary of {vocab}")
+    return ids
+
+
 def parse_decode(body, limits: Limits, vocab: int) -> tuple[list[list[int]], bool]:
     """TEI /decode: `ids` (one list of token ids, or a list of them), `skip_special_tokens` (default true)."""
     body = _object(body)

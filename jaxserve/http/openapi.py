@@ -171,9 +171,16 @@ def spec(version: str) -> dict:
                     "parameters": {"type": "object", "properties": {
                         "truncate": {"type": "boolean"}, "truncation_direction": DIRECTION, **PROMPT}}}},
                 {"type": "array", "items": {"type": "number"}}),
-            "/tokenize": _tei("TEI /tokenize", {"type": "object", "required": ["inputs"], "properties": {
-                "inputs": TEXTS, "add_special_tokens": {"type": "boolean"}, **PROMPT}},
-                {"type": "array"}),
+            "/tokenize": _tei("TEI /tokenize; a body with `prompt` and no `inputs` as vLLM's /tokenize", {"anyOf": [
+                {"type": "object", "required": ["inputs"], "properties": {
+                    "inputs": TEXTS, "add_special_tokens": {"type": "boolean"}, **PROMPT}},
+                {"type": "object", "required": ["prompt"], "properties": {  # vLLM's
+                    "prompt": {"type": "string"}, "model": {"type": "string"}, "add_special_tokens": {"type": "boolean"},
+                    "return_token_strs": {"type": "boolean"}}}]},
+                {"oneOf": [{"type": "array"}, {"type": "object", "required": ["count", "max_model_len", "tokens"]}]}),
+            "/detokenize": _post("vLLM's /detokenize", {"type": "object", "required": ["tokens"], "properties": {
+                "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
+                "model": {"type": "string"}}}, {"type": "object", "required": ["prompt"]}),
             "/decode": _tei("TEI /decode", {"type": "object", "required": ["ids"], "properties": {
                 "ids": TOKEN_IDS, "skip_special_tokens": {"type": "boolean"}}},
                 {"type": "array", "items": {"type": "string"}}),
@@ -185,7 +192,7 @@ def spec(version: str) -> dict:
                 "parameters": {"type": "object", "properties": {  # huggingface_hub's text_classification
                     "top_k": {"type": "integer", "minimum": 1}, "function_to_apply": FUNCTION}}}}, {"type": "array"}),
             "/rerank": _tei("TEI /rerank (cross-encoder models; multi-vector models score by MaxSim); a body in Jina's "
-                            "shape (documents, no texts) as vLLM's /v1/rerank", {"oneOf": [
+                            "shape (documents, no texts) as vLLM's /v1/rerank", {"anyOf": [
                                 {"type": "object", "required": ["query", "texts"],
                                  "properties": {"query": {"type": "string", "minLength": 1},
                                                 "texts": {"type": "array", "items": {"type": "string"}, "minItems": 1},

@@ -225,6 +225,32 @@ async def score(request: web.Request) -> web.Response:
     return bytes_response(encoded)
 
 
+async def vllm_tokenize(state, body, ask, path: str = "/tokenize") -> web.Response:
+    """vLLM's /tokenize (a completion's shape: `prompt`, `add_special_tokens`, `return_token_strs`) -> its token ids,
+    their count and the model's length: what clients of vLLM count tokens with before they chunk a document."""
+    prompt, special, strs = await parsed(state, ask, lambda: api.parse_vllm_tokenize(body, state.limits))
+    tok = state.encoder.tokenizer.tokenizer
+
+    def encode() -> bytes:
+        e = tok.encode(prompt, add_special_tokens=special)
+        return orjson.dumps({"count": len(e.ids), "max_model_len": state.encoder.tokenizer.max_length,
+                             "tokens": e.ids, "token_strs": e.tokens if strs else None})
+
+    return bytes_response(await on_tokenizer(state, lambda: tokenized(encode)))
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    """vLLM's /detokenize: `tokens` -> `{"prompt": their text}`, special tokens kept, as vLLM decodes them."""
+    state = request.app[STATE]
+    state.require_ready()
+    body = await json_body(request)
+    ids = await parsed(state, ask_for(request, body),
+                       lambda: api.parse_detokenize(body, state.limits, state.encoder.arch.vocab_size))
+    tok = state.encoder.tokenizer.tokenizer
+    text = await on_tokenizer(state, lambda: tokenized(lambda: tok.decode(ids.tolist(), skip_special_tokens=False)))
+    return json_response({"prompt": text})
+
+
 def model_card(state) -> dict:
     """The served model as OpenAI lists it, with vLLM's `root` and `max_model_len` (tokens a sequence holds)."""
     enc = state.encoder
@@ -251,7 +277,8 @@ async def model(request: web.Request) -> web.Response:
 
 def add_routes(app: web.Application) -> None:
     routes = {"/v1/embeddings": embeddings, "/embeddings": embeddings,  # TEI serves OpenAI's route under this name too
-              "/v1/plan": plan, "/classify": classify, "/v1/rerank": rerank, "/score": score, "/v1/score": score}
+              "/v1/plan": plan, "/classify": classify, "/v1/rerank": rerank, "/score": score, "/v1/score": score,
+              "/detokenize": detokenize}
     for path, handler in routes.items():
         app.router.add_post(path, handler, expect_handler=expect_later)
     for prefix in ("/v1/models", "/models"):  # Infinity's is /models

@@ -240,25 +240,28 @@ HANDLERS = {"/embed": _embed, "/embed_all": _embed_all, "/embed_sparse": _embed_
             "/rerank": _rerank, "/tokenize": _tokenize, "/decode": _decode, "/embed_m3": m3_routes.embed_m3}
 
 
-def route(handler):
+NO_MODEL_RUN = ("/tokenize", "/decode")  # no class asked for: only the body's size (checked off the loop if large)
+
+
+def route(handler, runs_model: bool = True):
     async def handle(request: web.Request) -> web.Response:
         state = request.app[STATE]
         state.require_ready()
         body = await json_body(request)
-        if handler in (_tokenize, _decode):  # no model run: no class; the body's size (checked off the loop if large)
+        if not runs_model:
             return await handler(state, body, Ask(body_bytes=request.get(BODY_BYTES, 0)))
         return await handler(state, body, ask_for(request, body))
 
     return handle
 
 
-def _either(tei_rerank, jina_rerank):
-    async def rerank(state: AppState, body, ask: Ask = NO_ASK) -> web.Response:
-        if isinstance(body, dict) and "texts" not in body and "documents" in body:
-            return await jina_rerank(state, body, ask, "/rerank")
-        return await tei_rerank(state, body, ask)
+def _either(tei_handler, field: str, vllm_handler, tei_field: str, path: str):
+    async def handle(state: AppState, body, ask: Ask = NO_ASK) -> web.Response:
+        if isinstance(body, dict) and field in body and tei_field not in body:
+            return await vllm_handler(state, body, ask, path)
+        return await tei_handler(state, body, ask)
 
-    return rerank
+    return handle
 
 
 def kind_route(state: AppState, body) -> str:
@@ -313,13 +316,17 @@ async def vertex(request: web.Request) -> web.Response:
     return bytes_response(b"".join((b'{"predictions":[', b",".join(run.result().body for run in runs), b"]}")))
 
 
-def add_routes(app: web.Application, jina_rerank=None) -> None:
-    """TEI's routes; a /rerank body in Jina's shape (`documents`, no `texts`: what vLLM and Infinity serve on
-    /rerank, and their clients send there) goes to `jina_rerank(state, body, ask, path)` where one is given."""
+TEI_FIELDS = {"/rerank": "texts", "/tokenize": "inputs"}  # a TEI body's own field on routes vLLM shares
+
+
+def add_routes(app: web.Application, vllm: dict | None = None) -> None:
+    """TEI's routes. `vllm`: for a path TEI shares with vLLM, (the field of vLLM's body, its handler(state, body, ask,
+    path)): a body with that field and without TEI's own (`TEI_FIELDS`) is vLLM's (Jina's rerank shape on /rerank,
+    which vLLM and Infinity serve there and their clients send; vLLM's `prompt` on /tokenize)."""
     for path, handler in HANDLERS.items():
-        if path == "/rerank" and jina_rerank is not None:
-            handler = _either(handler, jina_rerank)
-        app.router.add_post(path, route(handler), expect_handler=expect_later)
+        if path in (vllm or {}):
+            handler = _either(handler, *vllm[path], TEI_FIELDS[path], path)
+        app.router.add_post(path, route(handler, path not in NO_MODEL_RUN), expect_handler=expect_later)
     app.router.add_post("/", root, expect_handler=expect_later)
     app.router.add_post("/invocations", root, expect_handler=expect_later)
     app.router.add_post("/vertex", vertex, expect_handler=expect_later)
