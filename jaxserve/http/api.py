@@ -85,6 +85,11 @@ class Limits:
     max_input_chars: int  # characters per input
 
 
+EMBED_DTYPES = ("float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2")  # vLLM's `embed_dtype` of base64 vectors
+ENDIANNESS = ("native", "big", "little")  # ... and its `endianness`
+FLOAT32 = ("float32", "native")  # base64's default: float32 in the host's byte order
+
+
 @dataclasses.dataclass(frozen=True)
 class EmbedRequest:
     texts: list[str] | None  # either texts ...
@@ -99,7 +104,7 @@ class EmbedRequest:
     model: str | None = None  # the `model` field of an OpenAI request (names the tokenizer of its token ids)
     cut: int | None = None  # tokens a sequence keeps (vLLM's `truncate_prompt_tokens`); None: the model's limit
     ids_at: tuple[int, ...] = ()  # a TEI batch of both: where its token ids are (`texts_or_ids`), texts elsewhere
-    element: tuple[str, str] = ("float32", "native")  # base64's (vLLM's `embed_dtype`, `endianness`)
+    element: tuple[str, str] = FLOAT32  # base64's (vLLM's `embed_dtype`, `endianness`)
 
     @property
     def inputs(self) -> list:
@@ -141,9 +146,10 @@ def texts_or_ids(value, field: str, limits: Limits, blank: bool = True,
     """Texts (`texts_of`), one list of token ids, or a list of token-id lists -> (texts, token ids, where the token
     ids are). A batch of texts and token-id lists mixed, which TEI's `Input` reads (each item a `String` or `Ids`),
     gives both lists, the token ids at the positions of the third."""
-    if isinstance(value, list) and value and all(isinstance(x, int) and not isinstance(x, bool) for x in value):
-        value = [value]  # one pre-tokenized input
-    if not (isinstance(value, list) and any(isinstance(x, list) for x in value)):
+    kinds = set(map(type, value)) if isinstance(value, list) else ()  # (one C loop: a query's list is one text)
+    if kinds == {int}:
+        value, kinds = [value], {list}  # one pre-tokenized input
+    if list not in kinds:
         return texts_of(value, field, limits, blank, cut), None, ()
     _count(value, field, limits)
     at = tuple(i for i, x in enumerate(value) if isinstance(x, list))
@@ -314,8 +320,8 @@ def parse_openai_embeddings(body, limits: Limits, dim: int, default_long: str, m
         raise ApiError(400, f"`truncate_prompt_tokens` truncates; `long` {_show(long)} does not")
     texts, ids, ids_at = texts_or_ids(body["input"], "input", limits, cut=cut_end(long == "truncate", side))
     fmt = _one_of(body, "encoding_format", ENCODING_FORMATS, "float")
-    element = tuple(_one_of(body, key, values, default) for key, values, default in (
-        ("embed_dtype", EMBED_DTYPES, "float32"), ("endianness", ENDIANNESS, "native")))
+    element = ((_one_of(body, "embed_dtype", EMBED_DTYPES, "float32"), _one_of(body, "endianness", ENDIANNESS, "native"))
+               if "embed_dtype" in body or "endianness" in body else FLOAT32)
     return EmbedRequest(texts, ids, long, vllm_activation(body, "normalize"), _dimensions(body, dim, declared), fmt,
                         *_prompt(body, limits), direction=side, model=model, cut=cut, ids_at=ids_at, element=element)
 
@@ -516,10 +522,6 @@ def quantize(vectors: np.ndarray, kind: str) -> np.ndarray:
     return q if kind == "int8" else q.view(np.uint8) ^ np.uint8(0x80)
 
 
-EMBED_DTYPES = ("float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2")  # vLLM's `embed_dtype` of base64 vectors
-ENDIANNESS = ("native", "big", "little")  # ... and its `endianness`
-
-
 def b64_rows(vectors: np.ndarray, embed_dtype: str = "float32", endianness: str = "native") -> list[str]:
     """Each vector's bytes in base64 (OpenAI's and Cohere's `base64`; the OpenAI client's default): float32, or
     vLLM's `embed_dtype`, in the host's byte order or vLLM's `endianness`. pybase64's SIMD encoder reads each row
@@ -541,7 +543,7 @@ def b64_rows(vectors: np.ndarray, embed_dtype: str = "float32", endianness: str 
 
 
 def openai_body(vectors: np.ndarray, model: str, prompt_tokens: int, encoding_format: str,
-                element: tuple[str, str] = ("float32", "native")) -> bytes:
+                element: tuple[str, str] = FLOAT32) -> bytes:
     """The OpenAI embeddings response as JSON bytes: float32 vectors written at float32's shortest repr, base64
     of their bytes (`element`: vLLM's `embed_dtype` and `endianness`), or (`QUANTIZED`) integers."""
     if encoding_format == "base64":
