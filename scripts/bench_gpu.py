@@ -52,7 +52,7 @@ import harness
 # Modules jaxserve imports at run time: every run-time dependency of pyproject.toml, by module name
 # (tests/test_bench_gpu_preflight.py holds the two lists together); and those the peers column needs.
 REQUIRED = ["jax", "jaxlib", "flax", "numpy", "transformers", "tokenizers", "safetensors", "huggingface_hub",
-            "aiohttp", "orjson", "pybase64", "tiktoken", "psutil", "tqdm", "prometheus_client", "uvloop"]
+            "aiohttp", "orjson", "pybase64", "ml_dtypes", "tiktoken", "psutil", "tqdm", "prometheus_client", "uvloop"]
 PEERS = ["torch", "sentence_transformers"]
 # Dense bf16 peak by device kind (vendors' datasheets, FLOP/s); MFU is reported against it.
 PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L4": 121e12}
