@@ -332,3 +332,33 @@ async def test_vllms_embed_dtype_and_endianness_shape_base64_as_vllm_encodes_it(
     for field, value in (("embed_dtype", "int4"), ("endianness", "middle")):
         resp = await post(encoding_format="base64", **{field: value})
         assert resp.status == 400 and f"`{field}` must be one of" in (await resp.json())["error"]["message"]
+
+
+async def test_a_jina_body_on_rerank_is_held_to_v1_reranks_class_and_names_inputs_as_sent(make_server, cross_encoder,
+                                                                                           embedder):
+    """A body in Jina's shape on /rerank runs as /v1/rerank: `--route-priority /v1/rerank=bulk` holds it too (it
+    ran interactive). A mixed batch's refusal names the input as sent (each kind counted from 0 before), and an
+    empty token-id list is TEI's 400 Empty."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    client = await make_server(cross_encoder, route_priority=(("/v1/rerank", "bulk"),))
+
+    async def served(cls: str) -> float:
+        text = await (await client.get("/metrics")).text()
+        return next((s.value for f in text_string_to_metric_families(text) for s in f.samples
+                     if s.name == "jaxserve_class_request_seconds_count" and s.labels == {"class": cls}), 0.0)
+
+    before = await served("bulk")
+    assert (await client.post("/rerank", json={"query": "q", "documents": ["a b", "c"]})).status == 200
+    assert await served("bulk") == before + 1
+    assert (await client.post("/rerank", json={"query": "q", "texts": ["a b", "c"]})).status == 200
+    assert await served("bulk") == before + 1  # TEI's body: /rerank's own class (none set here)
+    client = await make_server(embedder)
+    vocab = embedder.arch.vocab_size
+    for inputs, truncate, named in ((["ok", [1, vocab]], True, "input 1 "), ([[1, 2], "the model " * 40], False,
+                                    "input 1 "), ([[1, 2], "ok", "the model " * 40], False, "input 2 ")):
+        resp = await client.post("/embed", json={"inputs": inputs, "truncate": truncate})
+        assert resp.status == 422 and named in (await resp.json())["error"], inputs
+    for inputs in (["ok", []], [[]]):
+        resp = await client.post("/embed", json={"inputs": inputs})
+        assert resp.status == 400 and (await resp.json())["error_type"] == "Empty", inputs

@@ -324,6 +324,8 @@ async def test_rerank_by_maxsim(make_server, st_model):
     assert [g["text"] for g in got] == [DOCUMENTS[i] for i in order]
     root = await client.post("/", json={"query": query, "texts": DOCUMENTS[:2]})
     assert root.status == 200 and len(await root.json()) == 2
+    jina = await client.post("/rerank", json={"query": query, "documents": DOCUMENTS})  # served for cross-encoders
+    assert jina.status == 422 and "takes TEI's body, `query` and `texts`" in (await jina.json())["error"]
 
 
 async def test_info_and_openapi_describe_it(make_server, st_model):

@@ -425,3 +425,8 @@ async def test_models_lists_the_served_model_as_openai_vllm_and_infinity_do(make
     assert (await (await client.get("/v1/models/org/tiny-model", headers=key)).json())["id"] == "org/tiny-model"
     missing = await client.get("/v1/models/org/other", headers=key)
     assert missing.status == 404 and "does not exist" in (await missing.json())["error"]["message"]
+    client.app[STATE].ready = False  # as while warming up: a model listed is one that can be used
+    try:
+        assert (await client.get("/v1/models", headers=key)).status == 503
+    finally:
+        client.app[STATE].ready = True

@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import itertools
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -242,14 +243,16 @@ class TextTokenizer:
         return self.documents(texts).seqs
 
     def documents(self, texts: list[str], long: str = "truncate", overlap: int = DEFAULT_CHUNK_OVERLAP,
-                  prompt: str | None = None, direction: str = "right", limit: int | None = None) -> Pieces:
+                  prompt: str | None = None, direction: str = "right", limit: int | None = None,
+                  at: Sequence[int] | None = None) -> Pieces:
         """Texts -> model sequences: a long one truncated (one tokenizer call), split into windows, or refused.
 
         `prompt` goes in front of every text, as sentence-transformers and TEI put it: the
         strings joined before tokenizing, in every mode, so its tokens count toward the length
         limit and are the ids truncation gives. In chunk mode every window starts with the
         prompt's tokens as they came out of the joined text. `direction`: which end truncation cuts;
-        `limit`: a request's own length to truncate to (`_cut`), the model's when None."""
+        `limit`: a request's own length to truncate to (`_cut`), the model's when None; `at`: each text's index in
+        its request, which a refusal names (`pieces`)."""
         if long not in LONG_MODES:
             raise InputError(f"unknown long-input mode {long!r}; choose from {', '.join(LONG_MODES)}")
         if prompt:
@@ -263,11 +266,11 @@ class TextTokenizer:
             lengths = offsets[1:] - offsets[:-1]
             return Pieces(ids, offsets, np.arange(n), np.maximum(lengths - self.num_special, 1).astype(float))
         if not prompt or long == "error":
-            return self.pieces(self.encode_bodies(texts), long, overlap, direction)
+            return self.pieces(self.encode_bodies(texts), long, overlap, direction, at=at)
         encodings = self._encoded(texts, "whole", fast=False, special=False)
         within = lambda offset: offset[1] <= len(prompt)  # a token wholly inside the prompt's characters
         heads = [sum(1 for _ in itertools.takewhile(within, e.offsets)) for e in encodings]
-        return self.pieces([np.asarray(e.ids, np.int32) for e in encodings], long, overlap, direction, heads)
+        return self.pieces([np.asarray(e.ids, np.int32) for e in encodings], long, overlap, direction, heads, at)
 
     def pairs(self, inputs: list, truncate: bool = True, direction: str = "right", limit: int | None = None) -> Pieces:
         """Texts (one sequence each) and (text, text) pairs ([CLS] a [SEP] b [SEP], token types 0 then 1), mixed.
@@ -288,10 +291,11 @@ class TextTokenizer:
         return Pieces(ids, offsets, np.arange(n), np.ones(n), types)
 
     def pieces(self, bodies: list[np.ndarray], long: str = "truncate", overlap: int = DEFAULT_CHUNK_OVERLAP,
-               direction: str = "right", heads: list[int] | None = None) -> Pieces:
+               direction: str = "right", heads: list[int] | None = None, at: Sequence[int] | None = None) -> Pieces:
         """Document bodies (no special tokens) -> model sequences, a long one truncated (cutting the
         `direction` end), windowed or refused. `heads[i]`: how many of body i's first tokens (a prompt's)
-        start every window and are never cut."""
+        start every window and are never cut; `at[i]`: body i's index in its request, which a refusal names (a
+        request of texts and token ids mixed tokenizes each kind apart), i itself where None."""
         if long not in LONG_MODES:
             raise InputError(f"unknown long-input mode {long!r}; choose from {', '.join(LONG_MODES)}")
         seqs, doc, weight = [], [], []
@@ -301,20 +305,20 @@ class TextTokenizer:
                 raise InputError(f"the prompt has {h} tokens, leaving no room for text within the model's limit "
                                  f"of {self.max_length}")
             head, rest = body[:h], body[h:]
-            for s, e in _windows(len(rest), self.max_body - h, long, overlap, direction, i, len(body) + self.num_special,
-                                 self.max_length):
+            for s, e in _windows(len(rest), self.max_body - h, long, overlap, direction, i if at is None else at[i],
+                                 len(body) + self.num_special, self.max_length):
                 seqs.append(self.wrap(np.concatenate([head, rest[s:e]])))
                 doc.append(i)
                 weight.append(max(e - s, 1))
         return from_sequences(seqs, np.asarray(doc, np.int64), np.asarray(weight, np.float64))
 
     def given(self, inputs: list[np.ndarray], long: str = "truncate", overlap: int = DEFAULT_CHUNK_OVERLAP,
-              direction: str = "right", limit: int | None = None) -> Pieces:
+              direction: str = "right", limit: int | None = None, at: Sequence[int] | None = None) -> Pieces:
         """Token-id inputs -> model sequences, the ids used as given, as TEI's /embed and vLLM use them: no special
         tokens added, so ids from a /tokenize keep their own [CLS] ... [SEP], once. One over the model's limit (or a
         request's own `limit`) is cut at its `direction` end as TEI's tokenizer and vLLM's renderer cut it (a special
         token there goes too), refused, or (chunk) windowed between the template's special tokens it starts and
-        ends with, which every window keeps."""
+        ends with, which every window keeps. `at`: as `pieces`'."""
         if long not in LONG_MODES:
             raise InputError(f"unknown long-input mode {long!r}; choose from {', '.join(LONG_MODES)}")
         limit = self._limit(limit)
@@ -325,7 +329,8 @@ class TextTokenizer:
             trail = len(self.suffix) if (long == "chunk" and n - lead >= len(self.suffix)
                                          and tuple(ids[n - len(self.suffix):]) == self.suffix) else 0
             head, body, tail = ids[:lead], ids[lead:n - trail], ids[n - trail:]
-            for s, e in _windows(len(body), limit - lead - trail, long, overlap, direction, i, n, limit):
+            for s, e in _windows(len(body), limit - lead - trail, long, overlap, direction, i if at is None else at[i],
+                                 n, limit):
                 seqs.append(np.concatenate([head, body[s:e], tail]))
                 doc.append(i)
                 weight.append(max(e - s, 1))

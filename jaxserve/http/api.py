@@ -117,7 +117,9 @@ class EmbedRequest:
 
     @property
     def count(self) -> int:
-        return len(self.inputs)
+        if self.ids_at:
+            return len(self.texts) + len(self.token_ids)
+        return len(self.texts if self.texts is not None else self.token_ids)
 
 
 def texts_of(value, field: str, limits: Limits, blank: bool = True, cut: str | None = None) -> list[str]:
@@ -131,14 +133,21 @@ def texts_of(value, field: str, limits: Limits, blank: bool = True, cut: str | N
     _count(value, field, limits)
     texts = value
     for i, x in enumerate(value):
-        if not isinstance(x, str):
-            raise ApiError(400, f"`{field}[{i}]` must be a string, not {type(x).__name__}")
-        if not (x or blank):
-            raise empty(f"{field}[{i}]")
-        if len(x) > limits.max_input_chars:
+        text = _text(x, field, i, limits, blank, cut)
+        if text is not x:
             texts = value.copy() if texts is value else texts  # (the body's list is left as it was sent)
-            texts[i] = within_limit(x, f"{field}[{i}]", limits, cut)
+            texts[i] = text
     return texts
+
+
+def _text(x, field: str, i: int, limits: Limits, blank: bool, cut: str | None, kinds: str = "a string") -> str:
+    """Item `i` of a list of inputs as a text: a string, not empty unless `blank`, within `--max-input-chars` (or cut
+    to it: `within_limit`)."""
+    if not isinstance(x, str):
+        raise ApiError(400, f"`{field}[{i}]` must be {kinds}, not {type(x).__name__}")
+    if not (x or blank):
+        raise empty(f"{field}[{i}]")
+    return x if len(x) <= limits.max_input_chars else within_limit(x, f"{field}[{i}]", limits, cut)
 
 
 def texts_or_ids(value, field: str, limits: Limits, blank: bool = True,
@@ -156,15 +165,8 @@ def texts_or_ids(value, field: str, limits: Limits, blank: bool = True,
     ids = [_token_ids(value[i], f"{field}[{i}]") for i in at]
     if len(at) == len(value):
         return None, ids, ()
-    texts = []
-    for i, x in enumerate(value):
-        if isinstance(x, list):
-            continue
-        if not isinstance(x, str):
-            raise ApiError(400, f"`{field}[{i}]` must be a string or a list of token ids, not {type(x).__name__}")
-        if not (x or blank):
-            raise empty(f"{field}[{i}]")
-        texts.append(within_limit(x, f"{field}[{i}]", limits, cut))
+    texts = [_text(x, field, i, limits, blank, cut, "a string or a list of token ids")
+             for i, x in enumerate(value) if not isinstance(x, list)]
     return texts, ids, at
 
 
@@ -198,7 +200,9 @@ def cut_end(truncates: bool, direction: str = "right") -> str | None:
 
 def _token_ids(ids: list, where: str) -> np.ndarray:
     """A non-empty list of ints in [0, 2**31) as int32, checked in C (a 16 MiB body holds millions of ids): the
-    set of the items' types, then numpy's range."""
+    set of the items' types, then numpy's range. An empty one is TEI's 400 Empty (`EncodingInput::is_empty`)."""
+    if isinstance(ids, list) and not ids:
+        raise empty(where)
     try:
         arr = np.asarray(ids, np.int64) if ids and set(map(type, ids)) == {int} else None
     except OverflowError:  # past int64
@@ -602,8 +606,8 @@ def parse_predict(body, limits: Limits, default_truncate: bool) -> ClassifyReque
     if not isinstance(raw, (str, list)):
         raise ApiError(400, f"`inputs` must be a text, a [text, text] pair, or a list of [text] and [text, text] "
                             f"lists, not {type(raw).__name__}")
-    if not raw and isinstance(raw, list):
-        raise empty("inputs")
+    if not raw and isinstance(raw, list):  # TEI's `PredictInput` refuses it as a body it cannot read: not Empty
+        raise ApiError(400, "`inputs` must not be an empty list")
     single = isinstance(raw, str) or isinstance(raw[0], str)
     if single and isinstance(raw, list) and (len(raw) > 2 or not all(isinstance(x, str) for x in raw)):
         raise ApiError(400, "`inputs` that starts with a text is one input, a text or a [text, text] pair; a batch "
@@ -642,7 +646,7 @@ def parse_rerank(body, limits: Limits, default_truncate: bool) -> tuple[str, lis
 
 
 def parse_classify(body, limits: Limits, cut: str | None = None) -> list[str]:
-    """vLLM-style /classify: `input` is a text or a list of texts (`cut`: `_inputs`')."""
+    """vLLM-style /classify: `input` is a text or a list of texts (`cut`: `texts_of`')."""
     body = _object(body)
     if "input" not in body:
         raise ApiError(400, "missing required field `input`")

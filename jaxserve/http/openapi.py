@@ -128,6 +128,13 @@ def _get(summary: str, content_type: str = "application/json") -> dict:
     }}}
 
 
+def _by_name(get: dict) -> dict:
+    """A GET of the served model by its name: the path's parameter, and a 404 for another name."""
+    return {**get, "parameters": [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}],
+            "responses": {**get["responses"], "404": {"description": "no model of that name",
+                                                      "content": {"application/json": {"schema": ERROR}}}}}
+
+
 def spec(version: str) -> dict:
     # a vector, its base64, or (a multi-vector model) per token a vector
     vector = {"oneOf": [{"type": "array", "items": {"type": "number"}}, {"type": "string"}, MATRIX]}
@@ -242,9 +249,7 @@ def spec(version: str) -> dict:
             "/openapi.json": _get("this document"),
             "/v1/models": _get("OpenAI's model list: the served model (also /models, as Infinity)"),
             "/models": _get("OpenAI's model list, where Infinity serves it"),
-            **{f"{prefix}/{{model}}": {"get": {**_get("the served model by its name; 404 for another")["get"],
-                                               "parameters": [{"name": "model", "in": "path", "required": True,
-                                                               "schema": {"type": "string"}}]}}
+            **{f"{prefix}/{{model}}": {"get": _by_name(_get("the served model by its name; 404 for another")["get"])}
                for prefix in ("/v1/models", "/models")},
             "/api-doc/openapi.json": _get("this document, where TEI serves it"),
         },

@@ -346,8 +346,8 @@ def create_app(config: ServerConfig, encoder: ModelView | None = None,
     app.cleanup_ctx.append(lifecycle)
     app.on_shutdown.append(on_shutdown)
     openai_routes.add_routes(app)
-    tei_routes.add_routes(app, vllm={"/rerank": ("documents", openai_routes.jina_rerank),
-                                     "/tokenize": ("prompt", openai_routes.vllm_tokenize)})
+    tei_routes.add_routes(app, vllm={"/rerank": ("documents", openai_routes.jina_rerank, "/v1/rerank"),
+                                     "/tokenize": ("prompt", openai_routes.vllm_tokenize, None)})
     cohere_routes.add_routes(app)
     ops_routes.add_routes(app)
     return app

@@ -138,6 +138,9 @@ async def jina_rerank(state, body, ask, path: str = "/v1/rerank") -> web.Respons
     """Jina's rerank shape, which vLLM serves on /v1/rerank and /rerank (and Infinity on /rerank): `query`,
     `documents`, `top_n` -> results best first with `relevance_score` (the cross-encoder's sigmoid, as TEI's
     /rerank) and, unless `return_documents` is false, the text."""
+    if state.encoder.head.kind == "multivector" and path == "/rerank":
+        raise ApiError(400, "a multi-vector model's /rerank takes TEI's body, `query` and `texts` (scored by MaxSim); "
+                            "Jina's `documents` are served for cross-encoders")
     require_cross_encoder(state, path)
     truncate, cut, side = _vllm_cut(state, body)
     query, documents, top_n, with_docs = _parse_rerank(body, state, api.cut_end(truncate, side))
@@ -233,7 +236,7 @@ async def vllm_tokenize(state, body, ask, path: str = "/tokenize") -> web.Respon
 
     def encode() -> bytes:
         e = tok.encode(prompt, add_special_tokens=special)
-        return orjson.dumps({"count": len(e.ids), "max_model_len": state.encoder.tokenizer.max_length,
+        return orjson.dumps({"count": len(e.ids), "max_model_len": max_model_len(state),
                              "tokens": e.ids, "token_strs": e.tokens if strs else None})
 
     return bytes_response(await on_tokenizer(state, lambda: tokenized(encode)))
@@ -251,23 +254,30 @@ async def detokenize(request: web.Request) -> web.Response:
     return json_response({"prompt": text})
 
 
+def max_model_len(state) -> int:
+    """vLLM's `max_model_len`: the tokens a sequence holds, special tokens included (the tokenizer's limit)."""
+    return state.encoder.tokenizer.max_length
+
+
 def model_card(state) -> dict:
-    """The served model as OpenAI lists it, with vLLM's `root` and `max_model_len` (tokens a sequence holds)."""
-    enc = state.encoder
+    """The served model as OpenAI lists it, with vLLM's `root` and `max_model_len`."""
     return {"id": state.model_name, "object": "model", "created": int(time.time()), "owned_by": "jaxserve",
-            "root": state.model_name, "parent": None,
-            "max_model_len": enc.embedding_config.max_seq_length if enc is not None else None}
+            "root": state.model_name, "parent": None, "max_model_len": max_model_len(state)}
 
 
 async def models(request: web.Request) -> web.Response:
     """OpenAI's model list (`GET /v1/models`), as vLLM and Infinity serve it: what the openai SDK's
-    `models.list()`, LiteLLM and chat front-ends such as Open WebUI read to find (and check) the served model."""
-    return json_response({"object": "list", "data": [model_card(request.app[STATE])]})
+    `models.list()`, LiteLLM and chat front-ends such as Open WebUI read to find (and check) the served model;
+    503 while it warms, as every model route (a model listed can be used)."""
+    state = request.app[STATE]
+    state.require_ready()
+    return json_response({"object": "list", "data": [model_card(state)]})
 
 
 async def model(request: web.Request) -> web.Response:
     """OpenAI's `GET /v1/models/{model}` (the SDK's `models.retrieve`): the served model, else 404."""
     state = request.app[STATE]
+    state.require_ready()
     name = request.match_info["model"]
     if name != state.model_name:
         raise ApiError(404, f"the model {api._show(name)} does not exist; this server serves {state.model_name!r}",

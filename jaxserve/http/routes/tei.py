@@ -243,23 +243,23 @@ HANDLERS = {"/embed": _embed, "/embed_all": _embed_all, "/embed_sparse": _embed_
 NO_MODEL_RUN = ("/tokenize", "/decode")  # no class asked for: only the body's size (checked off the loop if large)
 
 
-def route(handler, runs_model: bool = True):
+def route(path: str, handler, vllm: tuple | None = None):
+    """The aiohttp handler of TEI's route `path`. `vllm`: where vLLM serves the same path, (the field of its body,
+    its handler(state, body, ask, path), the vLLM route it runs as): a body with that field and without TEI's own
+    (`TEI_FIELDS`) is vLLM's, held to that route's class ceiling too (`ask_for`'s `runs`)."""
+    runs_model = path not in NO_MODEL_RUN
+
     async def handle(request: web.Request) -> web.Response:
         state = request.app[STATE]
         state.require_ready()
         body = await json_body(request)
+        run, runs = handler, None
+        if vllm is not None and isinstance(body, dict) and vllm[0] in body and TEI_FIELDS[path] not in body:
+            _, theirs, runs = vllm
+            run = lambda state, body, ask: theirs(state, body, ask, path)
         if not runs_model:
-            return await handler(state, body, Ask(body_bytes=request.get(BODY_BYTES, 0)))
-        return await handler(state, body, ask_for(request, body))
-
-    return handle
-
-
-def _either(tei_handler, field: str, vllm_handler, tei_field: str, path: str):
-    async def handle(state: AppState, body, ask: Ask = NO_ASK) -> web.Response:
-        if isinstance(body, dict) and field in body and tei_field not in body:
-            return await vllm_handler(state, body, ask, path)
-        return await tei_handler(state, body, ask)
+            return await run(state, body, Ask(body_bytes=request.get(BODY_BYTES, 0)))
+        return await run(state, body, ask_for(request, body, runs=runs))
 
     return handle
 
@@ -320,13 +320,10 @@ TEI_FIELDS = {"/rerank": "texts", "/tokenize": "inputs"}  # a TEI body's own fie
 
 
 def add_routes(app: web.Application, vllm: dict | None = None) -> None:
-    """TEI's routes. `vllm`: for a path TEI shares with vLLM, (the field of vLLM's body, its handler(state, body, ask,
-    path)): a body with that field and without TEI's own (`TEI_FIELDS`) is vLLM's (Jina's rerank shape on /rerank,
-    which vLLM and Infinity serve there and their clients send; vLLM's `prompt` on /tokenize)."""
+    """TEI's routes. `vllm`: vLLM's bodies on the paths TEI shares with it (`route`'s): Jina's rerank shape on
+    /rerank, which vLLM and Infinity serve there and their clients send; vLLM's `prompt` on /tokenize."""
     for path, handler in HANDLERS.items():
-        if path in (vllm or {}):
-            handler = _either(handler, *vllm[path], TEI_FIELDS[path], path)
-        app.router.add_post(path, route(handler, path not in NO_MODEL_RUN), expect_handler=expect_later)
+        app.router.add_post(path, route(path, handler, (vllm or {}).get(path)), expect_handler=expect_later)
     app.router.add_post("/", root, expect_handler=expect_later)
     app.router.add_post("/invocations", root, expect_handler=expect_later)
     app.router.add_post("/vertex", vertex, expect_handler=expect_later)
