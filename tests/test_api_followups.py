@@ -255,7 +255,8 @@ async def test_vllms_truncation_side_and_use_activation_are_served_not_dropped(m
             ("/score", {"text_1": "q", "text_2": ["jax"]}, lambda r: r["data"][0]["score"])):
         got = read(await (await client.post(path, json={**body, "use_activation": False})).json())
         assert got == pytest.approx(logit[0]["score"], abs=1e-5), path
-        assert read(await (await client.post(path, json=body)).json()) == pytest.approx(1 / (1 + np.exp(-got)), abs=1e-5)
+        activated = read(await (await client.post(path, json=body)).json())
+        assert activated == pytest.approx(1 / (1 + np.exp(-got)), abs=1e-5)
     got = await (await client.post("/classify", json={"input": "jax", "use_activation": False})).json()
     want = await (await client.post("/predict", json={"inputs": "jax", "raw_scores": True})).json()
     assert got["data"][0]["probs"][0] == pytest.approx(want[0]["score"], abs=1e-5)  # a text's logit

@@ -256,7 +256,7 @@ def test_openai_sync(embedder, client_table):
         row.parity = "413, the server's message"
     with client_table.call("openai", "`models.list()`, `models.retrieve(name)`") as row:
         (card,) = oai.models.list().data
-        assert (card.id, card.object, card.to_dict()["max_model_len"]) == (MODEL, "model", enc.embedding_config.max_seq_length)
+        assert (card.id, card.object, card.to_dict()["max_model_len"]) == (MODEL, "model", enc.tokenizer.max_length)
         assert oai.models.retrieve(MODEL).id == MODEL
         with pytest.raises(openai.NotFoundError):
             oai.models.retrieve("another/model")

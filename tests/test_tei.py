@@ -420,7 +420,7 @@ async def test_models_lists_the_served_model_as_openai_vllm_and_infinity_do(make
     listed = await (await client.get("/v1/models", headers=key)).json()
     (card,) = listed["data"]
     assert listed["object"] == "list" and card["id"] == card["root"] == "org/tiny-model"
-    assert card["object"] == "model" and card["max_model_len"] == enc.embedding_config.max_seq_length
+    assert card["object"] == "model" and card["max_model_len"] == enc.tokenizer.max_length
     assert (await (await client.get("/models", headers=key)).json())["data"][0]["id"] == "org/tiny-model"  # Infinity's
     assert (await (await client.get("/v1/models/org/tiny-model", headers=key)).json())["id"] == "org/tiny-model"
     missing = await client.get("/v1/models/org/other", headers=key)

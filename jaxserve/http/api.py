@@ -324,8 +324,10 @@ def parse_openai_embeddings(body, limits: Limits, dim: int, default_long: str, m
         raise ApiError(400, f"`truncate_prompt_tokens` truncates; `long` {_show(long)} does not")
     texts, ids, ids_at = texts_or_ids(body["input"], "input", limits, cut=cut_end(long == "truncate", side))
     fmt = _one_of(body, "encoding_format", ENCODING_FORMATS, "float")
-    element = ((_one_of(body, "embed_dtype", EMBED_DTYPES, "float32"), _one_of(body, "endianness", ENDIANNESS, "native"))
-               if "embed_dtype" in body or "endianness" in body else FLOAT32)
+    element = FLOAT32
+    if "embed_dtype" in body or "endianness" in body:
+        element = (_one_of(body, "embed_dtype", EMBED_DTYPES, "float32"),
+                   _one_of(body, "endianness", ENDIANNESS, "native"))
     return EmbedRequest(texts, ids, long, vllm_activation(body, "normalize"), _dimensions(body, dim, declared), fmt,
                         *_prompt(body, limits), direction=side, model=model, cut=cut, ids_at=ids_at, element=element)
 

@@ -331,32 +331,33 @@ def embedding_pieces(state: AppState, req: EmbedRequest, openai_ids: bool = Fals
         alone = lambda where, **kind: embedding_pieces(state, dataclasses.replace(req, ids_at=(), **kind), openai_ids,
                                                         where)
         return interleaved([(alone(texts_at, token_ids=None), texts_at), (alone(req.ids_at, texts=None), req.ids_at)])
-    index = (lambda i: i) if at is None else at.__getitem__
     enc = state.encoder
     tok = enc.tokenizer
     prompt = request_prompt(state, req)
     texts, token_ids = req.texts, req.token_ids
     cut = api.cut_end(req.long == "truncate", req.direction)  # (a decoded text past --max-input-chars)
     if token_ids is not None and openai_ids and state.config.token_ids == "openai":
-        texts, token_ids = decoded(state, openai_token_texts(token_ids, req.model), "input", cut, index), None
+        texts, token_ids = decoded(state, openai_token_texts(token_ids, req.model), "input", cut, at), None
     if token_ids is not None:
         vocab = enc.arch.vocab_size
         for i, ids in enumerate(token_ids):
             if ids.max() >= vocab:
-                raise InputError(f"input {index(i)} has token id {int(ids.max())}, outside the vocabulary of {vocab}")
+                raise InputError(f"input {i if at is None else at[i]} has token id {int(ids.max())}, outside the "
+                                 f"vocabulary of {vocab}")
         if not prompt:
             return tok.given(token_ids, req.long, direction=req.direction, limit=req.cut, at=at)
         texts = decoded(state, tok.tokenizer.decode_batch([ids.tolist() for ids in token_ids],
-                                                          skip_special_tokens=True), "inputs", cut, index)
+                                                          skip_special_tokens=True), "inputs", cut, at)
     return tok.documents(texts, req.long, prompt=prompt, direction=req.direction, limit=req.cut, at=at)
 
 
-def decoded(state: AppState, texts: list[str], field: str, cut: str | None, index=lambda i: i) -> list[str]:
+def decoded(state: AppState, texts: list[str], field: str, cut: str | None, at: list[int] | None = None) -> list[str]:
     """Texts decoded from token ids, held to `--max-input-chars` as texts sent as such are (cut to it at the `cut`
     end where the request truncates): one id decodes to up to a hundred-odd characters, so a body of ids within
     `--max-body-bytes` would otherwise tokenize a text of many megabytes (gigabytes of the tokenizer's memory).
-    `index(i)`: text i's index in its request, which a refusal names."""
-    return [api.within_limit(t, f"{field}[{index(i)}]", state.limits, cut) for i, t in enumerate(texts)]
+    `at[i]`: text i's index in its request, which a refusal names."""
+    return [api.within_limit(t, f"{field}[{i if at is None else at[i]}]", state.limits, cut)
+            for i, t in enumerate(texts)]
 
 
 def vectors_of(ran: Ran, req: EmbedRequest) -> np.ndarray:

@@ -21,8 +21,8 @@ INSTRUCTION = {"instruction": {"type": "string", "description": "the task in the
                                "rerankers with one, as Qwen3-Reranker); others refuse it with a 4xx"}}
 
 VLLM_FIELDS = {  # vLLM's pooling fields
-    "truncate_prompt_tokens": {"type": "integer", "minimum": -1, "description": "the tokens each input (or pair) keeps, "
-                               "special tokens included, 1 to the model's limit; -1: the model's limit"},
+    "truncate_prompt_tokens": {"type": "integer", "minimum": -1, "description": "the tokens each input (or pair) "
+                               "keeps, special tokens included, 1 to the model's limit; -1: the model's limit"},
     "truncation_side": {"type": "string", "enum": ["right", "left"],
                         "description": "which end a cut keeps (right: the first tokens)"},
     "use_activation": {"type": "boolean", "description": "false: the pooler's output without its activation (an "
@@ -182,8 +182,8 @@ def spec(version: str) -> dict:
                 {"type": "object", "required": ["inputs"], "properties": {
                     "inputs": TEXTS, "add_special_tokens": {"type": "boolean"}, **PROMPT}},
                 {"type": "object", "required": ["prompt"], "properties": {  # vLLM's
-                    "prompt": {"type": "string"}, "model": {"type": "string"}, "add_special_tokens": {"type": "boolean"},
-                    "return_token_strs": {"type": "boolean"}}}]},
+                    "prompt": {"type": "string"}, "model": {"type": "string"},
+                    "add_special_tokens": {"type": "boolean"}, "return_token_strs": {"type": "boolean"}}}]},
                 {"oneOf": [{"type": "array"}, {"type": "object", "required": ["count", "max_model_len", "tokens"]}]}),
             "/detokenize": _post("vLLM's /detokenize", {"type": "object", "required": ["tokens"], "properties": {
                 "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
