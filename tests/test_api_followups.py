@@ -338,8 +338,8 @@ async def test_vllms_embed_dtype_and_endianness_shape_base64_as_vllm_encodes_it(
 async def test_a_jina_body_on_rerank_is_held_to_v1_reranks_class_and_names_inputs_as_sent(make_server, cross_encoder,
                                                                                            embedder):
     """A body in Jina's shape on /rerank runs as /v1/rerank: `--route-priority /v1/rerank=bulk` holds it too (it
-    ran interactive). A mixed batch's refusal names the input as sent (each kind counted from 0 before), and an
-    empty token-id list is TEI's 400 Empty."""
+    ran interactive). A mixed batch's refusal names the input as sent (each kind counted from 0 before), the
+    first refused in that order, and an empty token-id list is TEI's 400 Empty."""
     from prometheus_client.parser import text_string_to_metric_families
 
     client = await make_server(cross_encoder, route_priority=(("/v1/rerank", "bulk"),))
@@ -357,7 +357,8 @@ async def test_a_jina_body_on_rerank_is_held_to_v1_reranks_class_and_names_input
     client = await make_server(embedder)
     vocab = embedder.arch.vocab_size
     for inputs, truncate, named in ((["ok", [1, vocab]], True, "input 1 "), ([[1, 2], "the model " * 40], False,
-                                    "input 1 "), ([[1, 2], "ok", "the model " * 40], False, "input 2 ")):
+                                    "input 1 "), ([[1, 2], "ok", "the model " * 40], False, "input 2 "),
+                                    ([[1, vocab], "the model " * 40], False, "input 0 ")):  # the first, as TEI
         resp = await client.post("/embed", json={"inputs": inputs, "truncate": truncate})
         assert resp.status == 422 and named in (await resp.json())["error"], inputs
     for inputs in (["ok", []], [[]]):

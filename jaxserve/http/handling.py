@@ -330,7 +330,13 @@ def embedding_pieces(state: AppState, req: EmbedRequest, openai_ids: bool = Fals
         texts_at = [i for i in range(req.count) if i not in of_ids]
         alone = lambda where, **kind: embedding_pieces(state, dataclasses.replace(req, ids_at=(), **kind), openai_ids,
                                                         where)
-        return interleaved([(alone(texts_at, token_ids=None), texts_at), (alone(req.ids_at, texts=None), req.ids_at)])
+        try:
+            return interleaved([(alone(texts_at, token_ids=None), texts_at),
+                                (alone(req.ids_at, texts=None), req.ids_at)])
+        except (InputError, ApiError):  # the first input refused in the order sent, as TEI names it
+            for i, x in enumerate(req.inputs):
+                alone([i], texts=[x], token_ids=None) if isinstance(x, str) else alone([i], texts=None, token_ids=[x])
+            raise
     enc = state.encoder
     tok = enc.tokenizer
     prompt = request_prompt(state, req)
