@@ -171,7 +171,7 @@ def test_vllms_truncate_prompt_tokens_and_add_special_tokens_are_served_or_refus
         assert err.value.status == 400
     assert api.vllm_truncation({"truncate_prompt_tokens": -1}, "error", 16) == ("truncate", None, "right")  # score
     assert api.vllm_truncation({"truncation_side": "left"}, "error", 16) == ("error", None, "left")
-    with pytest.raises(ApiError, match="`truncation_side` must be left or right"):
+    with pytest.raises(ApiError, match="`truncation_side` must be one of left, right, not 'Left'"):
         api.vllm_truncation({"truncation_side": "Left"}, "truncate", 16)
     with pytest.raises(ApiError, match="`truncate_prompt_tokens` must be -1 .* from 1 to the model's limit of 16"):
         api.vllm_truncation({"truncate_prompt_tokens": 0}, "truncate", 16)

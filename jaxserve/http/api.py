@@ -225,10 +225,7 @@ def vllm_truncation(body: dict, default: str, max_length: int) -> tuple[str, int
     (the default) keeps the first tokens, "left" the last. vLLM refuses N past the model's limit, and a cut to no
     tokens fails there too; `add_special_tokens: false` is refused rather than dropped, which would answer 200 with
     the vectors of other sequences."""
-    side = body.get("truncation_side")
-    if side not in (None, "left", "right"):
-        raise ApiError(400, f"`truncation_side` must be left or right, not {_show(side)}")
-    side = side or "right"
+    side = _one_of(body, "truncation_side", ("left", "right"), "right")
     cut = body.get("truncate_prompt_tokens")
     if cut is not None and (not isinstance(cut, int) or isinstance(cut, bool)
                             or not (cut == -1 or 1 <= cut <= max_length)):
@@ -533,18 +530,16 @@ def b64_rows(vectors: np.ndarray, embed_dtype: str = "float32", endianness: str 
     vLLM's `embed_dtype`, in the host's byte order or vLLM's `endianness`. pybase64's SIMD encoder reads each row
     from the array itself and returns its str: the standard library's encodes a byte at a time and needs a bytes
     copy before and after (docs/benchmarks.md)."""
-    big = endianness == "big" or (endianness == "native" and sys.byteorder == "big")
-    if embed_dtype == "float32":
-        rows = np.ascontiguousarray(vectors, ">f4" if big else "<f4")
-    elif embed_dtype == "float16":
-        rows = np.ascontiguousarray(vectors, ">f2" if big else "<f2")
+    order = ">" if endianness == "big" or (endianness == "native" and sys.byteorder == "big") else "<"
+    if embed_dtype in ("float32", "float16"):
+        rows = np.ascontiguousarray(vectors, order + ("f4" if embed_dtype == "float32" else "f2"))
     else:  # numpy has no bfloat16 or fp8: ml_dtypes' (what JAX's come from), rounded to nearest even as torch's
         import ml_dtypes
 
         kind = {"bfloat16": ml_dtypes.bfloat16, "fp8_e4m3": ml_dtypes.float8_e4m3fn,
                 "fp8_e5m2": ml_dtypes.float8_e5m2}[embed_dtype]
         bits = np.asarray(vectors, np.float32).astype(kind).view(np.uint16 if embed_dtype == "bfloat16" else np.uint8)
-        rows = np.ascontiguousarray(bits, bits.dtype.newbyteorder(">" if big else "<"))
+        rows = np.ascontiguousarray(bits, bits.dtype.newbyteorder(order))
     return [pybase64.b64encode_as_string(v) for v in rows]
 
 
