@@ -186,7 +186,7 @@ def spec(version: str) -> dict:
                     "add_special_tokens": {"type": "boolean"}, "return_token_strs": {"type": "boolean"}}}]},
                 {"oneOf": [{"type": "array"}, {"type": "object", "required": ["count", "max_model_len", "tokens"]}]}),
             "/detokenize": _post("vLLM's /detokenize", {"type": "object", "required": ["tokens"], "properties": {
-                "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
+                "tokens": ONE_IDS,
                 "model": {"type": "string"}}}, {"type": "object", "required": ["prompt"]}),
             "/decode": _tei("TEI /decode", {"type": "object", "required": ["ids"], "properties": {
                 "ids": TOKEN_IDS, "skip_special_tokens": {"type": "boolean"}}},

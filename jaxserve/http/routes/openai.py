@@ -10,7 +10,7 @@ from aiohttp import web
 
 from jaxserve.http import api
 from jaxserve.http.api import ApiError
-from jaxserve.http.classes import decide
+from jaxserve.http.classes import Ask, decide
 from jaxserve.http.handling import (
     ask_for,
     bytes_response,
@@ -29,7 +29,7 @@ from jaxserve.http.handling import (
 )
 from jaxserve.http.routes import multivector as multivector_routes
 from jaxserve.http.routes.tei import instruction_of, pair_scores, require_cross_encoder
-from jaxserve.http.state import DICT_FLOATS, STATE
+from jaxserve.http.state import BODY_BYTES, DICT_FLOATS, STATE
 from jaxserve.scheduling.batcher import BULK, CLASSES
 from jaxserve.scheduling.planner import pack
 
@@ -247,7 +247,7 @@ async def detokenize(request: web.Request) -> web.Response:
     state = request.app[STATE]
     state.require_ready()
     body = await json_body(request)
-    ids = await parsed(state, ask_for(request, body),
+    ids = await parsed(state, Ask(body_bytes=request.get(BODY_BYTES, 0)),  # no model run: no class, as TEI's /decode
                        lambda: api.parse_detokenize(body, state.limits, state.encoder.arch.vocab_size))
     tok = state.encoder.tokenizer.tokenizer
     text = await on_tokenizer(state, lambda: tokenized(lambda: tok.decode(ids.tolist(), skip_special_tokens=False)))
